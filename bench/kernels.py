@@ -1,0 +1,436 @@
+"""Check and time kvchat's Triton KV-cache kernels on one GPU (only torch and triton needed).
+
+Run from a checkout, nothing installed, no network, under 5 minutes::
+
+    python bench/kernels.py [--json out.json]
+    TRITON_INTERPRET=1 python bench/kernels.py --tiny     # CPU smoke run of the same logic
+
+It prints:
+(a) each kernel against the PyTorch reference at SmolLM2-135M sizes (9 query
+    heads, 3 KV heads, head_dim 64) and a Llama-3-8B-like layer (32/8/128);
+(b) device-to-device copy bandwidth, (bytes read + bytes written) / time;
+(c) decode attention on a Llama-3-8B-like layer for context 1K..128K x
+    {fp8, bf16} x batch {1, 16}: ms per call, GB/s = (KV and scale bytes read
+    + query/output bytes) / time, and the fraction of copy bandwidth; then
+    cache-write bandwidth;
+(d) end-to-end engine decode tokens/s with random SmolLM2-shaped weights
+    (kvchat's own engine, imported from the checkout).
+
+Targets (issue 3): decode >= 80% of copy bandwidth at >= 32K context, fp8
+>= 1.7x faster than bf16 there, cache write >= 70% of copy bandwidth.
+Exit status 1 when a correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FP8 = torch.float8_e4m3fn
+SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # num_heads, num_kv_heads, head_dim
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class Kernels:
+    """This checkout's reference and Triton kernel modules."""
+
+    reference: ModuleType
+    write: ModuleType
+    decode: ModuleType
+    extend: ModuleType
+
+
+def kv_dtypes(device: torch.device, names: bool = False) -> list:
+    """Pool dtypes to exercise: fp8 (where Triton supports it: CPU interpreter, CUDA >= 8.9) and 16-bit.
+
+    The 16-bit pool is bf16 on a GPU, fp16 on CPU (the interpreter's bf16
+    arithmetic is wrong). ``names``: kvchat's names (``fp8``, ``bf16``, ``fp16``) instead of torch dtypes.
+    """
+    fp8 = device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9)
+    wide = torch.bfloat16 if device.type == "cuda" else torch.float16
+    dtypes = ([FP8] if fp8 else []) + [wide]
+    return [{FP8: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16"}[d] for d in dtypes] if names else dtypes
+
+
+def load_kernels() -> Kernels:
+    """Import this checkout's ``kernels/`` as ``kvchat.kernels`` without installing anything.
+
+    An already imported ``kvchat.kernels`` is reused when it comes from this
+    checkout (an editable install, or a test importing this script).
+    """
+    package = sys.modules.get("kvchat.kernels")
+    if package is None or Path(package.__file__).resolve().parent != ROOT / "kernels":
+        spec = importlib.util.spec_from_file_location(
+            "kvchat.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["kvchat.kernels"] = package
+        spec.loader.exec_module(package)
+    sub = lambda name: importlib.import_module(f"{package.__name__}.{name}")  # noqa: E731
+    return Kernels(sub("reference"), sub("triton_write"), sub("triton_decode"), sub("triton_extend"))
+
+
+@dataclass(slots=True)
+class Paged:
+    """A paged pool with one shuffled block table; tensors as in ``kvchat.kernels.reference``."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    block_table: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+
+    def to(self, device: torch.device) -> "Paged":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Paged(*(move(t) for t in (self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                                        self.block_table, self.seq_lens)))
+
+    def kv_bytes(self) -> int:
+        """Bytes of K, V and scales that attention over all sequences reads."""
+        tokens = int(self.seq_lens.sum())
+        per_token = 2 * self.k_cache[0, 0].numel() * self.k_cache.element_size()
+        if self.k_scale is not None:
+            per_token += 2 * self.k_scale[0, 0].numel() * 4
+        return tokens * per_token
+
+
+def empty_pool(lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               device: torch.device, seed: int = 0) -> Paged:
+    """Pool holding ``lens`` tokens per sequence behind a random block permutation (contents unset)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // BLOCK_SIZE) for n in lens]
+    num_blocks = max(1, sum(per_seq))
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(lens), max(1, max(per_seq)), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(per_seq):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k = torch.empty(shape, dtype=dtype, device=device)
+    scales = [torch.empty(shape[:3], dtype=torch.float32, device=device) for _ in range(2)] if dtype == FP8 else [None, None]
+    return Paged(k, torch.empty_like(k), *scales, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device))
+
+
+def fill_random(pool: Paged) -> None:
+    """Random finite contents without a quantization pass: fp8 bytes avoid the NaN codes 0x7F/0xFF."""
+    for cache, scale in ((pool.k_cache, pool.k_scale), (pool.v_cache, pool.v_scale)):
+        if cache.dtype == FP8:
+            raw = torch.randint(0, 0x7F, cache.shape, dtype=torch.uint8, device=cache.device)
+            raw |= torch.randint(0, 2, cache.shape, dtype=torch.uint8, device=cache.device) << 7
+            cache.view(torch.uint8).copy_(raw)
+            scale.uniform_(0.001, 0.01)
+        else:
+            cache.normal_()
+
+
+def slots_of(pool: Paged, seq: int, positions: torch.Tensor) -> torch.Tensor:
+    """int64 slots of token ``positions`` of sequence ``seq``."""
+    table = pool.block_table[seq].long()
+    return table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+
+
+def write_sequences(kernels: Kernels, pool: Paged, act_dtype: torch.dtype) -> None:
+    """Fill every sequence with random K/V through the Triton ``write_kv``."""
+    _, _, num_kv_heads, head_dim = pool.k_cache.shape
+    device = pool.k_cache.device
+    for i, n in enumerate(pool.seq_lens.tolist()):
+        slots = slots_of(pool, i, torch.arange(n, device=device))
+        k = torch.randn(n, num_kv_heads, head_dim, device=device).to(act_dtype)
+        kernels.write.write_kv(k, torch.randn_like(k), pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots)
+
+
+@dataclass(slots=True)
+class Check:
+    """One kernel-vs-reference comparison."""
+
+    shape: str
+    kernel: str
+    pool: str
+    max_err: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_err <= self.tol
+
+
+def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check]:
+    """(a): Triton kernels on ``device`` against the reference computed on CPU copies (tiny: SmolLM2 only)."""
+    reference, triton_write, triton_decode, triton_extend = (
+        kernels.reference, kernels.write, kernels.decode, kernels.extend)
+    # the interpreter's bf16 arithmetic is wrong, so CPU runs check fp16 activations and pools
+    act = torch.bfloat16 if device.type == "cuda" else torch.float16
+    lens = [1, 17] if tiny else [1, 17, 1000, 4099]
+    chunks = [(0, 9), (17, 3)] if tiny else [(0, 300), (1000, 77)]  # (cached prefix, new tokens)
+    checks = []
+    for shape in (["smollm2"] if tiny else SHAPES):
+        num_heads, num_kv_heads, head_dim = SHAPES[shape]
+        sm_scale = head_dim ** -0.5
+        for pool_dtype in kv_dtypes(device):
+            name = "fp8" if pool_dtype == FP8 else str(pool_dtype).removeprefix("torch.")
+            pool = empty_pool(lens, num_kv_heads, head_dim, pool_dtype, device)
+            for cache in (pool.k_cache, pool.v_cache):
+                cache.view(torch.uint8).zero_()
+            mirror = pool.to("cpu")
+            err = 0.0
+            for i, n in enumerate(lens):
+                k = torch.randn(n, num_kv_heads, head_dim, device=device).to(act)
+                v = torch.randn_like(k)
+                slots = slots_of(pool, i, torch.arange(n, device=device))
+                triton_write.write_kv(k, v, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots)
+                reference.write_kv(k.cpu(), v.cpu(), mirror.k_cache, mirror.v_cache, mirror.k_scale, mirror.v_scale,
+                                   slots.cpu())
+            for mine, ref in ((pool.k_cache, mirror.k_cache), (pool.v_cache, mirror.v_cache),
+                              (pool.k_scale, mirror.k_scale), (pool.v_scale, mirror.v_scale)):
+                if mine is not None:
+                    err += float((mine.cpu().view(torch.uint8) != ref.view(torch.uint8)).sum())
+            checks.append(Check(shape, "write_kv (differing bytes)", name, err, 0.0))
+
+            # bf16/fp16 outputs round to 2**-8 / 2**-11 relative; the kernels also round p*v_scale to that dtype
+            tol = 2e-2 if act == torch.bfloat16 else 4e-3
+            q = torch.randn(len(lens), num_heads, head_dim, device=device).to(act)
+            out = triton_decode.decode_attention(q, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale,
+                                                 pool.block_table, pool.seq_lens, sm_scale)
+            ref = reference.decode_attention(q.cpu(), mirror.k_cache, mirror.v_cache, mirror.k_scale,
+                                             mirror.v_scale, mirror.block_table, mirror.seq_lens, sm_scale)
+            checks.append(Check(shape, "decode_attention (max abs err)", name, _err(out, ref), tol))
+
+            ext = empty_pool([p + n for p, n in chunks], num_kv_heads, head_dim, pool_dtype, device, seed=1)
+            write_sequences(kernels, ext, act)
+            ext_cpu = ext.to("cpu")
+            cu = torch.tensor([0] + [n for _, n in chunks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            q = torch.randn(int(cu[-1]), num_heads, head_dim, device=device).to(act)
+            out = triton_extend.extend_attention(q, ext.k_cache, ext.v_cache, ext.k_scale, ext.v_scale,
+                                                 ext.block_table, ext.seq_lens, cu.to(device), sm_scale)
+            ref = reference.extend_attention(q.cpu(), ext_cpu.k_cache, ext_cpu.v_cache, ext_cpu.k_scale,
+                                             ext_cpu.v_scale, ext_cpu.block_table, ext_cpu.seq_lens, cu, sm_scale)
+            checks.append(Check(shape, "extend_attention (max abs err)", name, _err(out, ref), tol))
+    return checks
+
+
+def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.cpu().float() - ref.float()).abs().max())
+
+
+def time_ms(fn, device: torch.device, reps: int) -> float:
+    """Median ms of ``fn()``; on CUDA with CUDA events and the L2 cache flushed before each call."""
+    fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
+    """(b): GB/s of ``dst.copy_(src)`` counting bytes read + bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src), device, reps) / 1e6
+
+
+@dataclass(slots=True)
+class Row:
+    """One timing: decode-attention or cache-write."""
+
+    what: str
+    kv_dtype: str
+    context: int
+    batch: int
+    ms: float
+    gbps: float
+    frac_copy: float
+
+
+def decode_table(kernels: Kernels, device: torch.device, contexts: list[int], batches: list[int],
+                 shape: str, copy_gbps: float, reps: int) -> list[Row]:
+    """(c): time ``decode_attention`` per call over a random pool, all sequences at ``context`` tokens."""
+    num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    act = torch.bfloat16 if device.type == "cuda" else torch.float16
+    rows = []
+    for kv_dtype in kv_dtypes(device):
+        for batch in batches:
+            for context in contexts:
+                pool = empty_pool([context] * batch, num_kv_heads, head_dim, kv_dtype, device)
+                fill_random(pool)
+                q = torch.randn(batch, num_heads, head_dim, device=device).to(act)
+                call = lambda: kernels.decode.decode_attention(q, pool.k_cache, pool.v_cache, pool.k_scale,  # noqa: E731
+                                                        pool.v_scale, pool.block_table, pool.seq_lens,
+                                                        head_dim ** -0.5)
+                ms = time_ms(call, device, reps)
+                gbps = (pool.kv_bytes() + 2 * q.numel() * q.element_size()) / ms / 1e6
+                name = "fp8" if kv_dtype == FP8 else str(kv_dtype).removeprefix("torch.")
+                rows.append(Row("decode", name, context, batch, ms, gbps, gbps / copy_gbps))
+                del pool
+    return rows
+
+
+def write_rows(kernels: Kernels, device: torch.device, num_tokens: int, shape: str,
+               copy_gbps: float, reps: int) -> list[Row]:
+    """Cache-write bandwidth: bytes = K/V read + pool (and scales) written + slot_mapping read."""
+    _, num_kv_heads, head_dim = SHAPES[shape]
+    act = torch.bfloat16 if device.type == "cuda" else torch.float16
+    rows = []
+    for kv_dtype in kv_dtypes(device):
+        pool = empty_pool([num_tokens], num_kv_heads, head_dim, kv_dtype, device)
+        k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(act)
+        v = torch.randn_like(k)
+        slots = slots_of(pool, 0, torch.arange(num_tokens, device=device))
+        ms = time_ms(lambda: kernels.write.write_kv(k, v, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots),
+                     device, reps)
+        nbytes = 2 * k.numel() * (k.element_size() + pool.k_cache.element_size()) + slots.numel() * 8
+        if pool.k_scale is not None:
+            nbytes += 2 * num_tokens * num_kv_heads * 4
+        name = "fp8" if kv_dtype == FP8 else str(kv_dtype).removeprefix("torch.")
+        gbps = nbytes / ms / 1e6
+        rows.append(Row("write", name, num_tokens, 1, ms, gbps, gbps / copy_gbps))
+    return rows
+
+
+SMOLLM2_HF = {  # SmolLM2-135M-Instruct's config.json numbers (weights are random here)
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+}
+
+
+def random_weights(hf: dict, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hugging Face-named random weights (normal, std 0.02; norms 1) for a llama ``config.json`` dict."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+    head_dim = hidden // hf["num_attention_heads"]
+    q, kv = hidden, hf["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (hf["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                       p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+    return {name: (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02).to(dtype)
+            for name, shape in shapes.items()}
+
+
+def engine_decode_tokens_per_s(device: torch.device, tiny: bool, kv_dtype: str = "fp8") -> tuple[float, int]:
+    """(d): greedy decode tokens/s of kvchat's engine with random SmolLM2-shaped weights, batch 1.
+
+    Prefills a random prompt (512 tokens; tiny: a 2-layer, 64-wide, 4/2-head model and
+    20 tokens), runs 5 warm-up steps, then times the decode steps one by one
+    as the chat app does (``Engine.decode`` + argmax). Attention goes through
+    the ``kvchat.kernels`` dispatch (Triton on CUDA).
+
+    Returns:
+        ``(tokens_per_s, steps)``.
+    """
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from kvchat.block_manager import SeqBlocks
+    from kvchat.config import ModelConfig
+    from kvchat.engine import Engine
+
+    hf = dict(SMOLLM2_HF)
+    if tiny:
+        hf.update(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    prompt, steps = (20, 3) if tiny else (512, 200)
+    cfg = ModelConfig.from_hf(hf)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    engine = Engine(cfg, random_weights(hf, dtype), "bench-random-weights", kv_dtype=kv_dtype,
+                    pool_bytes=2**30 if device.type == "cuda" else 2**24, device=device)
+    ids = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+    seq = SeqBlocks()
+    logits = engine.prefill(seq, ids).logits
+    for step in range(5 + steps):
+        if step == 5:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+        ids.append(int(logits.argmax()))
+        logits = engine.decode(seq, ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return steps / (time.perf_counter() - start), steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run (a)-(d), print the results; 1 if a check failed, 2 without GPU or interpreter, else 0."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run under TRITON_INTERPRET=1)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="layer shape of the timing table")
+    ap.add_argument("--contexts", type=int, nargs="+", help="context lengths in tokens for the decode table")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="batch sizes for the decode table")
+    ap.add_argument("--reps", type=int, help="timed repetitions per measurement")
+    ap.add_argument("--json", type=Path, help="also write all results to this JSON file")
+    args = ap.parse_args(argv)
+
+    kernels = load_kernels()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not kernels.decode.INTERPRETED:
+        print("no GPU: run with TRITON_INTERPRET=1 (and --tiny) to execute the kernels on CPU", file=sys.stderr)
+        return 2
+    contexts = args.contexts or ([40] if args.tiny else [1 << k for k in range(10, 18)])
+    batches = [1, 2] if args.tiny else args.batches
+    reps = args.reps or (1 if args.tiny else 20)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"kvchat kernel bench: {gpu}, torch {torch.__version__}, triton {_triton_version()}")
+
+    checks = run_checks(kernels, device, args.tiny)
+    for c in checks:
+        print(f"check {c.shape:10s} {c.pool:8s} {c.kernel:32s} {c.max_err:10.3g} (tol {c.tol:g}) "
+              f"{'ok' if c.ok else 'FAIL'}")
+    copy_gbps = copy_bandwidth(device, (1 << 16) if args.tiny else (1 << 30), reps)
+    print(f"copy bandwidth: {copy_gbps:.4g} GB/s (read + write)")
+    rows = decode_table(kernels, device, contexts, batches, args.shape, copy_gbps, reps)
+    rows += write_rows(kernels, device, 16 if args.tiny else 16 * 4096, args.shape, copy_gbps, reps)
+    print(f"{'kernel':7s} {'kv':8s} {'context':>8s} {'batch':>5s} {'ms':>9s} {'GB/s':>8s} {'of copy':>7s}")
+    for r in rows:
+        print(f"{r.what:7s} {r.kv_dtype:8s} {r.context:8d} {r.batch:5d} {r.ms:9.4f} {r.gbps:8.1f} {r.frac_copy:7.1%}")
+    engine = {}
+    for kv_dtype in kv_dtypes(device, names=True):
+        tps, steps = engine_decode_tokens_per_s(device, args.tiny, kv_dtype)
+        engine[kv_dtype] = tps
+        model = "tiny 2-layer" if args.tiny else "SmolLM2-135M-shaped"
+        print(f"engine decode ({model} random weights, {kv_dtype} KV, batch 1): {tps:.1f} tokens/s, {steps} steps")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": gpu, "copy_gbps": copy_gbps, "checks": [asdict(c) | {"ok": c.ok} for c in checks],
+            "rows": [asdict(r) for r in rows], "engine_decode_tokens_per_s": engine,
+        }, indent=2))
+    return 0 if all(c.ok for c in checks) else 1
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "absent"
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

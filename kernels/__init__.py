@@ -1,0 +1,185 @@
+"""Attention and cache-write dispatch for the paged KV cache.
+
+Every call site in kvchat goes through :func:`write_kv`,
+:func:`decode_attention` and :func:`extend_attention` here. The pure-torch
+reference (``reference.py``) is the CPU backend and the test oracle; Triton
+kernels with the same signatures (``triton_write.py``, ``triton_decode.py``,
+``triton_extend.py``) serve CUDA tensors. Triton is imported only when a
+Triton kernel is about to run, so this package imports where Triton is absent.
+
+Backend choice per call:
+
+- ``KVCHAT_ATTENTION=torch``: always the reference.
+- ``KVCHAT_ATTENTION=triton``: always Triton; CPU tensors then run under the
+  Triton interpreter, which needs ``TRITON_INTERPRET=1`` in the environment
+  before the kernel modules are first imported.
+- unset: Triton for CUDA tensors, the reference otherwise. FP8 pools on a
+  GPU below compute capability 8.9 (where Triton has no float8e4nv) and CUDA
+  without an importable Triton fall back to the reference with a one-time
+  logged notice.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+from .reference import (
+    FP8_DTYPE,
+    FP8_EPS,
+    FP8_MAX,
+    SCALE_SCHEME,
+    dequantize_fp8,
+    quantize_fp8,
+)
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_EPS",
+    "FP8_MAX",
+    "SCALE_SCHEME",
+    "KernelBackendError",
+    "backend_for",
+    "decode_attention",
+    "dequantize_fp8",
+    "extend_attention",
+    "quantize_fp8",
+    "write_kv",
+]
+
+ENV_VAR = "KVCHAT_ATTENTION"
+FP8_MIN_CAPABILITY = (8, 9)
+_log = logging.getLogger(__name__)
+_noticed: set[str] = set()
+
+
+class KernelBackendError(RuntimeError):
+    """The requested attention backend cannot run here (bad ``KVCHAT_ATTENTION``, no interpreter, no Triton)."""
+
+
+def _notice_once(message: str) -> None:
+    if message not in _noticed:
+        _noticed.add(message)
+        _log.warning(message)
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def backend_for(cache: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for a call on this pool (see module doc).
+
+    Raises:
+        KernelBackendError: ``KVCHAT_ATTENTION`` is neither unset, ``torch`` nor ``triton``.
+    """
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice not in ("", "torch", "triton"):
+        raise KernelBackendError(f"{ENV_VAR}={choice!r}: expected 'torch' or 'triton'")
+    if choice:
+        return choice
+    if not cache.is_cuda:
+        return "torch"
+    if not _triton_importable():
+        _notice_once("kvchat: Triton is not installed; attention runs on the PyTorch reference path")
+        return "torch"
+    index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
+    if cache.dtype == FP8_DTYPE and _capability(index) < FP8_MIN_CAPABILITY:
+        _notice_once("kvchat: FP8 KV cache needs compute capability >= 8.9 for Triton; using the PyTorch path")
+        return "torch"
+    return "triton"
+
+
+def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
+    """Import ``kvchat.kernels.<name>``; CPU tensors need it built for the interpreter.
+
+    Raises:
+        KernelBackendError: Triton is not installed, or CPU tensors meet compiled kernels.
+    """
+    if not _triton_importable():
+        raise KernelBackendError(f"{ENV_VAR}=triton but Triton is not installed")
+    module = importlib.import_module(f"{__name__}.{name}")
+    if not cache.is_cuda and not module.INTERPRETED:
+        raise KernelBackendError(
+            f"{ENV_VAR}=triton with CPU tensors needs TRITON_INTERPRET=1 set before kvchat's Triton kernels are imported"
+        )
+    return module
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V into the paged pools; see :func:`reference.write_kv` for shapes.
+
+    Raises:
+        KernelBackendError: see :func:`backend_for` and the module doc.
+    """
+    if backend_for(k_cache) == "triton":
+        fn = _triton_module("triton_write", k_cache).write_kv
+    else:
+        fn = reference.write_kv
+    fn(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Paged decode attention, ``[num_seqs, num_heads, head_dim]``; see :func:`reference.decode_attention`.
+
+    Raises:
+        KernelBackendError: see :func:`backend_for` and the module doc.
+    """
+    if backend_for(k_cache) == "triton":
+        fn = _triton_module("triton_decode", k_cache).decode_attention
+    else:
+        fn = reference.decode_attention
+    return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale)
+
+
+def extend_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Prefix-extend attention, ``[total_q, num_heads, head_dim]``; see :func:`reference.extend_attention`.
+
+    Raises:
+        KernelBackendError: see :func:`backend_for` and the module doc.
+    """
+    if backend_for(k_cache) == "triton":
+        fn = _triton_module("triton_extend", k_cache).extend_attention
+    else:
+        fn = reference.extend_attention
+    return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale)

@@ -1,0 +1,212 @@
+"""Pure-PyTorch reference for the paged KV cache kernels.
+
+This module is both the CPU backend and the test oracle for the Triton
+kernels (same signatures, see ``kvchat.kernels``). Layout, vLLM style
+(Kwon et al., "Efficient Memory Management for Large Language Model Serving
+with PagedAttention", SOSP 2023):
+
+- pools ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+  in float8_e4m3fn, bfloat16 or float16;
+- scales ``k_scale``/``v_scale``: ``[num_blocks, block_size, num_kv_heads]``
+  float32 for fp8 pools (one per token and KV head), ``None`` otherwise;
+- ``slot_mapping``: int64 ``[num_tokens]``, slot = block * block_size + offset,
+  -1 = skip (padding);
+- ``block_table``: int32 ``[num_seqs, max_blocks]``; ``seq_lens``: int32
+  ``[num_seqs]``, tokens of each sequence in the pool, new ones included.
+
+FP8 scheme "pth1": per-token, per-KV-head absmax scale
+``max(amax, FP8_EPS) / 448``, values clamped to ±448 before the cast, so
+outliers saturate instead of overflowing and an all-zero token is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_EPS = 1e-6
+SCALE_SCHEME = "pth1"
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize along the last axis with one absmax scale per row.
+
+    Args:
+        x: ``[..., head_dim]`` float16/bfloat16/float32.
+    Returns:
+        ``(q, scale)``: ``q`` ``[..., head_dim]`` float8_e4m3fn (round to
+        nearest even, clamped to ±448); ``scale`` ``[...]`` float32 with
+        ``x ≈ q * scale``.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(FP8_EPS) / FP8_MAX
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def fp8_bits_to_f16(u8: torch.Tensor) -> torch.Tensor:
+    """Reinterpret float8_e4m3fn bytes as float16 values scaled by 2**-8.
+
+    Exact for every finite e4m3fn value (normals and subnormals): the
+    sign moves to bit 15 and exponent+mantissa shift left by 7, which
+    re-biases the exponent from 7 to 15. On CPU this is ~15x faster than
+    torch's own float8 -> float conversion. Multiply by 256 (fold it into
+    the scale) to get the true value.
+
+    Args:
+        u8: uint8 tensor of float8_e4m3fn bit patterns, any shape.
+    Returns:
+        float16 tensor of the same shape.
+    """
+    i = u8.to(torch.int16)
+    return (((i & 0x7F) << 7) | ((i & 0x80) << 8)).view(torch.float16)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8`: ``[..., head_dim]`` fp8 and ``[...]`` fp32 -> fp32."""
+    return fp8_bits_to_f16(q.view(torch.uint8)).float() * (scale * 256.0).unsqueeze(-1)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V into the paged pools (vLLM's ``reshape_and_cache``).
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` fp16/bf16/fp32.
+        k_cache, v_cache: pools (see module doc); fp8 pools are quantized
+            per token and KV head, 16-bit pools take a plain cast.
+        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32
+            for fp8 pools, else ``None``.
+        slot_mapping: int64 ``[num_tokens]``; -1 skips the token.
+    """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if slot_mapping.numel() == 0:
+        return
+    block_size = k_cache.shape[1]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    if k_cache.dtype == FP8_DTYPE:
+        assert k_scale is not None and v_scale is not None
+        for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+            q, s = quantize_fp8(x)
+            cache.view(torch.uint8)[blocks, offsets] = q.view(torch.uint8)
+            scales[blocks, offsets] = s
+    else:
+        k_cache[blocks, offsets] = key.to(k_cache.dtype)
+        v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """Read one sequence's first ``length`` tokens from a pool, dequantized.
+
+    Args:
+        cache: pool ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        scale: its ``[num_blocks, block_size, num_kv_heads]`` fp32 scales, or ``None`` (16-bit pool).
+        blocks: int ``[n]`` block ids covering at least ``length`` tokens.
+    Returns:
+        float32 ``[length, num_kv_heads, head_dim]``, the values attention sees.
+    """
+    nb = (length + cache.shape[1] - 1) // cache.shape[1]
+    idx = blocks[:nb].long()
+    if cache.dtype == FP8_DTYPE:
+        raw = cache.view(torch.uint8)[idx].flatten(0, 1)[:length]
+        s = scale[idx].flatten(0, 1)[:length] * 256.0
+        return fp8_bits_to_f16(raw).float() * s.unsqueeze(-1)
+    return cache[idx].flatten(0, 1)[:length].float()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, sm_scale: float) -> torch.Tensor:
+    """Causal GQA attention of ``q`` ``[T, H, D]`` (positions ``q_start..``) over ``k``/``v`` ``[L, Hkv, D]``.
+
+    fp32 throughout, through torch's fused SDPA; returns fp32 ``[T, H, D]``.
+    """
+    t, length = q.shape[0], k.shape[0]
+    mask = None
+    if q_start + t < length or t > 1:
+        mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(diagonal=q_start)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, scale=sm_scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached sequence.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]``; ``num_heads`` a multiple
+            of ``num_kv_heads`` (GQA).
+        block_table: int32 ``[num_seqs, max_blocks]``; seq_lens: int32 ``[num_seqs]``
+            (the query token's own K/V already written, so it is included).
+        sm_scale: softmax scale, usually ``head_dim ** -0.5``.
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 math).
+    """
+    out = torch.empty_like(query)
+    for i in range(query.shape[0]):
+        length = int(seq_lens[i])
+        k = gather_kv(k_cache, k_scale, block_table[i], length)
+        v = gather_kv(v_cache, v_scale, block_table[i], length)
+        out[i] = _attend(query[i : i + 1], k, v, length - 1, sm_scale)[0].to(query.dtype)
+    return out
+
+
+def extend_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """A chunk of new tokens per sequence attending to the cached prefix and causally to itself.
+
+    Used for prefill (empty prefix) and for extending a restored or shared
+    prefix. The chunk's own K/V must already be in the pool (:func:`write_kv`),
+    so it reads exactly the values decode will read later.
+
+    Args:
+        query: ``[total_q, num_heads, head_dim]``, sequences concatenated.
+        block_table: int32 ``[num_seqs, max_blocks]``.
+        seq_lens: int32 ``[num_seqs]``, cached prefix + new tokens.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``, offsets of each sequence's
+            new tokens in ``query``; its queries sit at positions
+            ``seq_len - q_len .. seq_len - 1``.
+        sm_scale: softmax scale.
+    Returns:
+        ``[total_q, num_heads, head_dim]`` in ``query.dtype``.
+    """
+    out = torch.empty_like(query)
+    for i in range(block_table.shape[0]):
+        a, b = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        if a == b:
+            continue
+        length = int(seq_lens[i])
+        k = gather_kv(k_cache, k_scale, block_table[i], length)
+        v = gather_kv(v_cache, v_scale, block_table[i], length)
+        out[a:b] = _attend(query[a:b], k, v, length - (b - a), sm_scale).to(query.dtype)
+    return out

@@ -1,0 +1,245 @@
+"""Triton paged decode attention: one query token per sequence, split-KV (flash-decoding).
+
+Same signature and result as :func:`kvchat.kernels.reference.decode_attention`.
+
+- Paging as in vLLM's PagedAttention (Kwon et al., SOSP 2023): token ``t`` of
+  sequence ``s`` lives in block ``block_table[s, t // block_size]`` at offset
+  ``t % block_size``. Tiles of ``BLOCK_N`` tokens are gathered through the
+  block table, so tile sizes do not depend on ``block_size``.
+- GQA: one program serves all query heads of one KV head, so each K/V byte
+  is read once per split; the ``group`` query rows are padded to 16 for ``tl.dot``.
+- Split-KV (Dao et al., "Flash-Decoding for long-context inference", 2023):
+  each sequence's tokens are cut into ``num_splits`` ranges handled by
+  separate programs, whose partial results are merged with their
+  log-sum-exp, so one long sequence still fills the GPU.
+- fp32 online softmax in base 2 (Dao, "FlashAttention-2", 2023); the fp8 K
+  scale multiplies the scores and the V scale the probabilities.
+
+:func:`load_kv_tile` is shared with the extend kernel so both read the pool
+identically.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from .reference import FP8_DTYPE
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # KV tokens per tile: a multiple of 16 (and of 32 for 8-bit dot operands)
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr, scale_ptr, bt_row_ptr, pos, pos_mask, kv_head, offs_d, d_mask,
+    stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+):
+    """Gather tokens ``pos`` (``[BLOCK_N]``) of one sequence and KV head from a pool.
+
+    Returns ``(x, scale)``: ``x`` ``[BLOCK_N, BLOCK_D]`` in ``COMPUTE_DTYPE``
+    (raw fp8 values converted exactly; zero where masked) and ``scale``
+    ``[BLOCK_N]`` fp32 (the fp8 scale; zero where masked; 1 for 16-bit pools).
+    """
+    block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    rows = block * stride_cb + offset * stride_cs + kv_head * stride_ch
+    x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=pos_mask[:, None] & d_mask[None, :], other=0)
+    if IS_FP8:
+        x = x.to(tl.float8e4nv, bitcast=True).to(COMPUTE_DTYPE)
+        scale = tl.load(scale_ptr + block * stride_sb + offset * stride_ss + kv_head * stride_sh,
+                        mask=pos_mask, other=0.0)
+    else:
+        x = x.to(COMPUTE_DTYPE)
+        scale = tl.where(pos_mask, 1.0, 0.0)
+    return x, scale
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, group, head_dim, num_splits,
+    stride_qs, stride_qh, stride_os, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_G >= 16)  # GPU tl.dot minimums: M, N, K >= 16 (K >= 32 for 8-bit operands)
+    tl.static_assert(BLOCK_N >= 32)
+    tl.static_assert(BLOCK_D >= 16)
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < group
+    d_mask = offs_d < head_dim
+    heads = kv_head * group + offs_g
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    compute_dtype = q.dtype
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for t0 in range(start, end, BLOCK_N):  # empty when the split holds no tokens
+        pos = t0 + tl.arange(0, BLOCK_N)
+        pos_mask = pos < end
+        k, ks = load_kv_tile(k_cache_ptr, k_scale_ptr, bt_row, pos, pos_mask, kv_head, offs_d, d_mask,
+                             stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+                             BLOCK_SIZE, IS_FP8, compute_dtype)
+        v, vs = load_kv_tile(v_cache_ptr, v_scale_ptr, bt_row, pos, pos_mask, kv_head, offs_d, d_mask,
+                             stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+                             BLOCK_SIZE, IS_FP8, compute_dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks * qk_scale)[None, :]
+        s = tl.where(pos_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile has a valid token
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        pv = (p * vs[None, :]).to(compute_dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        m = m_new
+
+    has = l > 0.0  # false for an empty split (or a zero-length sequence)
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    io_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT_OUT:  # a single split: no merge pass
+        tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+        row = (seq.to(tl.int64) * tl.num_programs(1) * group + heads) * num_splits + split
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=io_mask)
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, head_dim, num_heads, num_splits, stride_os, stride_oh,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    row = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights are all zero
+    w = tl.exp2(lse - top)
+    parts = tl.load(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=s_mask[:, None] & (offs_d < head_dim)[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
+
+
+INTERPRETED: bool = isinstance(_decode_split_kernel, InterpretedFunction)
+"""True when this module was imported with ``TRITON_INTERPRET=1`` (kernels then run on CPU tensors)."""
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Splits per sequence so that about 4 programs per GPU SM exist, each with >= 256 tokens.
+
+    Uses only host-side numbers (``max_len`` is the block table's capacity in
+    tokens), so no device sync and a fixed value under CUDA graph capture.
+    The interpreter counts as one SM.
+    """
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    want = triton.cdiv(4 * sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max_len, MIN_TOKENS_PER_SPLIT), 128))
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`decode_attention` with an explicit split count (``None``: :func:`choose_num_splits`).
+
+    Splits beyond a sequence's length stay empty and carry zero weight in the merge.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_table.shape[1] * block_size, query.device)
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    if is_fp8:
+        kc, vc, ks, vs = k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
+    else:  # no scales: pass the pools as placeholders, never dereferenced
+        kc, vc, ks, vs = k_cache, v_cache, k_cache, v_cache
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, kc, vc, ks, vs, block_table, seq_lens, out, part_out, part_lse,
+        sm_scale * LOG2E, group, head_dim, num_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        block_table.stride(0),
+        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N, DIRECT_OUT=num_splits == 1, IS_FP8=is_fp8,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, head_dim, num_heads, num_splits, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )
+    return out
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached sequence (paged, split-KV).
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]`` fp16/bf16/fp32, ``num_heads``
+            a multiple of ``num_kv_heads``.
+        k_cache, v_cache: contiguous pools ``[num_blocks, block_size, num_kv_heads, head_dim]``
+            (float8_e4m3fn, bfloat16 or float16).
+        k_scale, v_scale: float32 ``[num_blocks, block_size, num_kv_heads]`` for fp8, else ``None``.
+        block_table: int32 ``[num_seqs, max_blocks]`` (unit stride on blocks).
+        seq_lens: int32 ``[num_seqs]`` tokens in the pool, the query's own included.
+        sm_scale: softmax scale, usually ``head_dim ** -0.5``.
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 softmax and
+        accumulation; zeros for a zero-length sequence).
+    """
+    return paged_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale)

@@ -1,0 +1,70 @@
+"""Conversations between the session (in memory) and the store (SQLite): create, load, save a turn."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlite_utils import Database
+
+from kvchat.chat_format import Segment
+from kvchat.loader import Runtime
+from kvchat.session import Session
+from kvchat.store.conversations import Conversation, NewMessage, append_turn, create_conversation, get_conversation
+from kvchat.store.db import write_transaction
+
+TITLE_CHARS = 60
+
+
+class ChatModelMismatchError(ValueError):
+    """A stored chat was made with another model (its token ids mean nothing to this one)."""
+
+
+def new_settings(documents: list[str]) -> dict:
+    """Settings pinned when a chat is created: the template date and the attached documents' titles."""
+    return {"date_string": datetime.now().strftime("%d %b %Y"), "template_kwargs": {}, "documents": documents}
+
+
+def session_from_store(rt: Runtime, conv: Conversation) -> Session:
+    """Rebuild a chat's session from its stored token ids and segments.
+
+    Raises:
+        ChatModelMismatchError: the chat belongs to a model with another fingerprint.
+    """
+    if conv.model_fingerprint and conv.model_fingerprint != rt.info.fingerprint:
+        raise ChatModelMismatchError(
+            f"chat {conv.id} was made with model {conv.model_name!r}; run it with --model {conv.model_name}"
+        )
+    fmt = rt.chat_format(conv.settings)
+    segments = [Segment(kind, start, end) for start, end, kind in conv.segments]
+    return Session(rt.engine, fmt, list(conv.token_ids), segments)
+
+
+def save_new_chat(db: Database, rt: Runtime, session: Session, system: str, settings: dict, user_text: str) -> str:
+    """Store a just-finished first turn (prefix, user, assistant) in one transaction; returns the chat id."""
+    with write_transaction(db):
+        conv = create_conversation(
+            db, title=user_text.strip().splitlines()[0][:TITLE_CHARS], model_fingerprint=rt.info.fingerprint,
+            model_name=rt.info.name, system_prompt=system, settings=settings,
+        )
+        prefix = session.segments[0]
+        append_turn(db, conv.id, session.token_ids[prefix.start : prefix.end], [], segment_kind="prefix")
+        _append_last_turn(db, conv.id, session, user_text, prefix.end)
+    return conv.id
+
+
+def save_turn(db: Database, conv_id: str, session: Session, user_text: str, stored_len: int) -> None:
+    """Store the session's last turn (ids after ``stored_len``) and its two messages atomically."""
+    with write_transaction(db):
+        _append_last_turn(db, conv_id, session, user_text, stored_len)
+
+
+def _append_last_turn(db: Database, conv_id: str, session: Session, user_text: str, base: int) -> None:
+    turn = session.last_turn
+    assert turn is not None and turn.user_span[0] == base, "session and store disagree on the conversation length"
+    (u0, u1), (a0, a1) = turn.user_span, turn.assistant_span
+    append_turn(db, conv_id, session.token_ids[u0:u1], [NewMessage("user", user_text, 0, u1 - u0)], segment_kind="user")
+    append_turn(
+        db, conv_id, session.token_ids[a0:a1],
+        [NewMessage("assistant", turn.text, 0, a1 - a0, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)],
+        segment_kind="assistant",
+    )

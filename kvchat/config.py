@@ -1,0 +1,78 @@
+"""Model configuration shared by the loader, the runner and the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's ``model_type`` is not one kvchat's runner implements."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """The numbers of a Llama-family decoder that the runner needs.
+
+    Field names follow Hugging Face ``config.json`` semantics; ``head_dim``
+    is explicit (Qwen3 and Mistral may set it apart from hidden/heads).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=True)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict.
+
+        Raises:
+            UnsupportedModelError: ``model_type`` is not llama, mistral, qwen2 or qwen3.
+        """
+        model_type = hf.get("model_type", "<missing>")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is not supported (kvchat runs {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope_scaling = hf.get("rope_scaling") or None
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            rope_scaling=rope_scaling,
+        )

@@ -1,0 +1,55 @@
+"""Reading attached documents safely: size checked before reading, text only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_DOCUMENT_BYTES = 4 * 2**20
+BINARY_SNIFF_BYTES = 8192
+
+
+class DocumentError(ValueError):
+    """A document cannot be attached (missing, unreadable, binary, not UTF-8, too large, empty)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Document:
+    """An attached document: display title (file name) and its text."""
+
+    title: str
+    text: str
+    path: Path
+
+
+def read_document(path: str | Path, max_bytes: int = MAX_DOCUMENT_BYTES) -> Document:
+    """Read a UTF-8 text file to attach as a cached prefix.
+
+    The byte size is checked with ``stat`` before anything is read, so a huge
+    file is refused without loading it.
+
+    Raises:
+        DocumentError: with a one-line reason.
+    """
+    p = Path(path).expanduser()
+    try:
+        size = p.stat().st_size
+    except OSError as exc:
+        raise DocumentError(f"cannot read document {str(p)!r}: {exc.strerror or exc}") from None
+    if not p.is_file():
+        raise DocumentError(f"document {str(p)!r} is not a regular file")
+    if size > max_bytes:
+        raise DocumentError(f"document {str(p)!r} is {size:,} bytes; the limit is {max_bytes:,} bytes")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise DocumentError(f"cannot read document {str(p)!r}: {exc.strerror or exc}") from None
+    if b"\0" in raw[:BINARY_SNIFF_BYTES]:
+        raise DocumentError(f"document {str(p)!r} looks binary (NUL bytes); attach text files only")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DocumentError(f"document {str(p)!r} is not UTF-8 text (bad byte at offset {exc.start})") from None
+    if not text.strip():
+        raise DocumentError(f"document {str(p)!r} is empty")
+    return Document(p.name, text, p)

@@ -1,0 +1,214 @@
+"""The model runner: owns the device, the weights, the KV pool and the block manager.
+
+The only module that runs the model. A sequence is a token list plus its
+``SeqBlocks``; :meth:`Engine.prefill` computes the tokens not yet in the pool
+in chunks whose boundaries fall on segment boundaries (plus every
+``chunk_tokens`` inside a segment), so a cold run and a resumed run perform
+the same computations; :meth:`Engine.decode` runs one token.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kvchat.block_manager import BlockManager, SeqBlocks
+from kvchat.cache_id import cache_fingerprint
+from kvchat.config import ModelConfig
+from kvchat.kv_cache import KVCacheSpec, KVPool
+from kvchat.model import AttnMetadata, Transformer, rope_inv_freq
+
+DEFAULT_CPU_POOL_BYTES = 512 * 2**20
+GPU_POOL_FRACTION = 0.5
+PREFILL_CHUNK_TOKENS = 512
+SMALL_MODEL_PARAMS = 2_000_000_000
+
+
+class ContextOverflowError(ValueError):
+    """A sequence would exceed the model's context length."""
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What one prefill did.
+
+    Attributes:
+        logits: float32 ``[vocab_size]`` for the last token.
+        prefilled_tokens: tokens run through the model.
+        prefill_ms: wall time of those forwards, ms.
+    """
+
+    logits: torch.Tensor
+    prefilled_tokens: int
+    prefill_ms: float
+
+
+def pick_device() -> torch.device:
+    """CUDA if available, else CPU (``KVCHAT_DEVICE`` overrides)."""
+    name = os.environ.get("KVCHAT_DEVICE")
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def compute_dtype(device: torch.device, num_params: int) -> torch.dtype:
+    """bf16 on GPU; on CPU fp32 for small models (CPUs without bf16 units are
+    several times slower in bf16), bf16 for large ones (never an fp32 blow-up)."""
+    if device.type == "cuda" or num_params > SMALL_MODEL_PARAMS:
+        return torch.bfloat16
+    return torch.float32
+
+
+def chunk_plan(start: int, end: int, boundaries: Sequence[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> list[tuple[int, int]]:
+    """Split tokens ``[start, end)`` into prefill chunks.
+
+    Cuts at every segment boundary and every ``chunk_tokens`` tokens after a
+    boundary, so the plan for ``[b, end)`` with ``b`` a boundary is a suffix
+    of the plan for ``[0, end)``.
+    """
+    cuts = sorted({0, *boundaries})
+    points = set()
+    for i, seg_start in enumerate(cuts):
+        seg_end = cuts[i + 1] if i + 1 < len(cuts) else end
+        points.update(range(seg_start, seg_end, chunk_tokens))
+    points = sorted(p for p in points if start < p < end)
+    edges = [start, *points, end]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+class Engine:
+    """Weights + paged KV pool + block manager for one model on one device."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        model_fingerprint: str,
+        *,
+        kv_dtype: str = "fp8",
+        pool_bytes: int | None = None,
+        device: torch.device | str | None = None,
+        name: str = "",
+    ):
+        self.cfg = cfg
+        self.name = name
+        self.device = torch.device(device) if device is not None else pick_device()
+        num_params = sum(t.numel() for t in weights.values())
+        self.dtype = compute_dtype(self.device, num_params)
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            model = Transformer(cfg).to(self.dtype)
+        model.load_hf_state_dict(weights)
+        model.inv_freq = rope_inv_freq(cfg).to(self.device)  # keep fp32 after the dtype cast
+        self.model = model.eval()
+        self.spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        self.pool = KVPool.from_budget(self.spec, pool_bytes or self._default_pool_bytes(), self.device)
+        self.cache_fingerprint = cache_fingerprint(model_fingerprint, kv_dtype, self.spec.scale_scheme, self.spec.block_size)
+        self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
+        self.load_ms = (time.perf_counter() - t0) * 1e3
+
+    def _default_pool_bytes(self) -> int:
+        env = os.environ.get("KVCHAT_KV_BUDGET_MB")
+        if env:
+            return int(float(env) * 2**20)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * GPU_POOL_FRACTION)
+        return DEFAULT_CPU_POOL_BYTES
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence in tokens (model limit, capped by the pool)."""
+        return min(self.cfg.max_position_embeddings, self.pool.capacity_tokens)
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise :class:`ContextOverflowError` if ``num_tokens`` exceeds :attr:`max_context`."""
+        if num_tokens > self.max_context:
+            raise ContextOverflowError(
+                f"conversation would be {num_tokens} tokens; the context limit is {self.max_context} tokens"
+            )
+
+    def _forward(self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Write K/V for tokens ``[start, end)``; return their hidden states ``[end - start, hidden]``."""
+        copies = self.blocks.reserve(seq, end)
+        self.pool.copy_blocks(copies)
+        dev = self.device
+        ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
+        positions = torch.arange(start, end, device=dev)
+        slots = torch.tensor([self.blocks.slot(seq, p) for p in range(start, end)], dtype=torch.long, device=dev)
+        meta = AttnMetadata(
+            slot_mapping=slots,
+            block_table=torch.tensor([seq.block_table], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32, device=dev),
+            is_decode=end - start == 1 and start > 0,
+        )
+        hidden = self.model(ids, positions, meta, self.pool)
+        self.blocks.commit(seq, token_ids, end)
+        return hidden
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        seq: SeqBlocks,
+        token_ids: Sequence[int],
+        boundaries: Sequence[int] = (),
+        progress: Callable[[int, int], None] | None = None,
+    ) -> PrefillResult:
+        """Compute every token of ``token_ids`` not yet in the pool; return last-token logits.
+
+        At least the last token is always computed (a full prefix hit still
+        needs logits); its block is copied on write if shared.
+
+        Args:
+            seq: the sequence's blocks (``seq.num_computed`` tokens already in the pool).
+            token_ids: the whole sequence, ids.
+            boundaries: segment start offsets (tokens) for the chunk plan.
+            progress: called with ``(done_tokens, total_tokens)`` after each chunk.
+        Raises:
+            ContextOverflowError: the sequence exceeds the context limit.
+            PoolFullError: the pool cannot hold it.
+        """
+        self.check_fits(len(token_ids))
+        start = min(seq.num_computed, len(token_ids) - 1)
+        seq.num_computed = start
+        t0 = time.perf_counter()
+        hidden = None
+        for a, b in chunk_plan(start, len(token_ids), boundaries):
+            hidden = self._forward(seq, token_ids, a, b)
+            if progress:
+                progress(b - start, len(token_ids) - start)
+        logits = self.model.logits(hidden[-1:])[0]
+        return PrefillResult(logits, len(token_ids) - start, (time.perf_counter() - t0) * 1e3)
+
+    @torch.inference_mode()
+    def score(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = ()) -> torch.Tensor:
+        """Teacher-forced logits for every position not yet in the pool.
+
+        Same chunk plan and pool path as :meth:`prefill`; each chunk attends
+        through the pool, so every position sees K/V as stored (quantized).
+
+        Returns:
+            float32 ``[len(token_ids) - seq.num_computed, vocab_size]``; row i
+            predicts token ``seq.num_computed + i + 1``.
+        """
+        self.check_fits(len(token_ids))
+        start = seq.num_computed
+        rows = [self.model.logits(self._forward(seq, token_ids, a, b)) for a, b in chunk_plan(start, len(token_ids), boundaries)]
+        return torch.cat(rows)
+
+    @torch.inference_mode()
+    def decode(self, seq: SeqBlocks, token_ids: Sequence[int]) -> torch.Tensor:
+        """Run the last id of ``token_ids`` (all earlier ones in the pool); float32 logits ``[vocab_size]``."""
+        n = len(token_ids)
+        self.check_fits(n)
+        hidden = self._forward(seq, token_ids, n - 1, n)
+        return self.model.logits(hidden)[0]
+
+    def release(self, seq: SeqBlocks) -> None:
+        """Free a sequence's blocks (they stay in the prefix cache until reused)."""
+        self.blocks.free_seq(seq)

