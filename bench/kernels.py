@@ -24,6 +24,7 @@ Exit status 1 when a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -63,22 +64,33 @@ def kv_dtypes(device: torch.device, names: bool = False) -> list:
     return [{FP8: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16"}[d] for d in dtypes] if names else dtypes
 
 
+def _checkout_package(name: str, folder: Path) -> ModuleType:
+    """``sys.modules[name]``, or the package in ``folder`` loaded under that name.
+
+    Loading by path keeps the checkout root off ``sys.path``, where its
+    ``kernels/`` folder would pose as an unrelated top-level ``kernels`` package.
+    """
+    package = sys.modules.get(name)
+    if package is not None and Path(package.__file__).resolve().parent == folder:
+        return package
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    return package
+
+
 def load_kernels() -> Kernels:
     """Import this checkout's ``kernels/`` as ``kvchat.kernels`` without installing anything.
 
     An already imported ``kvchat.kernels`` is reused when it comes from this
     checkout (an editable install, or a test importing this script).
     """
-    package = sys.modules.get("kvchat.kernels")
-    if package is None or Path(package.__file__).resolve().parent != ROOT / "kernels":
-        spec = importlib.util.spec_from_file_location(
-            "kvchat.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
-        )
-        package = importlib.util.module_from_spec(spec)
-        sys.modules["kvchat.kernels"] = package
-        spec.loader.exec_module(package)
-    sub = lambda name: importlib.import_module(f"{package.__name__}.{name}")  # noqa: E731
-    return Kernels(sub("reference"), sub("triton_write"), sub("triton_decode"), sub("triton_extend"))
+    _checkout_package("kvchat", ROOT / "kvchat")  # the parent first: a package being loaded looks it up
+    package = _checkout_package("kvchat.kernels", ROOT / "kernels")
+    names = ("reference", "triton_write", "triton_decode", "triton_extend")
+    return Kernels(*(importlib.import_module(f"{package.__name__}.{name}") for name in names))
 
 
 @dataclass(slots=True)
@@ -92,10 +104,9 @@ class Paged:
     block_table: torch.Tensor  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_seqs]
 
-    def to(self, device: torch.device) -> "Paged":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Paged(*(move(t) for t in (self.k_cache, self.v_cache, self.k_scale, self.v_scale,
-                                        self.block_table, self.seq_lens)))
+    def to(self, device: torch.device) -> Paged:
+        tensors = (self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.block_table, self.seq_lens)
+        return Paged(*(None if t is None else t.to(device) for t in tensors))
 
     def kv_bytes(self) -> int:
         """Bytes of K, V and scales that attention over all sequences reads."""
@@ -120,8 +131,9 @@ def empty_pool(lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.d
         start += n
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     k = torch.empty(shape, dtype=dtype, device=device)
-    scales = [torch.empty(shape[:3], dtype=torch.float32, device=device) for _ in range(2)] if dtype == FP8 else [None, None]
-    return Paged(k, torch.empty_like(k), *scales, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device))
+    scales = [torch.empty(shape[:3], device=device) for _ in range(2)] if dtype == FP8 else [None, None]
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    return Paged(k, torch.empty_like(k), *scales, table.to(device), lens_t)
 
 
 def fill_random(pool: Paged) -> None:
@@ -180,7 +192,7 @@ def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check
         num_heads, num_kv_heads, head_dim = SHAPES[shape]
         sm_scale = head_dim ** -0.5
         for pool_dtype in kv_dtypes(device):
-            name = "fp8" if pool_dtype == FP8 else str(pool_dtype).removeprefix("torch.")
+            name = _name(pool_dtype)
             pool = empty_pool(lens, num_kv_heads, head_dim, pool_dtype, device)
             for cache in (pool.k_cache, pool.v_cache):
                 cache.view(torch.uint8).zero_()
@@ -219,6 +231,10 @@ def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check
                                              ext_cpu.v_scale, ext_cpu.block_table, ext_cpu.seq_lens, cu, sm_scale)
             checks.append(Check(shape, "extend_attention (max abs err)", name, _err(out, ref), tol))
     return checks
+
+
+def _name(dtype: torch.dtype) -> str:
+    return "fp8" if dtype == FP8 else str(dtype).removeprefix("torch.")
 
 
 def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -278,14 +294,11 @@ def decode_table(kernels: Kernels, device: torch.device, contexts: list[int], ba
                 pool = empty_pool([context] * batch, num_kv_heads, head_dim, kv_dtype, device)
                 fill_random(pool)
                 q = torch.randn(batch, num_heads, head_dim, device=device).to(act)
-                call = lambda: kernels.decode.decode_attention(q, pool.k_cache, pool.v_cache, pool.k_scale,  # noqa: E731
-                                                        pool.v_scale, pool.block_table, pool.seq_lens,
-                                                        head_dim ** -0.5)
-                ms = time_ms(call, device, reps)
+                args = (q, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, pool.block_table, pool.seq_lens,
+                        head_dim**-0.5)
+                ms = time_ms(functools.partial(kernels.decode.decode_attention, *args), device, reps)
                 gbps = (pool.kv_bytes() + 2 * q.numel() * q.element_size()) / ms / 1e6
-                name = "fp8" if kv_dtype == FP8 else str(kv_dtype).removeprefix("torch.")
-                rows.append(Row("decode", name, context, batch, ms, gbps, gbps / copy_gbps))
-                del pool
+                rows.append(Row("decode", _name(kv_dtype), context, batch, ms, gbps, gbps / copy_gbps))
     return rows
 
 
@@ -300,14 +313,13 @@ def write_rows(kernels: Kernels, device: torch.device, num_tokens: int, shape: s
         k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(act)
         v = torch.randn_like(k)
         slots = slots_of(pool, 0, torch.arange(num_tokens, device=device))
-        ms = time_ms(lambda: kernels.write.write_kv(k, v, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots),
-                     device, reps)
+        args = (k, v, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots)
+        ms = time_ms(functools.partial(kernels.write.write_kv, *args), device, reps)
         nbytes = 2 * k.numel() * (k.element_size() + pool.k_cache.element_size()) + slots.numel() * 8
         if pool.k_scale is not None:
             nbytes += 2 * num_tokens * num_kv_heads * 4
-        name = "fp8" if kv_dtype == FP8 else str(kv_dtype).removeprefix("torch.")
         gbps = nbytes / ms / 1e6
-        rows.append(Row("write", name, num_tokens, 1, ms, gbps, gbps / copy_gbps))
+        rows.append(Row("write", _name(kv_dtype), num_tokens, 1, ms, gbps, gbps / copy_gbps))
     return rows
 
 
@@ -347,8 +359,7 @@ def engine_decode_tokens_per_s(device: torch.device, tiny: bool, kv_dtype: str =
     Returns:
         ``(tokens_per_s, steps)``.
     """
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    load_kernels()  # kvchat and kvchat.kernels from this checkout
     from kvchat.block_manager import SeqBlocks
     from kvchat.config import ModelConfig
     from kvchat.engine import Engine

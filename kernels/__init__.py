@@ -12,7 +12,8 @@ Backend choice per call:
 - ``KVCHAT_ATTENTION=torch``: always the reference.
 - ``KVCHAT_ATTENTION=triton``: always Triton; CPU tensors then run under the
   Triton interpreter, which needs ``TRITON_INTERPRET=1`` in the environment
-  before the kernel modules are first imported.
+  before Triton is first imported (Triton reads it when ``@triton.jit``
+  decorates its own library functions and kvchat's kernels).
 - unset: Triton for CUDA tensors, the reference otherwise. FP8 pools on a
   GPU below compute capability 8.9 (where Triton has no float8e4nv) and CUDA
   without an importable Triton fall back to the reference with a one-time
@@ -114,7 +115,7 @@ def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
     module = importlib.import_module(f"{__name__}.{name}")
     if not cache.is_cuda and not module.INTERPRETED:
         raise KernelBackendError(
-            f"{ENV_VAR}=triton with CPU tensors needs TRITON_INTERPRET=1 set before kvchat's Triton kernels are imported"
+            f"{ENV_VAR}=triton with CPU tensors needs TRITON_INTERPRET=1 set before Triton is first imported"
         )
     return module
 

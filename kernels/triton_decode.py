@@ -91,7 +91,7 @@ def _decode_split_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for t0 in range(start, end, BLOCK_N):  # empty when the split holds no tokens
         pos = t0 + tl.arange(0, BLOCK_N)
@@ -107,19 +107,19 @@ def _decode_split_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile has a valid token
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
         pv = (p * vs[None, :]).to(compute_dtype)
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
         m = m_new
 
-    has = l > 0.0  # false for an empty split (or a zero-length sequence)
-    out = acc / tl.where(has, l, 1.0)[:, None]
+    has = l_sum > 0.0  # false for an empty split (or a zero-length sequence)
+    out = acc / tl.where(has, l_sum, 1.0)[:, None]
     io_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:  # a single split: no merge pass
         tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+        lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
         row = (seq.to(tl.int64) * tl.num_programs(1) * group + heads) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=io_mask)
         tl.store(part_lse_ptr + row, lse, mask=g_mask)

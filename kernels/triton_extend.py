@@ -64,7 +64,7 @@ def _extend_kernel(
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
 
         m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+        l_sum = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
         for t0 in range(0, kv_end, BLOCK_N):
             pos = t0 + tl.arange(0, BLOCK_N)
@@ -81,12 +81,12 @@ def _extend_kernel(
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
             pv = (p * vs[None, :]).to(compute_dtype)
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
             m = m_new
 
-        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+        out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
 

@@ -9,7 +9,7 @@ from sqlite_utils import Database
 from kvchat.chat_format import Segment
 from kvchat.loader import Runtime
 from kvchat.session import Session
-from kvchat.store.conversations import Conversation, NewMessage, append_turn, create_conversation, get_conversation
+from kvchat.store.conversations import Conversation, NewMessage, append_turn, create_conversation, delete_conversation
 from kvchat.store.db import write_transaction
 
 TITLE_CHARS = 60
@@ -68,3 +68,11 @@ def _append_last_turn(db: Database, conv_id: str, session: Session, user_text: s
         [NewMessage("assistant", turn.text, 0, a1 - a0, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)],
         segment_kind="assistant",
     )
+
+
+def delete_chat(db: Database, conv_id: str) -> list[str]:
+    """Delete a conversation and the KV chunks nobody else uses (they reveal its text); returns deleted chunk keys."""
+    from kvchat.kv_persist import release_owner
+
+    delete_conversation(db, conv_id)
+    return release_owner(conv_id)

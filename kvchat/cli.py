@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse tree for every sub-command."""
     parser = argparse.ArgumentParser(prog="kvchat", description="Local chat on a paged, FP8, persistent KV cache.")
     parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
+    _add_model_args(parser)
     sub = parser.add_subparsers(dest="command")
 
     ask = sub.add_parser("ask", help="ask one question (optionally about documents, or continuing a chat)")
@@ -49,6 +50,31 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--name", help="import --from PATH under this name instead of the default model")
     msub.add_parser("list", help="list imported models")
 
+    doc = sub.add_parser("doc", help="documents cached as reusable prefixes")
+    dsub = doc.add_subparsers(dest="doc_command", required=True)
+    dadd = dsub.add_parser("add", help="prefill a document as a prefix and snapshot it")
+    dadd.add_argument("path")
+    dadd.add_argument("--system", help="system prompt the document is cached under (default: kvchat's)")
+    _add_model_args(dadd)
+    dsub.add_parser("list", help="list cached documents")
+    drm = dsub.add_parser("rm", help="forget a document and its unshared cache")
+    drm.add_argument("doc", metavar="ID|PATH")
+
+    cache = sub.add_parser("cache", help="the KV snapshot store on disk")
+    csub = cache.add_subparsers(dest="cache_command", required=True)
+    csub.add_parser("ls", help="disk use per chat and document")
+    csub.add_parser("stats", help="totals against the budget")
+    csub.add_parser("verify", help="check every chunk file against its checksum (corrupt ones are dropped)")
+    csub.add_parser("gc", help="remove stray files and rows, evict over budget")
+    for name in ("pin", "unpin"):
+        p = csub.add_parser(name, help=f"{name} a chat's or document's chunks (pinned chunks are never evicted)")
+        p.add_argument("owner", metavar="CHAT_ID|DOC_ID")
+    purge = csub.add_parser("purge", help="delete all unpinned chunks")
+    purge.add_argument("--all", action="store_true", help="pinned ones too")
+    explain = csub.add_parser("explain", help="show a chat's chunk chain and where it stops")
+    explain.add_argument("chat")
+    explain.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp16"])
+
     bench = sub.add_parser("bench", help="benchmarks (printed tables and JSON)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     eng = bsub.add_parser("engine", help="prefill/decode tokens/s vs transformers, model load time")
@@ -58,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     eng.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     _add_model_args(eng)
+    startup = bsub.add_parser("startup", help="time to first frame and to ready, in fresh processes")
+    from kvchat.bench.startup import add_startup_args
+
+    add_startup_args(startup)
+    _add_model_args(startup)
     return parser
 
 
@@ -68,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             from kvchat.tui.app import run_app
 
-            return run_app()
+            return run_app(model=args.model, kv_dtype=args.kv_dtype, threads=args.threads)
         if args.command == "ask":
             return cmd_ask(args)
         if args.command == "model":
@@ -76,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
             from kvchat.model_registry import cmd_model_list
 
             return cmd_model_pull(args.from_path, args.name) if args.model_command == "pull" else cmd_model_list()
+        if args.command in ("cache", "doc"):
+            from kvchat.cache_cli import cmd_cache, cmd_doc
+
+            return cmd_cache(args) if args.command == "cache" else cmd_doc(args)
         if args.command == "bench":
+            if args.bench_command == "startup":
+                from kvchat.bench.startup import cmd_bench_startup
+
+                return cmd_bench_startup(args)
             from kvchat.bench.engine import cmd_bench_engine
 
             return cmd_bench_engine(args)
@@ -113,6 +152,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     conv = _find_chat(args.chat) if args.chat else None
 
     from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
+    from kvchat.kv_persist import KVPersist
     from kvchat.loader import load_runtime, set_threads
     from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
     from kvchat.store.db import get_db
@@ -128,6 +168,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         session = Session.new(rt.engine, rt.chat_format(settings), system, [(d.title, d.text) for d in docs])
     stored_len = len(session.token_ids)
     session.check_turn_fits(args.prompt)
+    session.persist = KVPersist(rt.engine)
 
     cancel = threading.Event()
     old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
@@ -142,13 +183,19 @@ def cmd_ask(args: argparse.Namespace) -> int:
     chat_id = conv.id if conv else save_new_chat(db, rt, session, system, settings, args.prompt)
     if conv is not None:
         save_turn(db, conv.id, session, args.prompt, stored_len)
+    session.save_snapshot(chat_id)
+    session.persist.close()
+    for err in session.persist.errors[:1]:
+        print(f"kvchat: warning: {err}", file=sys.stderr)
     turn = session.last_turn
     if args.json:
         s = turn.stats
         print(json.dumps({
             "text": turn.text, "chat_id": chat_id, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
             "scale_scheme": rt.engine.spec.scale_scheme, "prompt_tokens": s.prompt_tokens,
-            "reused_tokens": s.reused_tokens, "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens,
+            "reused_tokens": s.reused_tokens, "from_memory": s.from_memory, "from_disk": s.from_disk,
+            "restore_ms": round(s.restore_ms, 2), "bytes_read": s.bytes_read, "miss_reason": s.miss_reason,
+            "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens,
             "ttft_ms": round(s.ttft_ms, 2), "prefill_ms": round(s.prefill_ms, 2),
             "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
             "context_tokens": len(session.token_ids), "context_limit": rt.engine.max_context,

@@ -26,6 +26,7 @@ DEFAULT_CPU_POOL_BYTES = 512 * 2**20
 GPU_POOL_FRACTION = 0.5
 PREFILL_CHUNK_TOKENS = 512
 SMALL_MODEL_PARAMS = 2_000_000_000
+DEFAULT_PREFILL_TOKENS_PER_S = 150.0  # until measured; CPU-conservative
 
 
 class ContextOverflowError(ValueError):
@@ -110,6 +111,7 @@ class Engine:
         self.cache_fingerprint = cache_fingerprint(model_fingerprint, kv_dtype, self.spec.scale_scheme, self.spec.block_size)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         self.load_ms = (time.perf_counter() - t0) * 1e3
+        self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
 
     def _default_pool_bytes(self) -> int:
         env = os.environ.get("KVCHAT_KV_BUDGET_MB")
@@ -183,7 +185,10 @@ class Engine:
             if progress:
                 progress(b - start, len(token_ids) - start)
         logits = self.model.logits(hidden[-1:])[0]
-        return PrefillResult(logits, len(token_ids) - start, (time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        if len(token_ids) - start >= 64:
+            self.prefill_tokens_per_s = (len(token_ids) - start) / (ms / 1e3)
+        return PrefillResult(logits, len(token_ids) - start, ms)
 
     @torch.inference_mode()
     def score(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = ()) -> torch.Tensor:

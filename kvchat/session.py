@@ -40,10 +40,20 @@ class TurnStats:
         prefill_ms: time spent in prefill.
         decode_tokens_per_s: generated tokens after the first ÷ their decode time.
         finish_reason: ``stop`` | ``length`` | ``context`` | ``cancelled``.
+        from_memory: reused tokens found in the pool (prefix hit).
+        from_disk: reused tokens read from snapshot files.
+        restore_ms: time to look up, read, verify and copy them, ms.
+        bytes_read: snapshot bytes read.
+        miss_reason: why stored K/V could not be used, if any.
     """
 
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    from_memory: int = 0
+    from_disk: int = 0
+    restore_ms: float = 0.0
+    bytes_read: int = 0
+    miss_reason: str | None = None
     prefilled_tokens: int = 0
     new_tokens: int = 0
     ttft_ms: float = 0.0
@@ -71,8 +81,9 @@ class Session:
         seq: the conversation's blocks in the engine's pool.
     """
 
-    def __init__(self, engine: Engine, fmt: ChatFormat, token_ids: list[int], segments: list[Segment]):
+    def __init__(self, engine: Engine, fmt: ChatFormat, token_ids: list[int], segments: list[Segment], persist=None):
         self.engine = engine
+        self.persist = persist
         self.fmt = fmt
         self.token_ids = token_ids
         self.segments = segments
@@ -80,12 +91,16 @@ class Session:
         self.last_turn: Turn | None = None
 
     @classmethod
-    def new(cls, engine: Engine, fmt: ChatFormat, system: str, documents: list[tuple[str, str]]) -> "Session":
-        """A fresh conversation whose prefix segment holds ``system`` and ``documents`` ``(title, text)``."""
+    def new(cls, engine: Engine, fmt: ChatFormat, system: str, documents: list[tuple[str, str]], persist=None) -> "Session":
+        """A fresh conversation whose prefix segment holds ``system`` and ``documents`` ``(title, text)``.
+
+        ``persist`` (a :class:`kvchat.kv_persist.KVPersist`) enables restoring
+        from and saving to snapshot files.
+        """
         ids: list[int] = []
         segments: list[Segment] = []
         append_segment(ids, segments, "prefix", fmt.prefix_ids(system, documents))
-        return cls(engine, fmt, ids, segments)
+        return cls(engine, fmt, ids, segments, persist)
 
     @property
     def boundaries(self) -> list[int]:
@@ -97,11 +112,29 @@ class Session:
         """Tokens the context can still take."""
         return self.engine.max_context - len(self.token_ids)
 
-    def attach_cached_prefix(self) -> int:
-        """Map the longest prefix already in the pool (prefix hit); returns tokens hit."""
-        if self.seq.block_table:
-            return self.seq.num_computed
-        return self.engine.blocks.attach_prefix(self.seq, self.token_ids)
+    def attach_cached_prefix(self, stats: TurnStats) -> None:
+        """Reuse cached K/V before prefill: pool prefix hits first, then snapshot files."""
+        if not self.seq.block_table:
+            stats.from_memory = self.engine.blocks.attach_prefix(self.seq, self.token_ids)
+        if self.persist is not None:
+            res = self.persist.restore(self.seq, self.token_ids)
+            stats.from_disk, stats.restore_ms = res.from_disk, res.restore_ms
+            stats.bytes_read, stats.miss_reason = res.bytes_read, res.miss_reason
+        stats.reused_tokens = self.seq.num_computed
+
+    def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
+        """Make the whole token list (e.g. a documents-only prefix) resident: reuse, then prefill."""
+        stats = TurnStats(prompt_tokens=len(self.token_ids))
+        self.attach_cached_prefix(stats)
+        result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
+        stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
+        return stats
+
+    def save_snapshot(self, owner: str | None) -> list[str]:
+        """Queue this conversation's computed K/V for writing (no-op without ``persist``); returns chain keys."""
+        if self.persist is None:
+            return []
+        return self.persist.save(self.seq, self.token_ids, [self.segments[0].end], owner)
 
     def check_turn_fits(self, text: str) -> list[int]:
         """Render the user turn and check it fits, before any work.
@@ -147,7 +180,7 @@ class Session:
         user_start = len(self.token_ids)
         append_segment(self.token_ids, self.segments, "user", user_ids)
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        stats.reused_tokens = self.attach_cached_prefix()
+        self.attach_cached_prefix(stats)
         result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         gen_start = len(self.token_ids)

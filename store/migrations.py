@@ -111,6 +111,14 @@ def m003_fts(db: Database) -> None:
     db["messages"].enable_fts(["text"], create_triggers=True)
 
 
+@MIGRATIONS(name="m004_chunk_refs")
+def m004_chunk_refs(db: Database) -> None:
+    """chunk_refs: which conversation (``c_...``) or document (``d_...``) uses which chunk key."""
+    db["chunk_refs"].create({"owner": str, "key": str}, pk=("owner", "key"), not_null={"owner", "key"})
+    db["chunk_refs"].create_index(["key"])
+    db["documents"].add_column("pinned", int, not_null_default=0)
+
+
 def schema_names() -> list[str]:
     """Names of all registered migrations, oldest first."""
     return [m.name for m in MIGRATIONS.pending(Database(memory=True))]

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels run under the interpreter where there is no GPU; the flag
+# must be set before triton itself is first imported (by any test module).
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from model_helpers import ensure_default_model  # noqa: E402

@@ -32,7 +32,8 @@ def test_kernels_compile_for_sm90_and_sm80_without_spills():
         pytest.skip("Triton is not installed")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVCHAT_ATTENTION")}
     for cc in ("90", "80"):
-        proc = subprocess.run([sys.executable, __file__, cc], env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable, __file__, cc], env=env, capture_output=True, text=True, timeout=600,
+                              check=False)
         if proc.returncode == SETUP_FAILED:
             pytest.skip(f"compile-only launch not possible with this Triton: {proc.stderr.strip()[-300:]}")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -101,7 +102,8 @@ def _compile_all(cc: int) -> None:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
             fh.write(kernel.asm["cubin"])
             fh.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True).stdout
+            usage = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True,
+                                   check=True).stdout
         found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
         assert found is not None, usage
         regs, stack = found.groups()

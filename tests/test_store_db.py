@@ -24,7 +24,8 @@ COLUMNS = {
                       "updated", "pinned", "token_ids", "token_ids_version", "segments"},
     "messages": {"id", "conversation_id", "idx", "role", "text", "token_start", "token_end", "ttft_ms",
                  "decode_tokens_per_s", "created"},
-    "documents": {"id", "path", "content_hash", "title", "token_count", "created"},
+    "documents": {"id", "path", "content_hash", "title", "token_count", "created", "pinned"},
+    "chunk_refs": {"owner", "key"},
     "kv_chunks": {"key", "parent_key", "fingerprint", "token_count", "file_path", "bytes", "checksum", "created",
                   "last_used", "pinned", "ref_count"},
 }

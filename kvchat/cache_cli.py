@@ -1,0 +1,164 @@
+"""``kvchat cache …`` and ``kvchat doc …``: the KV snapshot store from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+
+from kvchat.store.chunk_index import gc, list_chunks, totals, verify_chunks
+from kvchat.store.db import get_db, write_transaction
+
+
+def human(n: float) -> str:
+    """Bytes as a short human-readable size (decimal units)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _owners(db) -> list[dict]:
+    return list(db.query(
+        "SELECT r.owner, coalesce(c.title, d.title, '') AS title, count(*) AS chunks, coalesce(sum(k.bytes), 0) AS bytes,"
+        " sum(k.token_count) AS tokens, coalesce(c.pinned, d.pinned, 0) AS pinned"
+        " FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
+        " LEFT JOIN conversations c ON c.id = r.owner LEFT JOIN documents d ON d.id = r.owner"
+        " GROUP BY r.owner ORDER BY bytes DESC"
+    ))
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """Dispatch ``kvchat cache ls|stats|verify|gc|pin|unpin|purge|explain``; returns the exit code."""
+    from kvchat.disk_budget import budget_bytes, enforce, refresh_pins
+
+    db = get_db()
+    sub = args.cache_command
+    if sub == "ls":
+        print(f"{'OWNER':10} {'TOKENS':>7} {'CHUNKS':>6} {'SIZE':>9}  PIN  TITLE")
+        for o in _owners(db):
+            print(f"{o['owner']:10} {o['tokens']:>7} {o['chunks']:>6} {human(o['bytes']):>9}  {'yes' if o['pinned'] else '   '}  {o['title'][:50]}")
+    elif sub == "stats":
+        t = totals(db)
+        print(f"chunks {t.count}, {human(t.bytes)} of a {human(budget_bytes(db))} budget; pinned {t.pinned_count} ({human(t.pinned_bytes)})")
+    elif sub == "verify":
+        bad = verify_chunks(db, drop=True)
+        for exc in bad:
+            print(f"dropped: {exc}")
+        print(f"verified {totals(db).count} chunks; {len(bad)} corrupt chunk(s) dropped (their tokens will be recomputed)")
+    elif sub == "gc":
+        r = gc(db)
+        evicted = enforce(db)
+        print(f"removed {r.files_removed} stray file(s) ({human(r.bytes_freed)}), {r.rows_removed} row(s) without a file, "
+              f"evicted {len(evicted)} chunk(s) over budget")
+    elif sub in ("pin", "unpin"):
+        table = "conversations" if args.owner.startswith("c_") else "documents"
+        with write_transaction(db):
+            n = db.execute(f"UPDATE {table} SET pinned = ? WHERE id = ?", [int(sub == "pin"), args.owner]).rowcount
+            if n == 0:
+                raise LookupError(f"no chat or document with id {args.owner!r}")
+            refresh_pins(db)
+        print(f"{sub}ned {args.owner}")
+    elif sub == "purge":
+        from kvchat.store.chunk_index import delete_chunk
+
+        keys = [r.key for r in list_chunks(db) if args.all or not r.pinned]
+        for key in keys:
+            delete_chunk(db, key)
+        with write_transaction(db):
+            db.execute("DELETE FROM chunk_refs WHERE key NOT IN (SELECT key FROM kv_chunks)")
+        print(f"purged {len(keys)} chunk(s)")
+    elif sub == "explain":
+        return _explain(db, args.chat, args.kv_dtype)
+    return 0
+
+
+def _explain(db, chat_id: str, kv_dtype: str) -> int:
+    """Print the chat's chunk chain and where (and why) it stops."""
+    from kvchat.cache_id import cache_fingerprint
+    from kvchat.kernels import SCALE_SCHEME
+    from kvchat.kv_cache import BLOCK_SIZE
+    from kvchat.kv_persist import CHUNK_TOKENS, find_chain
+    from kvchat.store.conversations import get_conversation
+
+    conv = get_conversation(db, chat_id)
+    fp = cache_fingerprint(conv.model_fingerprint or "", kv_dtype, SCALE_SCHEME if kv_dtype == "fp8" else "none", BLOCK_SIZE)
+    rows = find_chain(db, fp, conv.token_ids)
+    print(f"chat {conv.id}: {len(conv.token_ids)} tokens, cache fingerprint {fp[:12]} ({kv_dtype})")
+    start = 0
+    for row in rows:
+        kind = "tail" if row.token_count < CHUNK_TOKENS else "chunk"
+        print(f"  [{start:>6}, {start + row.token_count:>6})  {kind:5} {row.key[:12]}  {human(row.bytes):>9}  on disk")
+        start += row.token_count
+    print(f"restorable from disk: {start} of {len(conv.token_ids)} tokens "
+          f"(a resume always recomputes the last token and what the previous answer never ran through the model)")
+    if start + CHUNK_TOKENS <= len(conv.token_ids) - 1 or not rows:
+        print(f"chain stops at token {start}: the next chunk is not on disk (never written, evicted LRU, or dropped as corrupt)")
+    n_other = next(iter(db.query("SELECT count(*) AS n FROM kv_chunks WHERE fingerprint != ?", [fp])))["n"]
+    if n_other:
+        print(f"{n_other} chunk(s) belong to other cache fingerprints (another model, KV dtype or scale scheme): never used here")
+    return 0
+
+
+def doc_id(text: str) -> str:
+    """Stable id of a document's content: ``d_`` + 10 hex of blake2b."""
+    return "d_" + hashlib.blake2b(text.encode(), digest_size=5).hexdigest()
+
+
+def cmd_doc(args: argparse.Namespace) -> int:
+    """``kvchat doc add|list|rm``; returns the exit code."""
+    db = get_db()
+    if args.doc_command == "list":
+        print(f"{'ID':12} {'TOKENS':>7}  TITLE")
+        for d in db.query("SELECT id, title, token_count FROM documents ORDER BY created"):
+            print(f"{d['id']:12} {d['token_count']:>7}  {d['title']}")
+        return 0
+    if args.doc_command == "rm":
+        from kvchat.kv_persist import release_owner
+
+        rows = list(db.query("SELECT id FROM documents WHERE id = ? OR path = ?", [args.doc, args.doc]))
+        if not rows:
+            raise LookupError(f"no document {args.doc!r} (see kvchat doc list)")
+        for r in rows:
+            deleted = release_owner(r["id"])
+            with write_transaction(db):
+                db.execute("DELETE FROM documents WHERE id = ?", [r["id"]])
+            print(f"removed {r['id']} and {len(deleted)} chunk(s) nobody else uses")
+        return 0
+    return _doc_add(db, args)
+
+
+def _doc_add(db, args: argparse.Namespace) -> int:
+    import time
+
+    from kvchat.chats import new_settings
+    from kvchat.documents import read_document
+    from kvchat.kv_persist import KVPersist
+    from kvchat.loader import load_runtime
+    from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
+
+    doc = read_document(args.path)
+    rt = load_runtime(args.model, args.kv_dtype)
+    system = DEFAULT_SYSTEM_PROMPT if args.system is None else args.system
+    persist = KVPersist(rt.engine)
+    session = Session.new(rt.engine, rt.chat_format(new_settings([doc.title])), system, [(doc.title, doc.text)], persist)
+    rt.engine.check_fits(len(session.token_ids) + 1)
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rprefill {done}/{total} tokens", end="", file=sys.stderr, flush=True)
+
+    stats = session.prefill_prefix(progress)
+    print(file=sys.stderr)
+    did = doc_id(doc.text)
+    with write_transaction(db):
+        db.execute(
+            "INSERT OR REPLACE INTO documents (id, path, content_hash, title, token_count, created, pinned)"
+            " VALUES (?, ?, ?, ?, ?, ?, coalesce((SELECT pinned FROM documents WHERE id = ?), 0))",
+            [did, str(doc.path.resolve()), did[2:], doc.title, len(session.token_ids), time.time(), did],
+        )
+    session.save_snapshot(did)
+    persist.close()
+    print(f"{did}  {doc.title}: {len(session.token_ids)} tokens, {stats.reused_tokens} reused, "
+          f"{stats.prefilled_tokens} prefilled in {stats.prefill_ms / 1e3:.1f} s; cached for new chats")
+    return 0

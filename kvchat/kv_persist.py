@@ -1,0 +1,290 @@
+"""KV snapshots of sequences: save pool blocks as content-addressed chunk files, restore them.
+
+A chain covers a token list in chunks of ``CHUNK_TOKENS`` from position 0;
+chunk ``i`` is keyed by ``chunk_key(cache_fingerprint, key of chunk i-1,
+its token ids)`` (LMCache-style chained prefix keys), so equal prefixes share
+files across chats and processes. The partial chunk at the end of a segment
+(the documents' prefix, the conversation so far) is stored as a *tail*: a
+leaf chunk with fewer tokens, so a document or a finished turn is reusable in
+full. Chunks are written by a background thread (blocks are copied to a
+staging tensor first, so the pool may change right away); restores read and
+verify every file before one byte reaches the pool.
+
+Chunk size 256 tokens (16 blocks): for SmolLM2 in fp8 that is 3.1 MB per
+file, so a 4096-token chat costs 16 files and 16 fsyncs while the 0.5 KB
+safetensors header stays < 0.02% of the bytes; reuse granularity below a
+chunk comes from tails.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvchat.block_manager import SeqBlocks
+from kvchat.disk_budget import enforce as enforce_budget
+from kvchat.engine import Engine
+from kvchat.kv_cache import KVPool
+from kvchat.store.chunk_index import ChunkRow, add_chunk, get_chunk, load_chunk, ref_chunks, unref_chunks
+from kvchat.store.db import get_db, write_transaction
+from kvchat.store.errors import CorruptChunkError
+from kvchat.store.keys import chunk_key
+from kvchat.store.snapshot import ChunkData, ChunkLayout
+
+CHUNK_TOKENS = 256
+DEFAULT_READ_BYTES_PER_S = 500e6
+
+
+@dataclass(slots=True)
+class Link:
+    """One chunk of a chain: tokens ``[start, end)`` under ``key``."""
+
+    key: str
+    parent_key: str | None
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class RestoreResult:
+    """What a restore did (tokens, ms, bytes).
+
+    Attributes:
+        from_disk: tokens whose K/V were read from chunk files into the pool.
+        restore_ms: wall time of lookup + read + verify + copy into the pool.
+        bytes_read: chunk file bytes read.
+        miss_reason: why stored K/V could not be used, if something was skipped.
+    """
+
+    from_disk: int = 0
+    restore_ms: float = 0.0
+    bytes_read: int = 0
+    miss_reason: str | None = None
+    keys: list[str] = field(default_factory=list)
+
+
+def chain(fingerprint: str, token_ids: Sequence[int], ends: Sequence[int]) -> list[Link]:
+    """Full chunks of ``token_ids[:max(ends)]`` plus one tail per non-aligned end in ``ends``.
+
+    Returns the full chunks in order, then the tails (leaves), each keyed
+    under the full chunk before it.
+    """
+    stop = max(ends, default=0)
+    links, parent = [], None
+    full_keys: dict[int, str | None] = {0: None}
+    for start in range(0, stop - CHUNK_TOKENS + 1, CHUNK_TOKENS):
+        key = chunk_key(fingerprint, parent, token_ids[start : start + CHUNK_TOKENS])
+        links.append(Link(key, parent, start, start + CHUNK_TOKENS))
+        parent = key
+        full_keys[start + CHUNK_TOKENS] = key
+    for end in sorted(set(ends)):
+        start = end - end % CHUNK_TOKENS
+        if end % CHUNK_TOKENS and start in full_keys:
+            p = full_keys[start]
+            links.append(Link(chunk_key(fingerprint, p, token_ids[start:end]), p, start, end))
+    return links
+
+
+def find_chain(db, fingerprint: str, token_ids: Sequence[int]) -> list[ChunkRow]:
+    """Rows of the longest stored chain prefixing ``token_ids``: full chunks, then the longest matching tail."""
+    rows, parent = [], None
+    for start in range(0, len(token_ids) - CHUNK_TOKENS + 1, CHUNK_TOKENS):
+        row = get_chunk(db, chunk_key(fingerprint, parent, token_ids[start : start + CHUNK_TOKENS]))
+        if row is None:
+            break
+        rows.append(row)
+        parent = row.key
+    start = len(rows) * CHUNK_TOKENS
+    tails = db.query(
+        "SELECT key, token_count FROM kv_chunks WHERE parent_key IS ? AND fingerprint = ? AND token_count < ?"
+        " ORDER BY token_count DESC",
+        [parent, fingerprint, CHUNK_TOKENS],
+    )
+    for t in tails:
+        end = start + t["token_count"]
+        if end <= len(token_ids) and chunk_key(fingerprint, parent, token_ids[start:end]) == t["key"]:
+            rows.append(get_chunk(db, t["key"]))
+            break
+    return rows
+
+
+class KVPersist:
+    """Saves and restores sequences of one engine; owns the background writer thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        spec = engine.spec
+        self.fingerprint = engine.cache_fingerprint
+        self.layout = ChunkLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.pool.k.dtype)
+        self.read_bytes_per_s = DEFAULT_READ_BYTES_PER_S
+        self.errors: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._writer, name="kvchat-snapshot-writer", daemon=True)
+        self._thread.start()
+
+    # ---- restore -------------------------------------------------------------------------
+    def find(self, token_ids: Sequence[int]) -> list[ChunkRow]:
+        """Rows of the longest stored chain that prefixes ``token_ids`` (see :func:`find_chain`)."""
+        return find_chain(get_db(), self.fingerprint, token_ids)
+
+    def restore(self, seq: SeqBlocks, token_ids: Sequence[int]) -> RestoreResult:
+        """Read the stored chain of ``token_ids`` into ``seq``'s blocks, beyond what it already holds.
+
+        At most ``len(token_ids) - 1`` tokens are restored (the last one is
+        recomputed for logits). All files are read and verified first; a
+        corrupt or missing chunk ends the chain there (it is dropped from the
+        index and its tokens are recomputed) and the pool is only written
+        after every read succeeded. Skipped entirely when reading would be
+        slower than prefilling the same tokens.
+        """
+        t0 = time.perf_counter()
+        res = RestoreResult()
+        limit = len(token_ids) - 1
+        rows = self.find(token_ids)
+        have = seq.num_computed
+        todo, start = [], 0
+        for row in rows:
+            end = start + row.token_count
+            if end > have and start < limit:
+                todo.append((start, min(end, limit), row))
+            start = end
+        if not todo:
+            return res
+        tokens = todo[-1][1] - max(todo[0][0], have)
+        nbytes = sum(r.bytes for _, _, r in todo)
+        if nbytes / self.read_bytes_per_s > tokens / self.engine.prefill_tokens_per_s:
+            res.miss_reason = "recomputing is faster than reading from disk"
+            return res
+        loaded = []
+        db = get_db()
+        for a, b, row in todo:
+            try:
+                loaded.append((a, b, load_chunk(db, row, self.layout)))
+            except CorruptChunkError as exc:
+                res.miss_reason = f"{exc.kind} chunk dropped and recomputed"
+                break
+            res.bytes_read += row.bytes
+            res.keys.append(row.key)
+        if not loaded:
+            return res
+        first, last = max(loaded[0][0], have), loaded[-1][1]
+        copies = self.engine.blocks.reserve(seq, last)
+        self.engine.pool.copy_blocks(copies)
+        for a, b, data in loaded:
+            lo = max(a, first)
+            _write_tokens(self.engine.pool, self.engine.blocks, seq, data, lo - a, lo, b)
+        self.engine.blocks.commit(seq, token_ids, last)
+        res.from_disk = last - first
+        res.restore_ms = (time.perf_counter() - t0) * 1e3
+        if res.bytes_read > 1e6:
+            self.read_bytes_per_s = res.bytes_read / max(res.restore_ms / 1e3, 1e-6)
+        return res
+
+    # ---- save ----------------------------------------------------------------------------
+    def save(self, seq: SeqBlocks, token_ids: Sequence[int], segment_ends: Sequence[int], owner: str | None) -> list[str]:
+        """Queue the chain of ``seq``'s computed tokens for writing; returns its keys.
+
+        Tails are stored at every ``segment_ends`` offset not beyond the
+        computed tokens (e.g. the end of the documents' prefix) and at the end
+        of the computed tokens. Pool bytes are copied now, written later.
+        ``owner`` (a chat or document id) gets a reference on each key; keys
+        it no longer uses are released (and deleted when nobody else uses them).
+        """
+        done = seq.num_computed
+        ends = [e for e in segment_ends if 0 < e <= done] + [done]
+        links = chain(self.fingerprint, token_ids, ends)
+        db = get_db()
+        for link in links:
+            if get_chunk(db, link.key) is None:
+                self._queue.put((link, _read_tokens(self.engine.pool, self.engine.blocks, seq, link.start, link.end)))
+        self._queue.put(("refs", owner, [l.key for l in links]))
+        return [l.key for l in links]
+
+    def flush(self) -> None:
+        """Block until every queued write is on disk and indexed."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Flush and stop the writer thread."""
+        self.flush()
+        self._queue.put(None)
+        self._thread.join()
+
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if item[0] == "refs":
+                    _set_refs(get_db(), item[1], item[2])
+                    enforce_budget(get_db())
+                else:
+                    link, data = item
+                    add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key, fingerprint=self.fingerprint)
+            except OSError as exc:  # disk full, permissions: the turn's text is already saved
+                self.errors.append(f"KV snapshot not saved: {exc.strerror or exc}")
+            finally:
+                self._queue.task_done()
+
+
+def _slots(blocks, seq: SeqBlocks, start: int, end: int) -> torch.Tensor:
+    return torch.tensor([blocks.slot(seq, p) for p in range(start, end)], dtype=torch.long)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[layers, blocks, block_size, ...]`` -> ``[layers, slots, ...]`` (uint8 view for fp8)."""
+    t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return t.flatten(1, 2)
+
+
+def _read_tokens(pool: KVPool, blocks, seq: SeqBlocks, start: int, end: int) -> ChunkData:
+    """Copy tokens ``[start, end)`` of ``seq`` out of the pool as a chunk (all layers)."""
+    slots = _slots(blocks, seq, start, end).to(pool.k.device)
+    dtype = pool.k.dtype
+    k = _flat(pool.k)[:, slots].cpu().view(dtype)
+    v = _flat(pool.v)[:, slots].cpu().view(dtype)
+    if pool.k_scale is None:
+        return ChunkData(k, v)
+    return ChunkData(k, v, _flat(pool.k_scale)[:, slots].cpu(), _flat(pool.v_scale)[:, slots].cpu())
+
+
+def _write_tokens(pool: KVPool, blocks, seq: SeqBlocks, data: ChunkData, offset: int, start: int, end: int) -> None:
+    """Copy chunk rows ``offset..`` into ``seq``'s slots for tokens ``[start, end)``."""
+    slots = _slots(blocks, seq, start, end).to(pool.k.device)
+    n = end - start
+    for dst, src in ((pool.k, data.k), (pool.v, data.v), (pool.k_scale, data.k_scale), (pool.v_scale, data.v_scale)):
+        if dst is None:
+            continue
+        src = src.view(torch.uint8) if src.dtype == torch.float8_e4m3fn else src
+        _flat(dst)[:, slots] = src[:, offset : offset + n].to(dst.device)
+
+
+def _set_refs(db, owner: str | None, keys: list[str]) -> None:
+    """Make ``owner`` reference exactly ``keys`` (ref new ones, release dropped ones)."""
+    if owner is None:
+        return
+    with write_transaction(db):
+        old = {r["key"] for r in db.query("SELECT key FROM chunk_refs WHERE owner = ?", [owner])}
+        present = {r["key"] for r in db.query(
+            f"SELECT key FROM kv_chunks WHERE key IN ({','.join('?' * len(keys))})", keys)} if keys else set()
+        new = [k for k in keys if k in present and k not in old]
+        dropped = [k for k in old if k not in set(keys)]
+        db.conn.executemany("INSERT OR IGNORE INTO chunk_refs (owner, key) VALUES (?, ?)", [(owner, k) for k in new])
+        db.conn.executemany("DELETE FROM chunk_refs WHERE owner = ? AND key = ?", [(owner, k) for k in dropped])
+        ref_chunks(db, new)
+        unref_chunks(db, dropped)
+
+
+def release_owner(owner: str) -> list[str]:
+    """Drop all of ``owner``'s chunk references; returns the keys deleted because nobody else used them."""
+    db = get_db()
+    with write_transaction(db):
+        keys = [r["key"] for r in db.query("SELECT key FROM chunk_refs WHERE owner = ?", [owner])]
+        db.execute("DELETE FROM chunk_refs WHERE owner = ?", [owner])
+        return unref_chunks(db, keys)

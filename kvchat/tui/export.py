@@ -1,0 +1,41 @@
+"""Exporting a chat to a Markdown file."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from kvchat.tui.backend import ChatView
+
+
+def chat_to_markdown(view: ChatView) -> str:
+    """The chat as Markdown: title, system prompt, documents, then each message under a role heading.
+
+    Message text is copied verbatim (it already is Markdown, as the model wrote it).
+    """
+    lines = [f"# {view.title}", ""]
+    if view.system_prompt:
+        lines += ["**System prompt:** " + view.system_prompt, ""]
+    if view.documents:
+        lines += ["**Documents:** " + ", ".join(view.documents), ""]
+    for m in view.messages:
+        lines += ["## " + ("You" if m.role == "user" else "Assistant"), "", m.text, ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def export_dir(fallback: Path) -> Path:
+    """The current directory if writable, else ``fallback`` (created)."""
+    cwd = Path.cwd()
+    if os.access(cwd, os.W_OK):
+        return cwd
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
+def export_chat(view: ChatView, directory: Path) -> Path:
+    """Write the chat to ``directory/kvchat-<id>-<title slug>.md`` (replacing an older export); return the path."""
+    slug = re.sub(r"[^a-z0-9]+", "-", view.title.lower()).strip("-")[:40] or "chat"
+    path = directory / f"kvchat-{view.id or 'new'}-{slug}.md"
+    path.write_text(chat_to_markdown(view), encoding="utf-8")
+    return path

@@ -1,0 +1,177 @@
+"""The real engine behind the TUI: ``load_runtime`` + ``Session`` + the SQLite store.
+
+Threads: engine work (model load, prefill, decode, turn saves) runs on one
+"engine" thread in submission order, each call inside
+``torch.inference_mode()``; store-only work (list, search, rename, pin) runs on
+one "store" thread, so the sidebar answers while an answer streams. Each
+thread keeps its own SQLite connection (``get_db``). torch, transformers and
+sqlite-utils are imported only on those threads, so the first frame never
+waits for them.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from kvchat.tui.backend import (
+    BackendNotReadyError, CacheReport, ChatSummary, ChatView, DocumentSummary, GenerationSettings, Status,
+)
+from kvchat.tui.events import Emit, LoadProgress, TurnDone
+
+
+class _Lane:
+    """One thread running submitted calls in order; ``inference`` wraps each in ``torch.inference_mode()``."""
+
+    def __init__(self, name: str, inference: bool):
+        self._ex = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._inference = inference
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._ex.submit(self._run, fn, args).result()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> Any:
+        if not self._inference:
+            return fn(*args)
+        import torch
+
+        with torch.inference_mode():
+            return fn(*args)
+
+    def close(self) -> None:
+        """Run queued calls to the end, close this thread's SQLite connections, stop the thread."""
+        def close_dbs() -> None:
+            from kvchat.store.db import close_thread_dbs
+
+            close_thread_dbs()
+
+        self._ex.submit(close_dbs).result()
+        self._ex.shutdown(wait=True)
+
+
+class RealBackend:
+    """:class:`kvchat.tui.backend.Backend` over the real engine (see the module docstring for threads).
+
+    Args:
+        model: ``--model`` value (None: the default model, imported on first use).
+        kv_dtype: ``fp8`` | ``bf16`` | ``fp16``.
+        pool_bytes: KV pool budget in bytes (None: the engine's default).
+        threads: torch CPU threads (None: torch's default).
+    """
+
+    def __init__(self, model: str | None = None, kv_dtype: str = "fp8", pool_bytes: int | None = None,
+                 threads: int | None = None):
+        self.model, self.kv_dtype, self.pool_bytes, self.threads = model, kv_dtype, pool_bytes, threads
+        self._engine_lane = _Lane("kvchat-engine", inference=True)
+        self._store_lane = _Lane("kvchat-store", inference=False)
+        self._chats = None  # kvchat.tui.real_chats.OpenChats once loaded
+        self._status = Status(phase="loading", message="starting")
+
+    # --- engine lane -------------------------------------------------------------------------
+    def load(self, emit: Emit) -> Status:
+        return self._engine_lane.call(self._load, emit)
+
+    def _load(self, emit: Emit) -> Status:
+        emit(LoadProgress("importing torch and transformers"))
+        from kvchat.loader import load_runtime, set_threads
+        from kvchat.model_import import DEFAULT_MODEL_NAME
+        from kvchat.paths import models_dir
+        from kvchat.tui.real_chats import OpenChats
+
+        set_threads(self.threads)
+        if self.model is None and not (models_dir() / DEFAULT_MODEL_NAME).exists():
+            emit(LoadProgress(f"first run: importing the default model {DEFAULT_MODEL_NAME} (about a minute)"))
+        emit(LoadProgress("loading weights"))
+        try:
+            rt = load_runtime(self.model, self.kv_dtype, pool_bytes=self.pool_bytes)
+        except Exception as exc:
+            self._status = Status(phase="error", message=f"model load failed: {exc}")
+            raise
+        self._chats = OpenChats(rt)
+        self._status = Status(phase="ready", message="ready")
+        return self.status()
+
+    def _require(self):
+        if self._chats is None:
+            failed = self._status.phase == "error"
+            raise BackendNotReadyError(self._status.message if failed else "the model is still loading")
+        return self._chats
+
+    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit) -> ChatView:
+        return self._engine_lane.call(lambda: self._require().new_chat(system, document_paths, emit))
+
+    def open_chat(self, chat_id: str) -> ChatView:
+        return self._engine_lane.call(lambda: self._require().open_chat(chat_id))
+
+    def send(self, text: str, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+        return self._engine_lane.call(lambda: self._require().send(text, settings, cancel, emit))
+
+    def regenerate(self, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+        return self._engine_lane.call(lambda: self._require().regenerate(settings, cancel, emit))
+
+    def edit_last(self, text: str, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+        return self._engine_lane.call(lambda: self._require().edit_last(text, settings, cancel, emit))
+
+    def set_system_prompt(self, text: str) -> ChatView:
+        return self._engine_lane.call(lambda: self._require().set_system_prompt(text))
+
+    def continue_in_new_chat(self, keep_turns: int) -> ChatView:
+        return self._engine_lane.call(lambda: self._require().continue_in_new_chat(keep_turns))
+
+    def delete_chat(self, chat_id: str) -> None:
+        def run() -> None:
+            from kvchat.tui import real_store
+
+            real_store.delete_chat(self._chats, chat_id)
+
+        self._engine_lane.call(run)
+
+    # --- no lane: non-blocking reads -----------------------------------------------------------
+    def status(self) -> Status:
+        chats = self._chats
+        if chats is None:
+            return Status(phase=self._status.phase, message=self._status.message)
+        return chats.status()
+
+    def current(self) -> ChatView | None:
+        return self._chats.view() if self._chats is not None else None
+
+    # --- store lane ---------------------------------------------------------------------------
+    def _store(self, fn: str, *args: Any) -> Any:
+        """``kvchat.tui.real_store.<fn>(chats, *args)`` on the store lane (SQLite imports stay off the UI thread)."""
+        def run() -> Any:
+            from kvchat.tui import real_store
+
+            return getattr(real_store, fn)(self._chats, *args)
+
+        return self._store_lane.call(run)
+
+    def list_chats(self, query: str = "") -> list[ChatSummary]:
+        return self._store("list_chats", query)
+
+    def list_documents(self) -> list[DocumentSummary]:
+        return self._store("list_documents")
+
+    def rename_chat(self, chat_id: str, title: str) -> None:
+        self._store("rename_chat", chat_id, title)
+
+    def pin_chat(self, chat_id: str, pinned: bool) -> None:
+        self._store("pin_chat", chat_id, pinned)
+
+    def purge_cache(self, chat_id: str) -> int:
+        return self._store("purge_cache", chat_id)
+
+    def cache_report(self) -> CacheReport:
+        report = self._store("cache_report")
+        st = self.status()
+        report.pool_bytes, report.pool_blocks_used, report.pool_blocks_total = (
+            st.pool_bytes, st.pool_blocks_used, st.pool_blocks_total)
+        return report
+
+    def shutdown(self) -> None:
+        """Finish queued engine work, flush queued snapshot writes, then stop both threads."""
+        if self._chats is not None:
+            self._engine_lane.call(self._chats.close)
+        self._engine_lane.close()
+        self._store_lane.close()

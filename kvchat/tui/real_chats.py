@@ -1,0 +1,223 @@
+"""The open chat on a loaded runtime: new/open, turns (send, regenerate, edit), carry-over, counters.
+
+Runs on the real backend's engine thread only (``kvchat.tui.real_backend``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Sequence
+
+from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
+from kvchat.disk_budget import enforce
+from kvchat.documents import read_document
+from kvchat.engine import ContextOverflowError
+from kvchat.loader import Runtime
+from kvchat.sampling import SamplingParams
+from kvchat.kv_persist import KVPersist
+from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session, TurnStats
+from kvchat.store.conversations import get_conversation
+from kvchat.store.db import get_db, write_transaction
+from kvchat.tui.real_store import register_documents
+from kvchat.tui.backend import (
+    SYSTEM_PROMPT_FIXED, ChatMessage, ChatView, ContextFullError, GenerationSettings, ResumeInfo, Status,
+)
+from kvchat.tui.events import Emit, TurnDone, TurnMetrics
+from kvchat.tui.rewind import carry_over, rewind_store, truncate_session, turn_spans
+from kvchat.tui.streaming import PrefillTimer, TokenBatcher
+
+
+@dataclass(slots=True)
+class _Chat:
+    session: Session
+    chat_id: str | None
+    title: str
+    system: str
+    settings: dict
+    messages: list[ChatMessage] = field(default_factory=list)
+    resume: ResumeInfo | None = None
+
+    @property
+    def stored_len(self) -> int:
+        return len(self.session.token_ids)
+
+
+def _resume(stats: TurnStats, ms: float) -> ResumeInfo | None:
+    """What reusing cached KV did (memory hits, then snapshot files) as a resume line; None if nothing was stored."""
+    if stats.reused_tokens or stats.miss_reason:
+        return ResumeInfo(stats.reused_tokens, stats.from_disk, ms, stats.miss_reason)
+    return None
+
+
+class OpenChats:
+    """The runtime, its snapshot store (``KVPersist``), the one open chat, the last turn's counters, and
+    the prefix ids of documents prefilled in this process."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.persist = KVPersist(rt.engine)
+        self.chat: _Chat | None = None
+        self.last: TurnMetrics | None = None
+        self.doc_prefixes: dict[str, list[int]] = {}
+
+    def close(self) -> None:
+        """Flush queued snapshot writes, stop the writer thread, then evict down to the disk budget."""
+        self.persist.close()
+        enforce(get_db())
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes per token in the pool (K + V + scales, all layers)."""
+        return self.rt.engine.spec.bytes_per_token
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of ``token_ids`` whose KV blocks are in the pool's prefix cache (whole blocks)."""
+        return len(self.rt.engine.blocks.match_prefix(token_ids)) * self.rt.engine.spec.block_size
+
+    def cached_documents(self) -> set[str]:
+        """Ids of documents whose prefix (default system prompt + document) is still cached."""
+        bs = self.rt.engine.spec.block_size
+        return {d for d, ids in self.doc_prefixes.items() if self.cached_tokens(ids) >= len(ids) // bs * bs}
+
+    def status(self) -> Status:
+        e = self.rt.engine
+        chat, errors = self.chat, self.persist.errors
+        return Status(
+            phase="ready", message=errors[-1] if errors else "ready", model=self.rt.info.name, device=str(e.device),
+            kv_dtype=e.spec.kv_dtype,
+            pool_blocks_used=e.pool.num_blocks - e.blocks.num_free_blocks, pool_blocks_total=e.pool.num_blocks,
+            pool_bytes=e.pool.nbytes, context_used=len(chat.session.token_ids) if chat else 0,
+            context_limit=e.max_context, last_ttft_ms=self.last.ttft_ms if self.last else None,
+            last_tokens_per_s=self.last.decode_tokens_per_s if self.last else None,
+            resume=chat.resume if chat else None,
+        )
+
+    def view(self) -> ChatView | None:
+        c = self.chat
+        if c is None:
+            return None
+        return ChatView(c.chat_id, c.title, c.system, list(c.settings.get("documents", [])), list(c.messages),
+                        len(c.session.token_ids), self.rt.engine.max_context, c.resume)
+
+    def _switch(self, chat: _Chat) -> ChatView:
+        if self.chat is not None:
+            self.chat.session.close()
+        self.chat = chat
+        return self.view()
+
+    def forget(self, chat_id: str) -> None:
+        """Close the open chat if it is ``chat_id`` (before it is deleted)."""
+        if self.chat is not None and self.chat.chat_id == chat_id:
+            self.chat.session.close()
+            self.chat = None
+
+    def renamed(self, chat_id: str, title: str) -> None:
+        if self.chat is not None and self.chat.chat_id == chat_id:
+            self.chat.title = title
+
+    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit) -> ChatView:
+        docs = [read_document(p) for p in document_paths]
+        settings = new_settings([d.title for d in docs])
+        system = DEFAULT_SYSTEM_PROMPT if system is None else system
+        fmt = self.rt.chat_format(settings)
+        session = Session.new(self.rt.engine, fmt, system, [(d.title, d.text) for d in docs], self.persist)
+        limit = self.rt.engine.max_context
+        if len(session.token_ids) + 1 > limit:
+            raise ContextFullError(f"the documents are {len(session.token_ids):,} tokens with the system prompt; "
+                                   f"the context limit is {limit:,} tokens", len(session.token_ids) + 1, limit)
+        resume = None
+        if docs:
+            t0 = time.perf_counter()
+            stats = session.prefill_prefix(PrefillTimer(emit))
+            resume = _resume(stats, (time.perf_counter() - t0) * 1e3 - stats.prefill_ms)
+            doc_ids = register_documents(self, fmt, docs)
+            session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
+        return self._switch(_Chat(session, None, "New chat", system, settings, resume=resume))
+
+    def open_chat(self, chat_id: str) -> ChatView:
+        conv = get_conversation(get_db(), chat_id)
+        session = session_from_store(self.rt, conv)
+        session.persist = self.persist
+        stats, t0 = TurnStats(prompt_tokens=len(session.token_ids)), time.perf_counter()
+        session.attach_cached_prefix(stats)
+        resume = _resume(stats, (time.perf_counter() - t0) * 1e3)
+        messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s) for m in conv.messages]
+        chat = _Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings, messages, resume)
+        return self._switch(chat)
+
+    def _open(self) -> _Chat:
+        if self.chat is None:
+            raise LookupError("no chat is open")
+        return self.chat
+
+    def send(self, text: str, gs: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+        return self._turn(self._open(), text, gs, cancel, emit, rewind=None)
+
+    def regenerate(self, gs: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+        chat = self._open()
+        return self._redo(chat, chat.messages[-2].text if len(chat.messages) >= 2 else "", gs, cancel, emit)
+
+    def edit_last(self, text: str, gs: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+        return self._redo(self._open(), text, gs, cancel, emit)
+
+    def _redo(self, chat: _Chat, text: str, gs: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+        turns = turn_spans(chat.session.segments)
+        if chat.chat_id is None or not turns:
+            raise LookupError("this chat has no answer yet")
+        cut, kept = turns[-1].start, len(chat.messages) - 2
+        truncate_session(chat.session, cut)
+        del chat.messages[kept:]
+        try:
+            return self._turn(chat, text, gs, cancel, emit, rewind=(cut, kept))
+        except BaseException:
+            self.open_chat(chat.chat_id)  # the store still has the old turn: resync from it
+            raise
+
+    def _turn(self, chat: _Chat, text: str, gs: GenerationSettings, cancel: threading.Event, emit: Emit,
+              rewind: tuple[int, int] | None) -> TurnDone:
+        session, stored = chat.session, chat.stored_len
+        try:
+            session.check_turn_fits(text)
+        except ContextOverflowError as exc:
+            needed = len(session.token_ids) + len(session.fmt.user_turn_ids(text)) + 1
+            raise ContextFullError(str(exc), needed, self.rt.engine.max_context) from None
+        batcher = TokenBatcher(emit)
+        for piece in session.send(text, SamplingParams(**asdict(gs)), cancel, PrefillTimer(emit)):
+            batcher.add(piece)
+        batcher.flush()
+        db = get_db()
+        if chat.chat_id is None:
+            chat.chat_id = save_new_chat(db, self.rt, session, chat.system, chat.settings, text)
+            chat.title = get_conversation(db, chat.chat_id).title
+        else:
+            with write_transaction(db):
+                if rewind is not None:
+                    rewind_store(db, chat.chat_id, *rewind)
+                save_turn(db, chat.chat_id, session, text, stored)
+        session.save_snapshot(chat.chat_id)
+        turn = session.last_turn
+        self.last = TurnMetrics(**{f.name: getattr(turn.stats, f.name) for f in fields(TurnMetrics)})
+        chat.messages += [ChatMessage("user", text),
+                          ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
+        done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
+        emit(done)
+        return done
+
+    def set_system_prompt(self, text: str) -> ChatView:
+        chat = self._open()
+        if chat.messages:
+            raise ValueError(SYSTEM_PROMPT_FIXED)
+        if chat.settings.get("documents"):
+            raise ValueError("set the system prompt before attaching documents (they follow it in the cached prefix)")
+        session = Session.new(self.rt.engine, chat.session.fmt, text, [], self.persist)
+        return self._switch(_Chat(session, None, chat.title, text, chat.settings))
+
+    def continue_in_new_chat(self, keep_turns: int) -> ChatView:
+        chat = self._open()
+        if chat.chat_id is None:
+            raise LookupError("this chat has no stored turns to carry")
+        db = get_db()
+        new_id, _ = carry_over(db, get_conversation(db, chat.chat_id), keep_turns, self.rt.engine.max_context // 2)
+        return self.open_chat(new_id)

@@ -1,0 +1,139 @@
+"""Store-side operations of the real backend (SQLite through ``kvchat.store``), run on its store/engine lanes.
+
+Each function takes the loaded :class:`kvchat.tui.real_chats.OpenChats` (None
+before the model is loaded: cache states are then ``"none"``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from sqlite_utils import Database
+
+from kvchat.cache_cli import doc_id
+from kvchat.disk_budget import budget_bytes, refresh_pins
+from kvchat.kv_persist import release_owner
+from kvchat.session import DEFAULT_SYSTEM_PROMPT
+from kvchat.store.conversations import (
+    decode_token_ids, delete_conversation, list_conversations, pin_conversation, rename_conversation,
+)
+from kvchat.store.db import get_db, write_transaction
+from kvchat.tui.backend import CacheReport, CacheRow, CacheState, ChatSummary, DocumentSummary
+from kvchat.tui.search import search_conversation_ids
+
+if TYPE_CHECKING:
+    from kvchat.tui.real_chats import OpenChats
+
+
+def cached_tokens(chats: OpenChats | None, db: Database, ids: list[str]) -> dict[str, int]:
+    """Tokens of each chat whose KV blocks are in the pool's prefix cache (empty before the model is loaded)."""
+    if chats is None or not ids:
+        return {}
+    marks = ",".join("?" * len(ids))
+    rows = db.query(f"SELECT id, token_ids FROM conversations WHERE id IN ({marks})", ids)
+    return {r["id"]: chats.cached_tokens(decode_token_ids(r["token_ids"])) for r in rows}
+
+
+def disk_bytes(db: Database) -> dict[str, int]:
+    """Snapshot bytes on disk referenced by each owner (chat ``c_...`` or document ``d_...``)."""
+    rows = db.query("SELECT r.owner, sum(k.bytes) AS b FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
+                    " GROUP BY r.owner")
+    return {r["owner"]: r["b"] for r in rows}
+
+
+def _state(memory_tokens: int, disk: int) -> CacheState:
+    return "memory" if memory_tokens else "disk" if disk else "none"
+
+
+def list_chats(chats: OpenChats | None, query: str) -> list[ChatSummary]:
+    """Stored chats (pinned, then most recent first), filtered by an FTS search when ``query`` is not blank."""
+    db = get_db()
+    rows = list_conversations(db)
+    if query.strip():
+        hits = search_conversation_ids(db, query)
+        rows = [r for r in rows if r.id in hits]
+    cached, disk = cached_tokens(chats, db, [r.id for r in rows]), disk_bytes(db)
+    return [ChatSummary(r.id, r.title, r.updated, r.num_tokens, r.num_messages, r.pinned,
+                        _state(cached.get(r.id, 0), disk.get(r.id, 0)), cached.get(r.id, 0)) for r in rows]
+
+
+def list_documents(chats: OpenChats | None) -> list[DocumentSummary]:
+    """Rows of the ``documents`` table, newest first; ``cached`` when its prefix is in the pool."""
+    rows = get_db().query("SELECT id, title, path, token_count FROM documents ORDER BY created DESC")
+    cached = chats.cached_documents() if chats is not None else set()
+    return [DocumentSummary(r["id"], r["title"], r["path"] or "", r["token_count"], r["id"] in cached) for r in rows]
+
+
+def rename_chat(chats: OpenChats | None, chat_id: str, title: str) -> None:
+    """Set the title in the store and in the open chat. Raises ConversationNotFoundError."""
+    rename_conversation(get_db(), chat_id, title)
+    if chats is not None:
+        chats.renamed(chat_id, title)
+
+
+def pin_chat(chats: OpenChats | None, chat_id: str, pinned: bool) -> None:
+    """Set the chat's pinned flag, then re-derive chunk pins (pinned chunks are never evicted).
+
+    Raises ConversationNotFoundError.
+    """
+    db = get_db()
+    pin_conversation(db, chat_id, pinned)
+    refresh_pins(db)
+
+
+def purge_cache(chats: OpenChats | None, chat_id: str) -> int:
+    """Drop the chat's snapshot references; returns the chunk files deleted (those no one else uses)."""
+    return len(release_owner(chat_id))
+
+
+def delete_chat(chats: OpenChats | None, chat_id: str) -> None:
+    """Close the chat if open (its blocks go back to the pool), delete it and its unshared snapshot chunks.
+
+    Raises ConversationNotFoundError.
+    """
+    if chats is not None:
+        chats.forget(chat_id)
+    delete_conversation(get_db(), chat_id)
+    release_owner(chat_id)
+
+
+def cache_report(chats: OpenChats | None) -> CacheReport:
+    """Per-chat rows (memory bytes = cached tokens × KV bytes per token) and the KV chunk bytes on disk."""
+    if chats is not None:
+        chats.persist.flush()  # count queued snapshot writes too
+    db = get_db()
+    rows = list_conversations(db)
+    cached, disk = cached_tokens(chats, db, [r.id for r in rows]), disk_bytes(db)
+    per_token = chats.bytes_per_token if chats is not None else 0
+    open_chat = chats.chat if chats is not None else None
+    miss = {open_chat.chat_id: open_chat.resume.miss_reason or ""} if open_chat and open_chat.resume else {}
+    report = CacheReport(rows=[
+        CacheRow(r.id, r.title, r.num_tokens, _state(cached.get(r.id, 0), disk.get(r.id, 0)), cached.get(r.id, 0),
+                 cached.get(r.id, 0) * per_token, disk.get(r.id, 0), r.pinned, miss.get(r.id, "")) for r in rows])
+    report.disk_bytes = next(db.query("SELECT coalesce(sum(bytes), 0) AS b FROM kv_chunks"))["b"]
+    report.disk_budget_bytes = budget_bytes(db)
+    return report
+
+
+def register_documents(chats: OpenChats, fmt, docs) -> list[str]:
+    """Record attached documents in the ``documents`` table as ``kvchat doc add`` does; returns their ids.
+
+    Id = ``kvchat.cache_cli.doc_id`` of the text; ``token_count`` = the
+    document's own prefix (default system prompt + the document), whose ids
+    are kept in ``chats.doc_prefixes`` for the sidebar's "cached" mark. A
+    document's ``pinned`` flag survives re-attaching.
+    """
+    db, ids = get_db(), []
+    for d in docs:
+        did = doc_id(d.text)
+        own = fmt.prefix_ids(DEFAULT_SYSTEM_PROMPT, [(d.title, d.text)])
+        chats.doc_prefixes[did] = own
+        with write_transaction(db):
+            db.execute(
+                "INSERT OR REPLACE INTO documents (id, path, content_hash, title, token_count, created, pinned)"
+                " VALUES (?, ?, ?, ?, ?, ?, coalesce((SELECT pinned FROM documents WHERE id = ?), 0))",
+                [did, str(d.path.resolve()), did[2:], d.title, len(own), time.time(), did],
+            )
+        ids.append(did)
+    return ids

@@ -1,0 +1,185 @@
+"""The chat screen's user actions (keys in :data:`kvchat.tui.actions.ACTIONS`): dialogs, then backend calls."""
+
+from __future__ import annotations
+
+import os
+
+from kvchat.paths import data_dir
+from kvchat.tui.backend import SYSTEM_PROMPT_FIXED
+from kvchat.tui.export import export_chat, export_dir
+from kvchat.tui.screens.cache import CacheScreen
+from kvchat.tui.screens.confirm import ConfirmScreen
+from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.screens.prompt import PromptScreen, split_paths
+from kvchat.tui.screens.settings import SettingsScreen
+from kvchat.tui.screens.system_prompt import SystemPromptScreen
+from kvchat.tui.text import one_line
+
+KEEP_TURNS = 2
+APPLE_TERMINAL = "Apple_Terminal"
+
+
+class ChatActions:
+    """Mixed into :class:`kvchat.tui.screens.chat.ChatScreen` (uses its ``backend``, ``run_engine``, widgets)."""
+
+    # --- sidebar (messages up from kvchat.tui.widgets.sidebar.Sidebar) ------------------------------
+    def on_sidebar_search_changed(self) -> None:
+        self.refresh_lists()
+
+    def on_sidebar_chat_chosen(self, event) -> None:
+        current = self.backend.current()
+        if current is None or current.id != event.chat_id:
+            self.run_engine(self.backend.open_chat, event.chat_id, then=self.opened)
+
+    def on_sidebar_document_chosen(self, event) -> None:
+        self.run_engine(self.backend.new_chat, None, [event.path], self.emit, then=self.opened)
+
+    # --- key actions ---------------------------------------------------------------------------------
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen())
+
+    def action_cache(self) -> None:
+        self.app.push_screen(CacheScreen(self.backend), lambda _: self.refresh_lists())
+
+    def action_search(self) -> None:
+        self.query_one("#search").focus()
+
+    def action_new_chat(self) -> None:
+        self.run_engine(self.backend.new_chat, None, [], self.emit, then=self.opened)
+
+    def action_attach(self) -> None:
+        def attach(answer: str | None) -> None:
+            paths = split_paths(answer or "")
+            if paths:
+                self.run_engine(self.backend.new_chat, None, paths, self.emit, then=self.opened)
+
+        question = "Attach text files (separate several with ;) — → completes a path"
+        self.app.push_screen(PromptScreen(question, paths=True), attach)
+
+    def action_cancel(self) -> None:
+        if self.generating:
+            self.cancel_event.set()
+            self.update_status(note="stopping…")
+        elif self.editing:
+            self.editing = False
+            self.app.notify("edit cancelled; the input keeps your text")
+
+    def _chat_with_answer(self):
+        view = self.backend.current()
+        if view is None or view.id is None or not view.messages:
+            self.app.notify("this chat has no answer yet", severity="warning")
+            return None
+        return view
+
+    async def action_regenerate(self) -> None:
+        if self._chat_with_answer() and not self._busy():
+            await self.start_turn("regenerate", "")
+
+    def action_edit_last(self) -> None:
+        view = self._chat_with_answer()
+        if view is None:
+            return
+        chat_input = self.query_one("#input")
+        chat_input.text = view.messages[-2].text
+        chat_input.focus()
+        self.editing = True
+        self.app.notify("editing the last message: Enter replaces it and its answer, Esc cancels")
+
+    def _busy(self) -> bool:
+        reason = self.busy_reason()
+        if reason:
+            self.app.notify(reason, severity="warning")
+        return bool(reason)
+
+    def action_rename(self) -> None:
+        view = self.backend.current()
+        if view is None or view.id is None:
+            self.app.notify("send a message first: a new chat gets its title from it", severity="warning")
+            return
+
+        def rename(title: str | None) -> None:
+            if title and title.strip():
+                self.run_engine(self.backend.rename_chat, view.id, title.strip(), then=lambda _: self.refresh_lists())
+
+        self.app.push_screen(PromptScreen("Rename chat", value=view.title), rename)
+
+    def action_delete(self) -> None:
+        view = self.backend.current()
+        if view is None or view.id is None:
+            self.app.notify("no stored chat is open", severity="warning")
+            return
+
+        def delete(yes: bool | None) -> None:
+            if yes:
+                self.run_engine(self.backend.delete_chat, view.id, then=self._deleted)
+
+        question = f"Delete chat “{one_line(view.title)}” and its cache?"
+        self.app.push_screen(ConfirmScreen(question, yes="Delete"), delete)
+
+    async def _deleted(self, _) -> None:
+        await self.query_one("#messages").show([], [])
+        self.update_status("chat deleted")
+        self.refresh_lists()
+
+    def action_system_prompt(self) -> None:
+        view = self.backend.current()
+        if view is not None and view.messages:
+            self.app.notify(f"{SYSTEM_PROMPT_FIXED} (Ctrl+N starts a new chat)", severity="warning")
+            return
+
+        def save(text: str | None) -> None:
+            if text is not None:
+                self.run_engine(self._set_system_prompt, text, then=self.opened)
+
+        self.app.push_screen(SystemPromptScreen(view.system_prompt if view else ""), save)
+
+    def _set_system_prompt(self, text: str):
+        if self.backend.current() is None:
+            self.backend.new_chat(None, [], self.emit)
+        return self.backend.set_system_prompt(text)
+
+    def action_settings(self) -> None:
+        def save(settings) -> None:
+            if settings is not None:
+                self.settings = settings
+                self.app.notify("generation settings saved")
+
+        self.app.push_screen(SettingsScreen(self.settings), save)
+
+    def action_copy_last(self) -> None:
+        view = self.backend.current()
+        answers = [m.text for m in view.messages if m.role == "assistant"] if view else []
+        if not answers:
+            self.app.notify("no answer to copy yet", severity="warning")
+            return
+        self.app.copy_to_clipboard(answers[-1])
+        if os.environ.get("TERM_PROGRAM") == APPLE_TERMINAL:
+            self.app.notify("this terminal ignores clipboard requests (OSC 52); use Ctrl+S to export instead",
+                            severity="warning")
+        else:
+            self.app.notify(f"copied the last answer ({len(answers[-1]):,} characters)")
+
+    def action_export(self) -> None:
+        view = self.backend.current()
+        if view is None or not view.messages:
+            self.app.notify("nothing to export yet", severity="warning")
+            return
+        try:
+            path = export_chat(view, export_dir(data_dir() / "exports"))
+        except OSError as exc:
+            self.notify_error(exc)
+            return
+        self.app.notify(f"exported to {path}", markup=False)
+
+    def offer_continue(self, reason: str) -> None:
+        """Say the chat is full and offer a new chat carrying its last turns (never a silent truncation)."""
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self.run_engine(self.backend.continue_in_new_chat, KEEP_TURNS, then=self._continued)
+
+        question = f"{reason}\nContinue in a new chat that carries the last {KEEP_TURNS} turns?"
+        self.app.push_screen(ConfirmScreen(question, yes="Continue in a new chat", no="Stay"), answer)
+
+    async def _continued(self, view) -> None:
+        await self.opened(view)
+        self.app.notify(f"continued in a new chat with the last {len(view.messages) // 2} turns", markup=False)

@@ -1,0 +1,23 @@
+"""Messages the chat screen's worker threads post to it (``post_message`` is thread-safe)."""
+
+from __future__ import annotations
+
+from textual.message import Message
+
+from kvchat.tui.events import BackendEvent as Event
+
+
+class BackendEvent(Message):
+    """A backend event, posted from a worker thread."""
+
+    def __init__(self, event: Event):
+        super().__init__()
+        self.event = event
+
+
+class TurnFailed(Message):
+    """A turn raised before or while generating; ``text`` goes back into the input."""
+
+    def __init__(self, text: str, error: Exception):
+        super().__init__()
+        self.text, self.error = text, error

@@ -1,0 +1,70 @@
+"""Generation settings (temperature, top-p, top-k, max tokens, seed); dismisses with new settings or None."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from textual.containers import Grid, Vertical
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import Input, Label, Static
+
+from kvchat.tui.backend import GenerationSettings
+from kvchat.tui.text import literal
+
+LABELS = {"temperature": "Temperature (0 = greedy)", "top_p": "Top-p (0, 1]", "top_k": "Top-k (0 = all)",
+          "seed": "Seed (blank = random)", "max_tokens": "Max tokens"}
+
+
+def parse_settings(values: dict[str, str]) -> GenerationSettings:
+    """Build and validate settings from the dialog's text fields.
+
+    Raises:
+        ValueError: a field is not a number of the right type or out of range (one line).
+    """
+    parsed = {}
+    for f in fields(GenerationSettings):
+        text = values[f.name].strip()
+        if f.name == "seed" and not text:
+            parsed[f.name] = None
+            continue
+        kind = float if f.name in ("temperature", "top_p") else int
+        try:
+            parsed[f.name] = kind(text)
+        except ValueError:
+            name, wanted = LABELS[f.name].split(" (")[0].lower(), "a number" if kind is float else "an integer"
+            raise ValueError(f"{name} must be {wanted}, got {text!r}") from None
+    settings = GenerationSettings(**parsed)
+    settings.validate()
+    return settings
+
+
+class SettingsScreen(ModalScreen[GenerationSettings | None]):
+    """Enter in any field saves (errors are shown in the dialog), Esc cancels."""
+
+    BINDINGS = [("escape", "cancel", "Cancel")]
+
+    def __init__(self, settings: GenerationSettings):
+        super().__init__(classes="dialog-screen")
+        self.settings = settings
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Static("Generation settings — Enter saves, Esc cancels", classes="question")
+            with Grid(id="settings-grid"):
+                for f in fields(GenerationSettings):
+                    value = getattr(self.settings, f.name)
+                    yield Label(LABELS[f.name])
+                    yield Input("" if value is None else str(value), id=f.name)
+            yield Static("", id="settings-error")
+
+    def on_input_submitted(self) -> None:
+        try:
+            settings = parse_settings({i.id: i.value for i in self.query(Input)})
+        except ValueError as exc:
+            self.query_one("#settings-error", Static).update(Content(literal(str(exc))))
+            return
+        self.dismiss(settings)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,26 @@
+"""Progress of a prefill (a new document, a long message): a bar, tokens done, and the engine's ETA."""
+
+from __future__ import annotations
+
+from textual.containers import Horizontal
+from textual.content import Content
+from textual.widgets import Label, ProgressBar
+
+
+class PrefillBar(Horizontal):
+    """Hidden until :meth:`progress` is called; :meth:`done` hides it again."""
+
+    def compose(self):
+        yield Label("prefill", id="prefill-label")
+        yield ProgressBar(show_eta=False, id="prefill-progress")
+        yield Label("", id="prefill-eta")
+
+    def progress(self, done: int, total: int, eta_s: float | None) -> None:
+        """Show ``done`` of ``total`` tokens and ``eta_s`` seconds left (``…`` while unknown)."""
+        self.display = True
+        self.query_one(ProgressBar).update(total=total, progress=done)
+        eta = "…" if eta_s is None else f"{eta_s:.1f} s left"
+        self.query_one("#prefill-eta", Label).update(Content(f"{done:,}/{total:,} tokens · {eta}"))
+
+    def done(self) -> None:
+        self.display = False

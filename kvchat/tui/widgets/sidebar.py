@@ -1,0 +1,81 @@
+"""The sidebar: search, conversations (title, last use, tokens, cache state) and documents."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.containers import Vertical
+from textual.content import Content
+from textual.message import Message
+from textual.widgets import Input, Label, ListItem, ListView
+
+from kvchat.tui.backend import ChatSummary, DocumentSummary
+from kvchat.tui.text import ago, one_line, tokens
+
+CACHE_MARK = {"memory": "● mem", "disk": "◐ disk", "none": "○ none"}
+
+
+def chat_row(c: ChatSummary) -> str:
+    """Two lines: the title (with a pin), then last use · tokens · where its KV cache lives."""
+    pin = "📌 " if c.pinned else ""
+    title = one_line(c.title) or "(untitled)"
+    return f"{pin}{title}\n{ago(c.updated)} · {tokens(c.num_tokens)} tok · {CACHE_MARK[c.cache_state]}"
+
+
+def document_row(d: DocumentSummary) -> str:
+    return f"{one_line(d.title)}\n{tokens(d.tokens)} tok · {'● cached' if d.cached else '○ not cached'}"
+
+
+class Sidebar(Vertical):
+    """Lists set by the screen (attributes down); choices and searches posted as messages (messages up)."""
+
+    class ChatChosen(Message):
+        def __init__(self, chat_id: str):
+            super().__init__()
+            self.chat_id = chat_id
+
+    class DocumentChosen(Message):
+        def __init__(self, path: str):
+            super().__init__()
+            self.path = path
+
+    class SearchChanged(Message):
+        def __init__(self, query: str):
+            super().__init__()
+            self.query = query
+
+    def compose(self):
+        yield Input(placeholder="Search chats (Ctrl+F)", id="search")
+        yield ListView(id="chats")
+        yield Label("Documents", classes="heading")
+        yield ListView(id="documents")
+
+    @property
+    def query_text(self) -> str:
+        return self.query_one("#search", Input).value
+
+    async def set_chats(self, chats: list[ChatSummary], current_id: str | None) -> None:
+        view = self.query_one("#chats", ListView)
+        await view.clear()
+        await view.extend(ListItem(Label(Content(chat_row(c))), name=c.id) for c in chats)
+        ids = [c.id for c in chats]
+        view.index = ids.index(current_id) if current_id in ids else None
+
+    async def set_documents(self, docs: list[DocumentSummary]) -> None:
+        view = self.query_one("#documents", ListView)
+        await view.clear()
+        await view.extend(ListItem(Label(Content(document_row(d))), name=d.path) for d in docs)
+
+    @on(Input.Changed, "#search")
+    def _search(self, event: Input.Changed) -> None:
+        event.stop()
+        self.post_message(self.SearchChanged(event.value))
+
+    @on(ListView.Selected, "#chats")
+    def _chat(self, event: ListView.Selected) -> None:
+        event.stop()
+        self.post_message(self.ChatChosen(event.item.name))
+
+    @on(ListView.Selected, "#documents")
+    def _document(self, event: ListView.Selected) -> None:
+        event.stop()
+        self.post_message(self.DocumentChosen(event.item.name))

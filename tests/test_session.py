@@ -1,0 +1,82 @@
+"""Generation on the real model: sampling, stop/limit/cancel endings, in-process prefix hits, context limit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvchat.chats import new_settings
+from kvchat.engine import ContextOverflowError
+from kvchat.loader import load_runtime
+from kvchat.sampling import SamplingParams
+from kvchat.session import DEFAULT_SYSTEM_PROMPT, EmptyPromptError, Session
+
+DOC = "Kvchat keeps the KV cache of every chat on disk. " * 40
+
+
+@pytest.fixture(scope="module")
+def rt(smol_info):
+    return load_runtime(None, "fp8")
+
+
+def new_session(rt, docs=()):
+    return Session.new(rt.engine, rt.chat_format(new_settings([t for t, _ in docs])), DEFAULT_SYSTEM_PROMPT, list(docs))
+
+
+def answer(session, text, **kw):
+    pieces = list(session.send(text, SamplingParams(**kw)))
+    assert "".join(pieces) == session.last_turn.text, "the streamed pieces add up to the final text"
+    return session.last_turn
+
+
+def test_seeded_sampling_is_reproducible(rt):
+    runs = [answer(new_session(rt), "Name a colour.", temperature=1.0, top_p=0.9, seed=s, max_tokens=8) for s in (7, 7, 8)]
+    ids = [r.text for r in runs]
+    assert ids[0] == ids[1]
+    first = new_session(rt)
+    answer(first, "Name a colour.", max_tokens=8)
+    greedy = new_session(rt)
+    answer(greedy, "Name a colour.", max_tokens=8)
+    assert first.token_ids == greedy.token_ids, "greedy is deterministic"
+
+
+def test_token_limit_and_cancel_append_the_full_closing(rt):
+    fmt_close = new_session(rt).fmt.assistant_close_ids(None)
+    s = new_session(rt)
+    turn = answer(s, "Write a long story about a dragon named Ember.", max_tokens=3)
+    assert turn.stats.finish_reason == "length" and turn.stats.new_tokens == 3
+    assert s.token_ids[-len(fmt_close):] == fmt_close
+    cancel = threading.Event()
+    stream = s.send("Tell me another long story, about a knight.", SamplingParams(max_tokens=50), cancel)
+    next(stream)
+    cancel.set()
+    rest = list(stream)
+    assert s.last_turn.stats.finish_reason == "cancelled" and s.last_turn.stats.new_tokens < 50
+    assert s.token_ids[-len(fmt_close):] == fmt_close
+    assert [seg.kind for seg in s.segments] == ["prefix", "user", "assistant", "user", "assistant"]
+    del rest
+
+
+def test_second_chat_on_a_document_hits_the_pool_and_matches_a_cold_run(rt):
+    a = new_session(rt, [("kv.txt", DOC)])
+    answer(a, "What does kvchat keep?", max_tokens=6)
+    b = new_session(rt, [("kv.txt", DOC)])
+    turn = answer(b, "Where is the cache kept?", max_tokens=6)
+    prefix = b.segments[0].end
+    assert turn.stats.from_memory == prefix - prefix % 16, "every full block of the shared prefix is a hit"
+    assert turn.stats.prefilled_tokens == turn.stats.prompt_tokens - turn.stats.from_memory
+    a.close()
+    b.close()
+
+
+def test_refusals_before_any_work(rt):
+    s = new_session(rt)
+    before = list(s.token_ids)
+    with pytest.raises(EmptyPromptError):
+        list(s.send("  ", SamplingParams()))
+    with pytest.raises(ContextOverflowError, match=r"context limit is 8192 tokens"):
+        list(s.send("word " * 9000, SamplingParams()))
+    assert s.token_ids == before and s.seq.num_computed == 0
+    assert s.tokens_left == rt.engine.max_context - len(before)

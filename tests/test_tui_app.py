@@ -1,0 +1,385 @@
+"""The TUI driven with Pilot: the scripted FakeBackend for the flows, one short run on the real model.
+
+The fake obeys the same contract as the real engine (tests/test_tui_backend_contract.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from textual.widgets import Button, DataTable, Input, ListView, Markdown
+
+from kvchat.tui.actions import ACTIONS, INPUT_KEYS
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.backend import ChatMessage, GenerationSettings
+from kvchat.tui.fake_backend import FakeBackend
+from kvchat.tui.screens.chat import ChatScreen
+from kvchat.tui.screens.confirm import ConfirmScreen
+from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.screens.prompt import PromptScreen
+from kvchat.tui.widgets.chat_input import ChatInput
+from kvchat.tui.widgets.message_view import PAGE, MessageView
+from kvchat.tui.widgets.status_bar import StatusBar
+
+SIZE = (120, 40)
+pytestmark = pytest.mark.asyncio
+
+
+async def until(pilot, condition, timeout=10.0):
+    """Let the app run until ``condition()`` is true (fails after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await pilot.pause(0.02)
+
+
+def shown(widget) -> str:
+    """The text a widget displays."""
+    return str(widget.render())
+
+
+class Harness:
+    """An app on a FakeBackend, with the notifications it showed."""
+
+    def __init__(self, backend: FakeBackend):
+        self.backend = backend
+        self.app = KvchatApp(self.backend)
+        self.notes: list[str] = []
+        notify = self.app.notify
+
+        def record(message, **kwargs):
+            self.notes.append(message)
+            notify(message, **kwargs)
+
+        self.app.notify = record
+
+    @property
+    def screen(self) -> ChatScreen:
+        return self.app.screen_stack[0]
+
+    def blocks(self, role=None):
+        return self.screen.query_one(MessageView).blocks(role)
+
+    def sidebar_titles(self) -> list[str]:
+        items = self.screen.query_one("#chats", ListView).children
+        return [shown(item.query_one("Label")).split("\n")[0] for item in items]
+
+    async def send(self, pilot, text: str) -> None:
+        await pilot.click(ChatInput)
+        self.screen.query_one(ChatInput).text = text
+        await pilot.press("enter")
+        await until(pilot, lambda: not self.screen.generating and self.backend.current() is not None
+                    and self.backend.current().messages and self.blocks("assistant")
+                    and self.blocks("assistant")[-1].text == self.backend.current().messages[-1].text)
+
+
+@pytest.fixture
+def harness():
+    return Harness(FakeBackend(answers=["Hello **world**", "Second answer", "Third answer"]))
+
+
+async def ready(pilot, h: Harness) -> None:
+    await until(pilot, lambda: h.screen.ready)
+    await pilot.pause()
+
+
+async def test_send_streams_the_answer_and_updates_status(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "hi there")
+        [user], [answer] = h.blocks("user"), h.blocks("assistant")
+        assert user.text == "hi there" and answer.text == "Hello **world**"
+        assert answer.query_one(Markdown).source == "Hello **world**"
+        assert h.screen.query_one(ChatInput).text == ""
+        status = shown(h.screen.query_one(StatusBar))
+        assert "fake-model" in status and "KV fp8" in status and "TTFT 12 ms" in status and "100.0 tok/s" in status
+        await until(pilot, lambda: h.sidebar_titles() == ["hi there"])
+
+
+async def test_ctrl_j_inserts_a_newline_and_enter_sends(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await pilot.click(ChatInput)
+        await pilot.press("a", "ctrl+j", "b")
+        assert h.screen.query_one(ChatInput).text == "a\nb" and h.blocks() == []
+        await pilot.press("enter")
+        await until(pilot, lambda: [b.text for b in h.blocks("user")] == ["a\nb"])
+
+
+async def test_escape_cancels_generation():
+    h = Harness(FakeBackend(answers=["one two three four five"], hold_after=2))
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await pilot.click(ChatInput)
+        await pilot.press("q", "enter")
+        await until(pilot, lambda: h.blocks("assistant") and h.blocks("assistant")[0].text == "one two ")
+        assert h.screen.generating
+        await pilot.press("escape")
+        await until(pilot, lambda: not h.screen.generating)
+        answer = h.blocks("assistant")[0]
+        assert answer.text == "one two " and "stopped" in shown(answer.query_one(".stats"))
+
+
+async def test_typing_before_the_model_is_ready_keeps_the_text():
+    gate = threading.Event()
+
+    class SlowFake(FakeBackend):
+        def load(self, emit):
+            gate.wait(10)
+            return super().load(emit)
+
+    h = Harness(SlowFake())
+    async with h.app.run_test(size=SIZE) as pilot:
+        await pilot.click(ChatInput)
+        await pilot.press("h", "i", "enter")
+        assert h.screen.query_one(ChatInput).text == "hi" and h.blocks() == []
+        assert "loading" in shown(h.screen.query_one(StatusBar))
+        gate.set()
+        await until(pilot, lambda: h.screen.ready)
+
+
+async def test_new_chat_rename_and_delete_with_confirmation(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "first chat")
+        await pilot.press("f2")
+        assert isinstance(h.app.screen, PromptScreen)
+        h.app.screen.query_one(Input).value = "Renamed [bold]x[/]"
+        await pilot.press("enter")
+        await until(pilot, lambda: h.sidebar_titles() == ["Renamed [bold]x[/]"])
+        await pilot.press("f8")
+        assert isinstance(h.app.screen, ConfirmScreen)
+        await pilot.press("n")
+        assert list(h.backend.chats) and not isinstance(h.app.screen, ConfirmScreen)
+        await pilot.press("f8", "y")
+        await until(pilot, lambda: h.sidebar_titles() == [] and h.blocks() == [])
+        assert h.backend.chats == {}
+        await h.send(pilot, "second chat")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: h.blocks() == [] and h.backend.current().id is None)
+
+
+async def test_search_filters_the_sidebar(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "tell me about zebras")
+        await pilot.press("ctrl+n")
+        await h.send(pilot, "tell me about owls")
+        await until(pilot, lambda: len(h.sidebar_titles()) == 2)
+        await pilot.press("ctrl+f", *"zebr")
+        await until(pilot, lambda: h.sidebar_titles() == ["tell me about zebras"])
+        await pilot.click("#chats")
+        await pilot.press("enter")
+        await until(pilot, lambda: [b.text for b in h.blocks("user")] == ["tell me about zebras"])
+
+
+async def test_export_writes_markdown_in_the_current_dir(harness, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "hi there")
+        await pilot.press("ctrl+s")
+        [path] = tmp_path.glob("kvchat-*.md")
+        assert path.read_text() == "# hi there\n\n**System prompt:** You are a helpful assistant.\n\n" \
+                                   "## You\n\nhi there\n\n## Assistant\n\nHello **world**\n"
+        assert any(str(path) in n for n in h.notes)
+
+
+async def test_help_lists_every_binding(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await pilot.press("f1")
+        assert isinstance(h.app.screen, HelpScreen)
+        table = h.app.screen.query_one(DataTable)
+        keys = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+        assert keys == [a.key for a in ACTIONS] + [k for k, _ in INPUT_KEYS] and "ctrl+j" in keys
+        await pilot.press("escape")
+        assert isinstance(h.app.screen, ChatScreen)
+        palette = {c.title for c in h.app.get_system_commands(h.app.screen)}
+        assert {a.title for a in ACTIONS} <= palette | {"Theme"}
+
+
+async def test_context_limit_offers_a_new_chat_and_keeps_the_message():
+    h = Harness(FakeBackend(answers=["short answer"], context_limit=60))
+    long_message = "word " * 40
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "first question")
+        await pilot.click(ChatInput)
+        h.screen.query_one(ChatInput).text = long_message
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(h.app.screen, ConfirmScreen))
+        assert "context limit is 60 tokens" in shown(h.app.screen.query_one(".question"))
+        await pilot.press("y")
+        await until(pilot, lambda: h.backend.current().title == "first question (continued)")
+        assert [b.text for b in h.blocks("user")] == ["first question"]
+        assert h.screen.query_one(ChatInput).text == long_message
+
+
+async def test_bad_document_path_is_a_notice_not_a_crash(harness, tmp_path):
+    h = harness
+    doc = tmp_path / "notes.txt"
+    doc.write_text("The heron nests by the mill.")
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await pilot.press("ctrl+o")
+        h.app.screen.query_one(Input).value = str(tmp_path / "missing.txt")
+        await pilot.press("enter")
+        await until(pilot, lambda: any("cannot read document" in n for n in h.notes))
+        assert isinstance(h.app.screen, ChatScreen)
+        await pilot.press("ctrl+o")
+        h.app.screen.query_one(Input).value = str(doc)
+        await pilot.press("enter")
+        await until(pilot, lambda: h.blocks("notice"))
+        assert h.blocks("notice")[0].text == "Documents (cached prefix): notes.txt"
+        await until(pilot, lambda: len(h.screen.query_one("#documents", ListView).children) == 1)
+
+
+async def test_markup_and_escape_sequences_are_shown_literally():
+    nasty = "[bold]x[/] [link=http://e]y[/link] \x1b[31mred"
+    h = Harness(FakeBackend(answers=[nasty]))
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "[/] and [red]")
+        user, answer = h.blocks("user")[0], h.blocks("assistant")[0]
+        assert shown(user.query_one(".body")) == "[/] and [red]"
+        paragraph = answer.query_one(Markdown).query_one("MarkdownParagraph")
+        assert shown(paragraph) == "[bold]x[/] [link=http://e]y[/link] ␛[31mred"
+        await until(pilot, lambda: h.sidebar_titles() == ["[/] and [red]"])
+
+
+async def test_regenerate_and_edit_last(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "question")
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: [b.text for b in h.blocks()] == ["question", "Second answer"])
+        await pilot.press("f4")
+        assert h.screen.query_one(ChatInput).text == "question"
+        await h.send(pilot, "better question")
+        assert [b.text for b in h.blocks()] == ["better question", "Third answer"]
+        assert [m.text for m in h.backend.current().messages] == ["better question", "Third answer"]
+
+
+async def test_settings_dialog_validates_and_applies(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await pilot.press("ctrl+g")
+        h.app.screen.query_one("#temperature", Input).value = "hot"
+        await pilot.press("enter")
+        assert "temperature must be a number" in shown(h.app.screen.query_one("#settings-error"))
+        h.app.screen.query_one("#temperature", Input).value = "0.7"
+        h.app.screen.query_one("#max_tokens", Input).value = "1"
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(h.app.screen, ChatScreen))
+        assert h.screen.settings == GenerationSettings(temperature=0.7, max_tokens=1)
+        await h.send(pilot, "q")
+        answer = h.blocks("assistant")[0]
+        assert answer.text == "Hello " and "stopped at max tokens" in shown(answer.query_one(".stats"))
+
+
+async def test_long_history_is_mounted_lazily(harness):
+    h = harness
+    messages = [ChatMessage("user" if i % 2 == 0 else "assistant", f"message {i}") for i in range(3 * PAGE + 4)]
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        view = h.screen.query_one(MessageView)
+        await view.show(messages, [])
+        assert [b.text for b in view.blocks()] == [m.text for m in messages[-PAGE:]]
+        view.query_one("#earlier", Button).press()  # scrolled out of view at the top: no click
+        await until(pilot, lambda: len(view.blocks()) == 2 * PAGE)
+        assert view.blocks()[0].text == messages[-2 * PAGE].text
+        assert str(view.query_one("#earlier", Button).label) == f"▲ {len(messages) - 2 * PAGE} earlier messages"
+
+
+async def test_copy_cache_screen_system_prompt_and_quit(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await pilot.press("f3")
+        h.app.screen.query_one("#system-text").text = "Answer briefly."
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: h.backend.current() and h.backend.current().system_prompt == "Answer briefly.")
+        await h.send(pilot, "hi")
+        await pilot.press("f9")
+        assert h.app.clipboard == "Hello **world**"
+        await pilot.press("f5")
+        table = h.app.screen.query_one(DataTable)
+        await until(pilot, lambda: table.row_count == 1)
+        await pilot.press("p")
+        await until(pilot, lambda: h.backend.list_chats()[0].pinned)
+        assert h.backend.cache_report().rows[0].disk_bytes > 0
+        await pilot.press("d")
+        await until(pilot, lambda: h.backend.cache_report().rows[0].disk_bytes == 0)
+        await pilot.press("escape")
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: h.backend.shutdown_called)
+
+
+async def open_first_chat(pilot, screen) -> None:
+    await until(pilot, lambda: len(screen.query_one("#chats", ListView).children) == 1, timeout=60)
+    await pilot.click("#chats")
+    await pilot.press("enter")
+
+
+async def test_real_model_end_to_end(smol_info):
+    """Real engine: stream an answer, reopen it (from memory), quit, restart: the history comes from disk."""
+    import torch
+
+    from kvchat.tui.real_backend import RealBackend
+
+    torch.set_num_threads(1)
+    backend = RealBackend(str(smol_info.path), "fp8", pool_bytes=12 * 2**20, threads=1)
+    app = KvchatApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen_stack[0]
+        await until(pilot, lambda: screen.ready, timeout=120)
+        screen.settings = GenerationSettings(max_tokens=8)
+        await pilot.click(ChatInput)
+        screen.query_one(ChatInput).text = "Name a fruit."
+        await pilot.press("enter")
+        view = screen.query_one(MessageView)
+        await until(pilot, lambda: not screen.generating and view.blocks("assistant")
+                    and view.blocks("assistant")[0].text, timeout=120)
+        status = shown(screen.query_one(StatusBar))
+        assert "TTFT" in status and "tok/s" in status and "SmolLM2" in status
+        answer, chat_id = view.blocks("assistant")[0].text, backend.current().id
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: backend.current().id is None and view.blocks() == [])
+        await open_first_chat(pilot, screen)
+        await until(pilot, lambda: backend.current().id == chat_id and len(view.blocks()) == 2, timeout=60)
+        resume = backend.status().resume
+        assert resume.tokens - resume.from_disk >= 48 and "prefill skipped" in shown(screen.query_one(StatusBar))
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: app._shut_down, timeout=60)
+
+    backend = RealBackend(str(smol_info.path), "fp8", pool_bytes=12 * 2**20, threads=1)
+    app = KvchatApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen_stack[0]
+        await until(pilot, lambda: screen.ready, timeout=120)
+        await open_first_chat(pilot, screen)
+        view = screen.query_one(MessageView)
+        await until(pilot, lambda: backend.current() is not None and len(view.blocks()) == 2, timeout=60)
+        assert view.blocks("assistant")[0].text == answer
+        resume = backend.status().resume
+        assert resume.from_disk == resume.tokens >= backend.current().num_tokens - 16  # nothing was in memory
+        assert f"resumed {resume.tokens:,} tokens from disk" in shown(screen.query_one(StatusBar))
+        screen.settings = GenerationSettings(max_tokens=4)
+        await pilot.click(ChatInput)
+        screen.query_one(ChatInput).text = "And a vegetable?"
+        await pilot.press("enter")
+        await until(pilot, lambda: not screen.generating and len(view.blocks()) == 4, timeout=120)
+        stats = backend._chats.last
+        assert stats.reused_tokens >= resume.tokens and stats.prefilled_tokens < 40  # the new message, not history
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: app._shut_down, timeout=60)

@@ -1,0 +1,218 @@
+"""One contract, two backends: the scripted FakeBackend and the RealBackend on SmolLM2-135M.
+
+Every check here runs against both, so the fake the UI tests rely on cannot
+drift from the real engine. Real turns use ``max_tokens=8`` and a 1,024-token
+pool to stay fast on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from kvchat.documents import DocumentError
+from kvchat.tui.backend import ContextFullError, GenerationSettings
+from kvchat.tui.events import PrefillProgress, TokenBatch, TurnDone, TurnMetrics
+from kvchat.tui.fake_backend import FakeBackend
+
+POOL_BYTES = 12 * 2**20  # 64 blocks of SmolLM2-135M fp8 KV = 1,024 tokens of context
+GS = GenerationSettings(max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def real_backend(smol_info):
+    import torch
+
+    from kvchat.tui.real_backend import RealBackend
+
+    torch.set_num_threads(1)
+    backend = RealBackend(str(smol_info.path), "fp8", pool_bytes=POOL_BYTES, threads=1)
+    backend.load(lambda event: None)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(params=["fake", "real"])
+def backend(request):
+    if request.param == "real":
+        return request.getfixturevalue("real_backend")
+    fake = FakeBackend(context_limit=1024)
+    fake.load(lambda event: None)
+    return fake
+
+
+def run(backend, text="Count from one to ten.", cancel=None, op="send"):
+    """Call ``op`` and return (events, result)."""
+    events = []
+    cancel = cancel or threading.Event()
+    if op == "send":
+        done = backend.send(text, GS, cancel, events.append)
+    elif op == "regenerate":
+        done = backend.regenerate(GS, cancel, events.append)
+    else:
+        done = backend.edit_last(text, GS, cancel, events.append)
+    return events, done
+
+
+def test_status_after_load(backend):
+    st = backend.status()
+    assert st.phase == "ready" and st.model and st.device and st.kv_dtype == "fp8"
+    assert st.pool_blocks_total > 0 and st.pool_bytes > 0 and st.context_limit > 0
+
+
+def test_send_streams_batches_then_one_done(backend):
+    backend.new_chat(None, [], lambda e: None)
+    events, done = run(backend)
+    assert events[-1] is done and sum(isinstance(e, TurnDone) for e in events) == 1
+    kinds = [type(e) for e in events[:-1]]
+    assert set(kinds) <= {PrefillProgress, TokenBatch}
+    assert kinds == sorted(kinds, key=lambda k: k is TokenBatch)  # progress, then batches
+    assert "".join(e.text for e in events if isinstance(e, TokenBatch)) == done.text
+    assert done.text and 1 <= done.stats.new_tokens <= GS.max_tokens
+    assert done.stats.finish_reason in ("stop", "length")
+    assert done.context_used >= done.stats.prompt_tokens + done.stats.new_tokens
+    st = backend.status()
+    assert st.context_used == done.context_used and st.last_ttft_ms == done.stats.ttft_ms > 0
+
+
+def test_turn_is_stored_and_listed(backend):
+    backend.new_chat(None, [], lambda e: None)
+    _, done = run(backend, "Name a colour.\nSecond line")
+    [row] = backend.list_chats()
+    assert (row.id, row.title, row.num_messages) == (done.chat_id, "Name a colour.", 2)
+    assert row.num_tokens == done.context_used
+    assert backend.current().id == done.chat_id
+
+
+def test_reopen_restores_messages_and_reports_resume(backend):
+    backend.new_chat(None, [], lambda e: None)
+    _, done = run(backend, "Name a fruit.")
+    backend.new_chat(None, [], lambda e: None)
+    assert backend.status().resume is None
+    view = backend.open_chat(done.chat_id)
+    assert [(m.role, m.text) for m in view.messages] == [("user", "Name a fruit."), ("assistant", done.text)]
+    assert view.num_tokens == done.context_used == backend.status().context_used
+    assert view.resume is not None and 0 < view.resume.tokens <= view.num_tokens
+    assert view.resume.source in ("memory", "disk") and backend.status().resume == view.resume
+
+
+def test_second_turn_reuses_the_cached_history(backend):
+    backend.new_chat(None, [], lambda e: None)
+    _, first = run(backend, "Name a fruit.")
+    _, second = run(backend, "Name another one.")
+    assert second.stats.reused_tokens >= first.context_used - 16  # whole blocks of the history
+    assert second.stats.prefilled_tokens < second.stats.prompt_tokens - first.context_used + 16
+
+
+def test_regenerate_and_edit_replace_the_last_turn(backend):
+    backend.new_chat(None, [], lambda e: None)
+    run(backend, "Name a fruit.")
+    _, regen = run(backend, op="regenerate")
+    assert regen.stats.reused_tokens > 0
+    _, edited = run(backend, "Name a vegetable.", op="edit")
+    view = backend.current()
+    assert [m.text for m in view.messages] == ["Name a vegetable.", edited.text]
+    backend.new_chat(None, [], lambda e: None)
+    stored = backend.open_chat(edited.chat_id)
+    assert [m.text for m in stored.messages] == ["Name a vegetable.", edited.text]
+    assert stored.num_tokens == edited.context_used
+
+
+def test_cancel_ends_the_turn_and_keeps_it(backend):
+    backend.new_chat(None, [], lambda e: None)
+    cancel = threading.Event()
+    cancel.set()
+    _, done = run(backend, cancel=cancel)
+    assert done.stats.finish_reason == "cancelled"
+    assert backend.list_chats()[0].num_messages == 2
+
+
+def test_bad_input_raises_and_changes_nothing(backend, tmp_path):
+    backend.new_chat(None, [], lambda e: None)
+    used = backend.status().context_used
+    with pytest.raises(ValueError):
+        run(backend, "   ")
+    limit = backend.status().context_limit
+    with pytest.raises(ContextFullError) as info:
+        run(backend, "word " * (limit + 10))
+    assert info.value.limit == limit and info.value.needed > limit
+    (tmp_path / "bin.txt").write_bytes(b"\0\1\2")
+    for path in (tmp_path / "missing.txt", tmp_path / "bin.txt"):
+        with pytest.raises(DocumentError):
+            backend.new_chat(None, [str(path)], lambda e: None)
+    assert backend.status().context_used == used and backend.list_chats() == []
+
+
+def test_document_chat_prefills_with_progress_and_reuses_its_prefix(backend, tmp_path):
+    doc = tmp_path / "notes.txt"
+    doc.write_text(f"Notes {tmp_path.name}. " + "The blue heron nests near the old mill. " * 30)
+    events = []
+    view = backend.new_chat(None, [str(doc)], events.append)
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    assert view.documents == ["notes.txt"] and progress and progress[-1].done == progress[-1].total
+    assert [d.title for d in backend.list_documents()] == ["notes.txt"]
+    assert backend.list_documents()[0].tokens > 100 and backend.list_documents()[0].cached
+    _, done = run(backend, "Where does the heron nest?")
+    assert done.stats.reused_tokens >= progress[-1].total - 16
+    again = []
+    backend.new_chat(None, [str(doc)], again.append)
+    assert [e for e in again if isinstance(e, PrefillProgress)][-1].total < 16  # a prefix hit: only the tail
+
+
+def test_rename_search_pin_delete(backend):
+    backend.new_chat(None, [], lambda e: None)
+    _, a = run(backend, "Tell me about zebras.")
+    backend.new_chat(None, [], lambda e: None)
+    _, b = run(backend, "Tell me about owls.")
+    backend.rename_chat(a.chat_id, "Stripes [bold]")
+    assert {r.id: r.title for r in backend.list_chats()}[a.chat_id] == "Stripes [bold]"
+    assert [r.id for r in backend.list_chats("zebr")] == [a.chat_id]
+    assert [r.id for r in backend.list_chats("stripes")] == [a.chat_id]
+    assert backend.list_chats("platypus") == []
+    backend.pin_chat(a.chat_id, True)
+    assert backend.list_chats()[0].id == a.chat_id and backend.list_chats()[0].pinned
+    assert {r.chat_id for r in backend.cache_report().rows} == {a.chat_id, b.chat_id}
+    backend.delete_chat(b.chat_id)
+    assert [r.id for r in backend.list_chats()] == [a.chat_id] and backend.current() is None
+    with pytest.raises(LookupError):
+        backend.open_chat(b.chat_id)
+
+
+def test_turns_are_snapshotted_to_disk_and_purgeable(backend):
+    backend.new_chat(None, [], lambda e: None)
+    _, done = run(backend, "Name a fruit.")
+    [row] = backend.cache_report().rows
+    assert row.chat_id == done.chat_id and row.disk_bytes > 0 and row.cache_state == "memory"
+    assert backend.cache_report().disk_bytes >= row.disk_bytes
+    assert backend.purge_cache(done.chat_id) > 0
+    assert backend.cache_report().rows[0].disk_bytes == 0
+
+
+def test_continue_in_new_chat_carries_the_last_turns(backend):
+    backend.new_chat(None, [], lambda e: None)
+    run(backend, "Name a fruit.")
+    _, last = run(backend, "Name a tree.")
+    view = backend.continue_in_new_chat(1)
+    assert view.id not in (None, last.chat_id) and view.title.endswith("(continued)")
+    assert [m.text for m in view.messages] == ["Name a tree.", last.text]
+    _, done = run(backend, "Name a bird.")
+    assert done.chat_id == view.id and len(backend.current().messages) == 4
+
+
+def test_system_prompt_only_before_the_first_turn(backend):
+    backend.new_chat(None, [], lambda e: None)
+    assert backend.set_system_prompt("Answer in one word.").system_prompt == "Answer in one word."
+    run(backend, "Name a fruit.")
+    with pytest.raises(ValueError):
+        backend.set_system_prompt("Something else.")
+
+
+def test_boundary_mirrors_the_engine_types():
+    from kvchat.sampling import SamplingParams
+    from kvchat.session import TurnStats
+
+    names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
+    assert names(TurnMetrics) == names(TurnStats)
+    assert names(GenerationSettings) == names(SamplingParams)
