@@ -2,39 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(slots=True)
-class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` means greedy (argmax).
-
-    Attributes:
-        temperature: softmax temperature (> 0 samples).
-        top_p: keep the smallest set of tokens whose probability mass ≥ top_p.
-        top_k: keep the k most likely tokens (0 = all).
-        seed: seeds a private ``torch.Generator`` so runs are reproducible.
-        max_tokens: new tokens at most.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 512
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` with a one-line message on out-of-range values."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
+from kvchat.turn import SamplingParams
 
 
 class Sampler:

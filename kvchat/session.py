@@ -16,7 +16,8 @@ from typing import Callable, Iterator
 from kvchat.block_manager import SeqBlocks
 from kvchat.chat_format import ChatFormat, Segment, append_segment
 from kvchat.engine import ContextOverflowError, Engine
-from kvchat.sampling import Sampler, SamplingParams
+from kvchat.sampling import Sampler
+from kvchat.turn import SamplingParams, TurnStats
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. When documents are provided, answer from them and say so when they do not cover the question."
@@ -25,41 +26,6 @@ DEFAULT_SYSTEM_PROMPT = (
 
 class EmptyPromptError(ValueError):
     """The user message is empty or whitespace only."""
-
-
-@dataclass(slots=True)
-class TurnStats:
-    """Counters of one turn (tokens, ms).
-
-    Attributes:
-        prompt_tokens: conversation length before generation.
-        reused_tokens: tokens whose K/V came from a cache instead of the model.
-        prefilled_tokens: tokens run through the model before the first new token.
-        new_tokens: tokens generated.
-        ttft_ms: time from the request to the first new token.
-        prefill_ms: time spent in prefill.
-        decode_tokens_per_s: generated tokens after the first ÷ their decode time.
-        finish_reason: ``stop`` | ``length`` | ``context`` | ``cancelled``.
-        from_memory: reused tokens found in the pool (prefix hit).
-        from_disk: reused tokens read from snapshot files.
-        restore_ms: time to look up, read, verify and copy them, ms.
-        bytes_read: snapshot bytes read.
-        miss_reason: why stored K/V could not be used, if any.
-    """
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    from_memory: int = 0
-    from_disk: int = 0
-    restore_ms: float = 0.0
-    bytes_read: int = 0
-    miss_reason: str | None = None
-    prefilled_tokens: int = 0
-    new_tokens: int = 0
-    ttft_ms: float = 0.0
-    prefill_ms: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    finish_reason: str = ""
 
 
 @dataclass(slots=True)

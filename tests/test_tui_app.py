@@ -11,9 +11,10 @@ import time
 import pytest
 from textual.widgets import Button, DataTable, Input, ListView, Markdown
 
+from kvchat.turn import SamplingParams
 from kvchat.tui.actions import ACTIONS, INPUT_KEYS
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.backend import ChatMessage, GenerationSettings
+from kvchat.tui.backend import ChatMessage
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.screens.chat import ChatScreen
 from kvchat.tui.screens.confirm import ConfirmScreen
@@ -281,7 +282,7 @@ async def test_settings_dialog_validates_and_applies(harness):
         h.app.screen.query_one("#max_tokens", Input).value = "1"
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(h.app.screen, ChatScreen))
-        assert h.screen.settings == GenerationSettings(temperature=0.7, max_tokens=1)
+        assert h.screen.settings == SamplingParams(temperature=0.7, max_tokens=1)
         await h.send(pilot, "q")
         answer = h.blocks("assistant")[0]
         assert answer.text == "Hello " and "stopped at max tokens" in shown(answer.query_one(".stats"))
@@ -343,7 +344,7 @@ async def test_real_model_end_to_end(smol_info):
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen_stack[0]
         await until(pilot, lambda: screen.ready, timeout=120)
-        screen.settings = GenerationSettings(max_tokens=8)
+        screen.settings = SamplingParams(max_tokens=8)
         await pilot.click(ChatInput)
         screen.query_one(ChatInput).text = "Name a fruit."
         await pilot.press("enter")
@@ -374,7 +375,7 @@ async def test_real_model_end_to_end(smol_info):
         resume = backend.status().resume
         assert resume.from_disk == resume.tokens >= backend.current().num_tokens - 16  # nothing was in memory
         assert f"resumed {resume.tokens:,} tokens from disk" in shown(screen.query_one(StatusBar))
-        screen.settings = GenerationSettings(max_tokens=4)
+        screen.settings = SamplingParams(max_tokens=4)
         await pilot.click(ChatInput)
         screen.query_one(ChatInput).text = "And a vegetable?"
         await pilot.press("enter")

@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, Sequence
 
+from kvchat.turn import SamplingParams
 from kvchat.tui.events import Emit, TurnDone
 
 CacheState = Literal["memory", "disk", "none"]
@@ -43,28 +44,6 @@ class ContextFullError(ValueError):
 
 class BackendNotReadyError(RuntimeError):
     """An engine operation was called before :meth:`Backend.load` finished."""
-
-
-@dataclass(slots=True)
-class GenerationSettings:
-    """Sampling for one answer (mirrors ``kvchat.sampling.SamplingParams``; ``temperature`` 0 = greedy)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 512
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` (one line) on out-of-range values; same rules as ``SamplingParams.validate``."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
 
 
 @dataclass(slots=True)
@@ -217,13 +196,13 @@ class Backend(Protocol):
     def open_chat(self, chat_id: str) -> ChatView:
         """Open a stored chat and map its cached KV (:attr:`ChatView.resume`)."""
 
-    def send(self, text: str, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def send(self, text: str, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         """Add a user message to the open chat and generate the answer (events as in the contract)."""
 
-    def regenerate(self, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def regenerate(self, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         """Replace the last answer by a new one for the same user message (cached prefix reused)."""
 
-    def edit_last(self, text: str, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def edit_last(self, text: str, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         """Replace the last user message by ``text`` and answer it (cached prefix reused)."""
 
     def set_system_prompt(self, text: str) -> ChatView:

@@ -4,25 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+from kvchat.turn import TurnStats
 
-
-@dataclass(slots=True)
-class TurnMetrics:
-    """Counters of one turn (mirrors ``kvchat.session.TurnStats`` field for field; tokens, ms, bytes)."""
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    from_memory: int = 0
-    from_disk: int = 0
-    restore_ms: float = 0.0
-    bytes_read: int = 0
-    miss_reason: str | None = None
-    prefilled_tokens: int = 0
-    new_tokens: int = 0
-    ttft_ms: float = 0.0
-    prefill_ms: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    finish_reason: str = ""
 
 
 @dataclass(slots=True)
@@ -54,7 +37,7 @@ class TurnDone:
 
     chat_id: str
     text: str
-    stats: TurnMetrics
+    stats: TurnStats
     context_used: int
     context_limit: int
 

@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from kvchat.turn import SamplingParams, TurnStats
 from kvchat.documents import read_document
 from kvchat.tui.backend import (
     SYSTEM_PROMPT_FIXED, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView, ContextFullError,
-    DocumentSummary, GenerationSettings, ResumeInfo, Status,
+    DocumentSummary, ResumeInfo, Status,
 )
-from kvchat.tui.events import Emit, LoadProgress, PrefillProgress, TurnDone, TurnMetrics
+from kvchat.tui.events import Emit, LoadProgress, PrefillProgress, TurnDone
 from kvchat.tui.streaming import TokenBatcher
 
 TURN_OVERHEAD = 4
@@ -73,7 +74,7 @@ class FakeBackend:
         self.chat: _Chat | None = None
         self.loaded = False
         self.shutdown_called = False
-        self._last: TurnMetrics | None = None
+        self._last: TurnStats | None = None
         self._resume: ResumeInfo | None = None
         self._prefilled: set[tuple[str, ...]] = set()
         self._ids = itertools.count(1)
@@ -151,10 +152,10 @@ class FakeBackend:
             raise LookupError("no chat is open")
         return self.chat
 
-    def send(self, text: str, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def send(self, text: str, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         return self._turn(self._open(), text, settings, cancel, emit)
 
-    def regenerate(self, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def regenerate(self, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         return self.edit_last(self._answered().messages[-2].text, settings, cancel, emit)
 
     def _answered(self) -> _Chat:
@@ -163,7 +164,7 @@ class FakeBackend:
             raise LookupError("this chat has no answer yet")
         return chat
 
-    def edit_last(self, text: str, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def edit_last(self, text: str, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         chat = self._answered()
         old = (chat.messages[-2:], chat.turn_tokens[-1:])
         del chat.messages[-2:], chat.turn_tokens[-1:]
@@ -174,7 +175,7 @@ class FakeBackend:
             chat.turn_tokens += old[1]
             raise
 
-    def _turn(self, chat: _Chat, text: str, settings: GenerationSettings, cancel: threading.Event,
+    def _turn(self, chat: _Chat, text: str, settings: SamplingParams, cancel: threading.Event,
               emit: Emit) -> TurnDone:
         if not text.strip():
             raise ValueError("the prompt is empty")
@@ -198,7 +199,7 @@ class FakeBackend:
         reply = "".join(shown)
         prompt = chat.num_tokens + user
         new_tokens = len(shown) + (reason == "stop")  # a stop token is generated but not shown
-        self._last = TurnMetrics(prompt_tokens=prompt, reused_tokens=chat.num_tokens, from_memory=chat.num_tokens,
+        self._last = TurnStats(prompt_tokens=prompt, reused_tokens=chat.num_tokens, from_memory=chat.num_tokens,
                                  prefilled_tokens=user, new_tokens=new_tokens, ttft_ms=12.0, prefill_ms=8.0,
                                  decode_tokens_per_s=100.0, finish_reason=reason)
         chat.turn_tokens.append(user + len(shown) + TURN_OVERHEAD)

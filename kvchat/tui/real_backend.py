@@ -15,8 +15,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+from kvchat.turn import SamplingParams
 from kvchat.tui.backend import (
-    BackendNotReadyError, CacheReport, ChatSummary, ChatView, DocumentSummary, GenerationSettings, Status,
+    BackendNotReadyError, CacheReport, ChatSummary, ChatView, DocumentSummary, Status,
 )
 from kvchat.tui.events import Emit, LoadProgress, TurnDone
 
@@ -104,13 +105,13 @@ class RealBackend:
     def open_chat(self, chat_id: str) -> ChatView:
         return self._engine_lane.call(lambda: self._require().open_chat(chat_id))
 
-    def send(self, text: str, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def send(self, text: str, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         return self._engine_lane.call(lambda: self._require().send(text, settings, cancel, emit))
 
-    def regenerate(self, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def regenerate(self, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         return self._engine_lane.call(lambda: self._require().regenerate(settings, cancel, emit))
 
-    def edit_last(self, text: str, settings: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def edit_last(self, text: str, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         return self._engine_lane.call(lambda: self._require().edit_last(text, settings, cancel, emit))
 
     def set_system_prompt(self, text: str) -> ChatView:

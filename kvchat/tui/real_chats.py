@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
+from kvchat.turn import SamplingParams, TurnStats
 from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
 from kvchat.disk_budget import enforce
 from kvchat.documents import read_document
@@ -22,9 +23,9 @@ from kvchat.store.conversations import get_conversation
 from kvchat.store.db import get_db, write_transaction
 from kvchat.tui.real_store import register_documents
 from kvchat.tui.backend import (
-    SYSTEM_PROMPT_FIXED, ChatMessage, ChatView, ContextFullError, GenerationSettings, ResumeInfo, Status,
+    SYSTEM_PROMPT_FIXED, ChatMessage, ChatView, ContextFullError, ResumeInfo, Status,
 )
-from kvchat.tui.events import Emit, TurnDone, TurnMetrics
+from kvchat.tui.events import Emit, TurnDone
 from kvchat.tui.rewind import carry_over, rewind_store, truncate_session, turn_spans
 from kvchat.tui.streaming import PrefillTimer, TokenBatcher
 
@@ -59,7 +60,7 @@ class OpenChats:
         self.rt = rt
         self.persist = KVPersist(rt.engine)
         self.chat: _Chat | None = None
-        self.last: TurnMetrics | None = None
+        self.last: TurnStats | None = None
         self.doc_prefixes: dict[str, list[int]] = {}
 
     def close(self) -> None:
@@ -152,17 +153,17 @@ class OpenChats:
             raise LookupError("no chat is open")
         return self.chat
 
-    def send(self, text: str, gs: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def send(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         return self._turn(self._open(), text, gs, cancel, emit, rewind=None)
 
-    def regenerate(self, gs: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def regenerate(self, gs: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         chat = self._open()
         return self._redo(chat, chat.messages[-2].text if len(chat.messages) >= 2 else "", gs, cancel, emit)
 
-    def edit_last(self, text: str, gs: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def edit_last(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         return self._redo(self._open(), text, gs, cancel, emit)
 
-    def _redo(self, chat: _Chat, text: str, gs: GenerationSettings, cancel: threading.Event, emit: Emit) -> TurnDone:
+    def _redo(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
         turns = turn_spans(chat.session.segments)
         if chat.chat_id is None or not turns:
             raise LookupError("this chat has no answer yet")
@@ -175,7 +176,7 @@ class OpenChats:
             self.open_chat(chat.chat_id)  # the store still has the old turn: resync from it
             raise
 
-    def _turn(self, chat: _Chat, text: str, gs: GenerationSettings, cancel: threading.Event, emit: Emit,
+    def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
         session, stored = chat.session, chat.stored_len
         try:
@@ -198,7 +199,7 @@ class OpenChats:
                 save_turn(db, chat.chat_id, session, text, stored)
         session.save_snapshot(chat.chat_id)
         turn = session.last_turn
-        self.last = TurnMetrics(**{f.name: getattr(turn.stats, f.name) for f in fields(TurnMetrics)})
+        self.last = TurnStats(**{f.name: getattr(turn.stats, f.name) for f in fields(TurnStats)})
         chat.messages += [ChatMessage("user", text),
                           ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
         done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)

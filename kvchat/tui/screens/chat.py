@@ -18,9 +18,10 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from kvchat.turn import SamplingParams
 from kvchat.store.errors import StoreError
 from kvchat.tui.actions import ACTIONS
-from kvchat.tui.backend import Backend, ChatView, ContextFullError, GenerationSettings
+from kvchat.tui.backend import Backend, ChatView, ContextFullError
 from kvchat.tui.events import BackendEvent as Event, LoadProgress, PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.screens.messages import BackendEvent, TurnFailed
 from kvchat.tui.screens.chat_actions import ChatActions
@@ -42,7 +43,7 @@ class ChatScreen(ChatActions, Screen):
     def __init__(self, backend: Backend):
         super().__init__()
         self.backend = backend
-        self.settings = GenerationSettings()
+        self.settings = SamplingParams()
         self.ready = False
         self.load_error = ""
         self.editing = False

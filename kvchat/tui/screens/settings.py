@@ -9,21 +9,22 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from kvchat.tui.backend import GenerationSettings
+from kvchat.turn import SamplingParams
+from kvchat.tui.backend import SamplingParams
 from kvchat.tui.text import literal
 
 LABELS = {"temperature": "Temperature (0 = greedy)", "top_p": "Top-p (0, 1]", "top_k": "Top-k (0 = all)",
           "seed": "Seed (blank = random)", "max_tokens": "Max tokens"}
 
 
-def parse_settings(values: dict[str, str]) -> GenerationSettings:
+def parse_settings(values: dict[str, str]) -> SamplingParams:
     """Build and validate settings from the dialog's text fields.
 
     Raises:
         ValueError: a field is not a number of the right type or out of range (one line).
     """
     parsed = {}
-    for f in fields(GenerationSettings):
+    for f in fields(SamplingParams):
         text = values[f.name].strip()
         if f.name == "seed" and not text:
             parsed[f.name] = None
@@ -34,17 +35,17 @@ def parse_settings(values: dict[str, str]) -> GenerationSettings:
         except ValueError:
             name, wanted = LABELS[f.name].split(" (")[0].lower(), "a number" if kind is float else "an integer"
             raise ValueError(f"{name} must be {wanted}, got {text!r}") from None
-    settings = GenerationSettings(**parsed)
+    settings = SamplingParams(**parsed)
     settings.validate()
     return settings
 
 
-class SettingsScreen(ModalScreen[GenerationSettings | None]):
+class SettingsScreen(ModalScreen[SamplingParams | None]):
     """Enter in any field saves (errors are shown in the dialog), Esc cancels."""
 
     BINDINGS = [("escape", "cancel", "Cancel")]
 
-    def __init__(self, settings: GenerationSettings):
+    def __init__(self, settings: SamplingParams):
         super().__init__(classes="dialog-screen")
         self.settings = settings
 
@@ -52,7 +53,7 @@ class SettingsScreen(ModalScreen[GenerationSettings | None]):
         with Vertical(classes="dialog"):
             yield Static("Generation settings — Enter saves, Esc cancels", classes="question")
             with Grid(id="settings-grid"):
-                for f in fields(GenerationSettings):
+                for f in fields(SamplingParams):
                     value = getattr(self.settings, f.name)
                     yield Label(LABELS[f.name])
                     yield Input("" if value is None else str(value), id=f.name)

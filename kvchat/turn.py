@@ -1,0 +1,73 @@
+"""Plain data between the engine and its callers (CLI, TUI): sampling settings and turn counters.
+
+Torch-free, so the UI can import it before the model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy (argmax).
+
+    Attributes:
+        temperature: softmax temperature (> 0 samples).
+        top_p: keep the smallest set of tokens whose probability mass ≥ top_p.
+        top_k: keep the k most likely tokens (0 = all).
+        seed: seeds a private ``torch.Generator`` so runs are reproducible.
+        max_tokens: new tokens at most.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 512
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` with a one-line message on out-of-range values."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(slots=True)
+class TurnStats:
+    """Counters of one turn (tokens, ms).
+
+    Attributes:
+        prompt_tokens: conversation length before generation.
+        reused_tokens: tokens whose K/V came from a cache instead of the model.
+        prefilled_tokens: tokens run through the model before the first new token.
+        new_tokens: tokens generated.
+        ttft_ms: time from the request to the first new token.
+        prefill_ms: time spent in prefill.
+        decode_tokens_per_s: generated tokens after the first ÷ their decode time.
+        finish_reason: ``stop`` | ``length`` | ``context`` | ``cancelled``.
+        from_memory: reused tokens found in the pool (prefix hit).
+        from_disk: reused tokens read from snapshot files.
+        restore_ms: time to look up, read, verify and copy them, ms.
+        bytes_read: snapshot bytes read.
+        miss_reason: why stored K/V could not be used, if any.
+    """
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    from_memory: int = 0
+    from_disk: int = 0
+    restore_ms: float = 0.0
+    bytes_read: int = 0
+    miss_reason: str | None = None
+    prefilled_tokens: int = 0
+    new_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    finish_reason: str = ""
