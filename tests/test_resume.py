@@ -9,11 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
 
 from kvchat.chats import new_settings
-from kvchat.kv_persist import CHUNK_TOKENS, KVPersist, chain
+from kvchat.kv_persist import CHUNK_TOKENS, chain
 from kvchat.loader import load_runtime
 from kvchat.sampling import SamplingParams
 from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session

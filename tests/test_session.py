@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from kvchat.chats import new_settings
 from kvchat.engine import ContextOverflowError

@@ -11,7 +11,6 @@ import time
 import pytest
 from textual.widgets import Button, DataTable, Input, ListView, Markdown
 
-from kvchat.turn import SamplingParams
 from kvchat.tui.actions import ACTIONS, INPUT_KEYS
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import ChatMessage
@@ -23,6 +22,7 @@ from kvchat.tui.screens.prompt import PromptScreen
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message_view import PAGE, MessageView
 from kvchat.tui.widgets.status_bar import StatusBar
+from kvchat.turn import SamplingParams
 
 SIZE = (120, 40)
 pytestmark = pytest.mark.asyncio

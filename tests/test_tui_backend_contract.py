@@ -7,7 +7,6 @@ pool to stay fast on CPU.
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 import threading
@@ -17,8 +16,8 @@ import pytest
 from kvchat.documents import DocumentError
 from kvchat.tui.backend import ContextFullError
 from kvchat.tui.events import PrefillProgress, TokenBatch, TurnDone
-from kvchat.turn import SamplingParams, TurnStats
 from kvchat.tui.fake_backend import FakeBackend
+from kvchat.turn import SamplingParams
 
 POOL_BYTES = 12 * 2**20  # 64 blocks of SmolLM2-135M fp8 KV = 1,024 tokens of context
 GS = SamplingParams(max_tokens=8)

@@ -26,8 +26,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, Sequence
 
-from kvchat.turn import SamplingParams
 from kvchat.tui.events import Emit, TurnDone
+from kvchat.turn import SamplingParams
 
 CacheState = Literal["memory", "disk", "none"]
 SYSTEM_PROMPT_FIXED = "the system prompt starts the chat's cached prefix; it can be set only before the first message"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
-from kvchat.turn import TurnStats
 
+from kvchat.turn import TurnStats
 
 
 @dataclass(slots=True)

@@ -17,14 +17,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvchat.turn import SamplingParams, TurnStats
 from kvchat.documents import read_document
 from kvchat.tui.backend import (
-    SYSTEM_PROMPT_FIXED, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView, ContextFullError,
-    DocumentSummary, ResumeInfo, Status,
+    SYSTEM_PROMPT_FIXED,
+    CacheReport,
+    CacheRow,
+    ChatMessage,
+    ChatSummary,
+    ChatView,
+    ContextFullError,
+    DocumentSummary,
+    ResumeInfo,
+    Status,
 )
 from kvchat.tui.events import Emit, LoadProgress, PrefillProgress, TurnDone
 from kvchat.tui.streaming import TokenBatcher
+from kvchat.turn import SamplingParams, TurnStats
 
 TURN_OVERHEAD = 4
 BLOCK_SIZE = 16

@@ -15,11 +15,16 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from kvchat.turn import SamplingParams
 from kvchat.tui.backend import (
-    BackendNotReadyError, CacheReport, ChatSummary, ChatView, DocumentSummary, Status,
+    BackendNotReadyError,
+    CacheReport,
+    ChatSummary,
+    ChatView,
+    DocumentSummary,
+    Status,
 )
 from kvchat.tui.events import Emit, LoadProgress, TurnDone
+from kvchat.turn import SamplingParams
 
 
 class _Lane:

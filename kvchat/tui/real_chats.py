@@ -7,27 +7,31 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from kvchat.turn import SamplingParams, TurnStats
 from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
 from kvchat.disk_budget import enforce
 from kvchat.documents import read_document
 from kvchat.engine import ContextOverflowError
-from kvchat.loader import Runtime
-from kvchat.sampling import SamplingParams
 from kvchat.kv_persist import KVPersist
-from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session, TurnStats
+from kvchat.loader import Runtime
+from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
 from kvchat.store.conversations import get_conversation
 from kvchat.store.db import get_db, write_transaction
-from kvchat.tui.real_store import register_documents
 from kvchat.tui.backend import (
-    SYSTEM_PROMPT_FIXED, ChatMessage, ChatView, ContextFullError, ResumeInfo, Status,
+    SYSTEM_PROMPT_FIXED,
+    ChatMessage,
+    ChatView,
+    ContextFullError,
+    ResumeInfo,
+    Status,
 )
 from kvchat.tui.events import Emit, TurnDone
+from kvchat.tui.real_store import register_documents
 from kvchat.tui.rewind import carry_over, rewind_store, truncate_session, turn_spans
 from kvchat.tui.streaming import PrefillTimer, TokenBatcher
+from kvchat.turn import SamplingParams, TurnStats
 
 
 @dataclass(slots=True)
@@ -199,7 +203,7 @@ class OpenChats:
                 save_turn(db, chat.chat_id, session, text, stored)
         session.save_snapshot(chat.chat_id)
         turn = session.last_turn
-        self.last = TurnStats(**{f.name: getattr(turn.stats, f.name) for f in fields(TurnStats)})
+        self.last = turn.stats
         chat.messages += [ChatMessage("user", text),
                           ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
         done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)

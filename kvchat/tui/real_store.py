@@ -16,10 +16,20 @@ from kvchat.disk_budget import budget_bytes, refresh_pins
 from kvchat.kv_persist import release_owner
 from kvchat.session import DEFAULT_SYSTEM_PROMPT
 from kvchat.store.conversations import (
-    decode_token_ids, delete_conversation, list_conversations, pin_conversation, rename_conversation,
+    decode_token_ids,
+    delete_conversation,
+    list_conversations,
+    pin_conversation,
+    rename_conversation,
 )
 from kvchat.store.db import get_db, write_transaction
-from kvchat.tui.backend import CacheReport, CacheRow, CacheState, ChatSummary, DocumentSummary
+from kvchat.tui.backend import (
+    CacheReport,
+    CacheRow,
+    CacheState,
+    ChatSummary,
+    DocumentSummary,
+)
 from kvchat.tui.search import search_conversation_ids
 
 if TYPE_CHECKING:

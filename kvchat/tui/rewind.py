@@ -16,7 +16,12 @@ from sqlite_utils import Database
 
 from kvchat.chat_format import Segment
 from kvchat.session import Session
-from kvchat.store.conversations import Conversation, NewMessage, append_turn, create_conversation
+from kvchat.store.conversations import (
+    Conversation,
+    NewMessage,
+    append_turn,
+    create_conversation,
+)
 from kvchat.store.db import write_transaction
 from kvchat.store.errors import ConversationNotFoundError
 

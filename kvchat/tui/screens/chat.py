@@ -18,13 +18,13 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from kvchat.turn import SamplingParams
 from kvchat.store.errors import StoreError
 from kvchat.tui.actions import ACTIONS
 from kvchat.tui.backend import Backend, ChatView, ContextFullError
-from kvchat.tui.events import BackendEvent as Event, LoadProgress, PrefillProgress, TokenBatch, TurnDone
-from kvchat.tui.screens.messages import BackendEvent, TurnFailed
+from kvchat.tui.events import BackendEvent as Event
+from kvchat.tui.events import LoadProgress, PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.screens.chat_actions import ChatActions
+from kvchat.tui.screens.messages import BackendEvent, TurnFailed
 from kvchat.tui.text import one_line
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message import MessageBlock, stats_line
@@ -32,6 +32,7 @@ from kvchat.tui.widgets.message_view import MessageView
 from kvchat.tui.widgets.prefill_bar import PrefillBar
 from kvchat.tui.widgets.sidebar import Sidebar
 from kvchat.tui.widgets.status_bar import StatusBar
+from kvchat.turn import SamplingParams
 
 
 class ChatScreen(ChatActions, Screen):
