@@ -153,7 +153,8 @@ class BlockManager:
         new = max(0, last - len(seq.block_table))
         if len(shared) + new > len(self.free):
             raise PoolFullError(
-                f"KV pool is full: need {len(shared) + new} blocks, {len(self.free)} free"
+                f"KV pool is full: this needs {len(shared) + new} more blocks of {self.block_size} tokens, "
+                f"{len(self.free)} are free; raise KVCHAT_KV_BUDGET_MB or close other chats"
             )
         copies = []
         for i in shared:

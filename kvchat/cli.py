@@ -131,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(exc: Exception) -> bool:
+    from kvchat.block_manager import PoolFullError
     from kvchat.store.errors import StoreError
 
-    return isinstance(exc, (ValueError, LookupError, StoreError, OSError))
+    return isinstance(exc, (ValueError, LookupError, StoreError, OSError, PoolFullError))
 
 
 def cmd_ask(args: argparse.Namespace) -> int:

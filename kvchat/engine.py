@@ -127,12 +127,18 @@ class Engine:
         """Longest sequence in tokens (model limit, capped by the pool)."""
         return min(self.cfg.max_position_embeddings, self.pool.capacity_tokens)
 
+    @property
+    def context_limit_text(self) -> str:
+        """``the context limit is N tokens`` plus why, when the pool (not the model) sets it."""
+        text = f"the context limit is {self.max_context} tokens"
+        if self.pool.capacity_tokens < self.cfg.max_position_embeddings:
+            text += f" (the KV pool holds {self.pool.capacity_tokens}; raise KVCHAT_KV_BUDGET_MB)"
+        return text
+
     def check_fits(self, num_tokens: int) -> None:
         """Raise :class:`ContextOverflowError` if ``num_tokens`` exceeds :attr:`max_context`."""
         if num_tokens > self.max_context:
-            raise ContextOverflowError(
-                f"conversation would be {num_tokens} tokens; the context limit is {self.max_context} tokens"
-            )
+            raise ContextOverflowError(f"conversation would be {num_tokens} tokens; {self.context_limit_text}")
 
     def _forward(self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Write K/V for tokens ``[start, end)``; return their hidden states ``[end - start, hidden]``."""

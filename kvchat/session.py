@@ -91,8 +91,12 @@ class Session:
     def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
         """Make the whole token list (e.g. a documents-only prefix) resident: reuse, then prefill."""
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        self.attach_cached_prefix(stats)
-        result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
+        try:
+            self.attach_cached_prefix(stats)
+            result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
+        except BaseException:  # pool full, cancelled by an exception: the conversation is as before
+            self._undo_turn(user_start)
+            raise
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         return stats
 
@@ -119,7 +123,7 @@ class Session:
         if needed > self.engine.max_context:
             raise ContextOverflowError(
                 f"this turn needs {needed} tokens (conversation {len(self.token_ids)} + message {len(ids)} + 1 to answer); "
-                f"the context limit is {self.engine.max_context} tokens"
+                f"{self.engine.context_limit_text}"
             )
         return ids
 
@@ -146,8 +150,12 @@ class Session:
         user_start = len(self.token_ids)
         append_segment(self.token_ids, self.segments, "user", user_ids)
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        self.attach_cached_prefix(stats)
-        result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
+        try:
+            self.attach_cached_prefix(stats)
+            result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
+        except BaseException:  # pool full, cancelled by an exception: the conversation is as before
+            self._undo_turn(user_start)
+            raise
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         gen_start = len(self.token_ids)
         generated: list[int] = []
@@ -186,6 +194,13 @@ class Session:
         append_segment(self.token_ids, self.segments, "assistant", generated)
         append_segment(self.token_ids, self.segments, "assistant", self.fmt.assistant_close_ids(stop_id))
         self.last_turn = Turn(text_out, (user_start, gen_start), (gen_start, len(self.token_ids)), stats)
+
+    def _undo_turn(self, user_start: int) -> None:
+        """Drop a turn that failed before generation: ids, segment, and the blocks holding them."""
+        del self.token_ids[user_start:]
+        while self.segments and self.segments[-1].start >= user_start:
+            self.segments.pop()
+        self.engine.release(self.seq)
 
     def close(self) -> None:
         """Release the conversation's blocks (they stay in the prefix cache)."""

@@ -79,3 +79,29 @@ def test_refusals_before_any_work(rt):
         list(s.send("word " * 9000, SamplingParams()))
     assert s.token_ids == before and s.seq.num_computed == 0
     assert s.tokens_left == rt.engine.max_context - len(before)
+
+
+def test_pool_full_refuses_clearly_and_keeps_the_conversation(smol_info):
+    from kvchat.block_manager import PoolFullError
+
+    small = load_runtime(None, "fp8", pool_bytes=60 * 16 * small_bytes_per_token(smol_info))  # 960 tokens
+    fmt = small.chat_format(new_settings(["kv.txt"]))
+    big = Session.new(small.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("kv.txt", DOC * 3)])
+    with pytest.raises(ContextOverflowError, match="the KV pool holds 960"):
+        list(big.send("What does kvchat keep?", SamplingParams(max_tokens=4)))
+    holder = Session.new(small.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("kv.txt", DOC)])
+    answer(holder, "What does kvchat keep?", max_tokens=2)  # ~560 tokens stay resident
+    other = Session.new(small.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("other.txt", DOC.replace("disk", "tape"))])
+    before, free = list(other.token_ids), small.engine.blocks.num_free_blocks
+    with pytest.raises(PoolFullError, match="KV pool is full"):
+        list(other.send("Where is it kept?", SamplingParams(max_tokens=4)))
+    assert other.token_ids == before and [seg.kind for seg in other.segments] == ["prefix"]
+    assert small.engine.blocks.num_free_blocks == free, "no block leaked"
+    assert answer(holder, "And then?", max_tokens=2).stats.new_tokens >= 1, "the resident chat still works"
+
+
+def small_bytes_per_token(info) -> int:
+    from kvchat.kv_cache import KVCacheSpec
+
+    c = info.config
+    return KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, "fp8").bytes_per_token
