@@ -115,9 +115,12 @@ def cmd_doc(args: argparse.Namespace) -> int:
             print(f"{d['id']:12} {d['token_count']:>7}  {d['title']}")
         return 0
     if args.doc_command == "rm":
+        from pathlib import Path
+
         from kvchat.kv_persist import release_owner
 
-        rows = list(db.query("SELECT id FROM documents WHERE id = ? OR path = ?", [args.doc, args.doc]))
+        path = str(Path(args.doc).expanduser().resolve())  # doc add stores the resolved path
+        rows = list(db.query("SELECT id FROM documents WHERE id = ? OR path = ?", [args.doc, path]))
         if not rows:
             raise LookupError(f"no document {args.doc!r} (see kvchat doc list)")
         for r in rows:
@@ -135,10 +138,11 @@ def _doc_add(db, args: argparse.Namespace) -> int:
     from kvchat.chats import new_settings
     from kvchat.documents import read_document
     from kvchat.kv_persist import KVPersist
-    from kvchat.loader import load_runtime
+    from kvchat.loader import load_runtime, set_threads
     from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
 
     doc = read_document(args.path)
+    set_threads(args.threads)
     rt = load_runtime(args.model, args.kv_dtype)
     system = DEFAULT_SYSTEM_PROMPT if args.system is None else args.system
     persist = KVPersist(rt.engine)

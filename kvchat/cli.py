@@ -17,17 +17,19 @@ from kvchat import __version__
 EXIT_USAGE = 2
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp16"], help="KV cache dtype (default fp8)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """``--model --kv-dtype --threads``; on sub-commands they default to the top-level values."""
+    keep = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
+    p.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp16"], help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)", **keep)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree for every sub-command."""
     parser = argparse.ArgumentParser(prog="kvchat", description="Local chat on a paged, FP8, persistent KV cache.")
     parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
-    _add_model_args(parser)
+    _add_model_args(parser, top=True)
     sub = parser.add_subparsers(dest="command")
 
     ask = sub.add_parser("ask", help="ask one question (optionally about documents, or continuing a chat)")
@@ -50,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--name", help="import --from PATH under this name instead of the default model")
     msub.add_parser("list", help="list imported models")
 
+    plan = sub.add_parser("plan", help="memory arithmetic: weights + KV per dtype -> concurrent chats that fit")
+    plan.add_argument("--context", type=int, default=4096, help="tokens per chat")
+    plan.add_argument("--gpu-gb", type=float, default=40.0, help="accelerator memory, GB")
+    plan.add_argument("--params", type=float, help="parameter count (default: counted from the config)")
+    plan.add_argument("--weight-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    plan.add_argument("--reserve-gb", type=float, default=0.0, help="memory kept for activations and runtime, GB")
+    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--model", metavar="NAME|PATH|CONFIG", default=argparse.SUPPRESS)
     doc = sub.add_parser("doc", help="documents cached as reusable prefixes")
     dsub = doc.add_subparsers(dest="doc_command", required=True)
     dadd = dsub.add_parser("add", help="prefill a document as a prefix and snapshot it")
@@ -84,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     eng.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     _add_model_args(eng)
+    fid = bsub.add_parser("fidelity", help="fp8 vs bf16 pool, teacher-forced: perplexity delta, KL, top-1, per scheme")
+    fid.add_argument("--text", action="append", default=[], metavar="PATH", help="evaluation text (repeatable; default: stdlib docstrings)")
+    fid.add_argument("--tokens", type=int, default=2048, help="evaluation tokens per text")
+    fid.add_argument("--calibration-tokens", type=int, default=2048, help="tokens of other text to calibrate K centring on")
+    fid.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    _add_model_args(fid)
+    resume = bsub.add_parser("resume", help="reopen an N-token chat from its disk snapshot vs cold prefill (fresh processes)")
+    from kvchat.bench.resume import add_resume_args
+
+    add_resume_args(resume)
+    _add_model_args(resume)
     startup = bsub.add_parser("startup", help="time to first frame and to ready, in fresh processes")
     from kvchat.bench.startup import add_startup_args
 
@@ -107,11 +128,23 @@ def main(argv: list[str] | None = None) -> int:
             from kvchat.model_registry import cmd_model_list
 
             return cmd_model_pull(args.from_path, args.name) if args.model_command == "pull" else cmd_model_list()
+        if args.command == "plan":
+            from kvchat.plan import cmd_plan
+
+            return cmd_plan(args)
         if args.command in ("cache", "doc"):
             from kvchat.cache_cli import cmd_cache, cmd_doc
 
             return cmd_cache(args) if args.command == "cache" else cmd_doc(args)
         if args.command == "bench":
+            if args.bench_command == "fidelity":
+                from kvchat.bench.fidelity import cmd_bench_fidelity
+
+                return cmd_bench_fidelity(args)
+            if args.bench_command == "resume":
+                from kvchat.bench.resume import cmd_bench_resume
+
+                return cmd_bench_resume(args)
             if args.bench_command == "startup":
                 from kvchat.bench.startup import cmd_bench_startup
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -14,11 +15,25 @@ FREE_FRACTION = 0.20
 CAP_BYTES = 50 * 10**9
 
 
+class BudgetConfigError(ValueError):
+    """``KVCHAT_CACHE_BUDGET_GB`` is not a non-negative number."""
+
+
 def budget_bytes(db: Database) -> int:
-    """``KVCHAT_CACHE_BUDGET_GB`` if set, else 20% of free disk plus what the cache already uses, capped at 50 GB."""
+    """``KVCHAT_CACHE_BUDGET_GB`` if set, else 20% of free disk plus what the cache already uses, capped at 50 GB.
+
+    Raises:
+        BudgetConfigError: the variable is set but not a number >= 0 (decimal GB).
+    """
     env = os.environ.get("KVCHAT_CACHE_BUDGET_GB")
     if env:
-        return int(float(env) * 10**9)
+        try:
+            gb = float(env)
+        except ValueError:
+            gb = -1.0
+        if not 0 <= gb < math.inf:  # also rejects nan
+            raise BudgetConfigError(f"KVCHAT_CACHE_BUDGET_GB must be a number of gigabytes >= 0, got {env!r}")
+        return int(gb * 10**9)
     free = shutil.disk_usage(data_dir()).free
     return min(CAP_BYTES, int(FREE_FRACTION * free) + totals(db).bytes)
 

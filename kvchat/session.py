@@ -91,14 +91,15 @@ class Session:
     def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
         """Make the whole token list (e.g. a documents-only prefix) resident: reuse, then prefill."""
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        try:
-            self.attach_cached_prefix(stats)
-            result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
-        except BaseException:  # pool full, cancelled by an exception: the conversation is as before
-            self._undo_turn(user_start)
-            raise
-        stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
+        self._reuse_and_prefill(stats, progress)
         return stats
+
+    def _reuse_and_prefill(self, stats: TurnStats, progress: Callable[[int, int], None] | None):
+        """Cached K/V first, then prefill the rest; fills the stats, returns the engine's PrefillResult."""
+        self.attach_cached_prefix(stats)
+        result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
+        stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
+        return result
 
     def save_snapshot(self, owner: str | None) -> list[str]:
         """Queue this conversation's computed K/V for writing (no-op without ``persist``); returns chain keys."""
@@ -151,12 +152,10 @@ class Session:
         append_segment(self.token_ids, self.segments, "user", user_ids)
         stats = TurnStats(prompt_tokens=len(self.token_ids))
         try:
-            self.attach_cached_prefix(stats)
-            result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
-        except BaseException:  # pool full, cancelled by an exception: the conversation is as before
+            result = self._reuse_and_prefill(stats, progress)
+        except BaseException:  # pool full, interrupted: the conversation is as before
             self._undo_turn(user_start)
             raise
-        stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         gen_start = len(self.token_ids)
         generated: list[int] = []
         logits, stop_id, shown = result.logits, None, ""

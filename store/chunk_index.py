@@ -113,10 +113,13 @@ def add_chunk(db: Database, data: ChunkData, *, key: str, parent_key: str | None
         discard_chunk(staged)
 
 
-def load_chunk(db: Database, row: ChunkRow, layout: ChunkLayout, *, out: torch.Tensor | None = None) -> ChunkData:
+def load_chunk(db: Database, row: ChunkRow, layout: ChunkLayout, *, out: torch.Tensor | None = None,
+               touch_row: bool = True) -> ChunkData:
     """Read and verify ``row``'s file against the row and ``layout``; touch it on success.
 
     ``out``: optional staging buffer, as in :func:`kvchat.store.snapshot_read.read_chunk`.
+    ``touch_row=False`` leaves ``last_used`` to the caller (one :func:`touch` for many
+    chunks costs one commit instead of one each).
 
     Raises:
         CorruptChunkError: the file is missing/corrupt; the row and file have been deleted.
@@ -127,7 +130,8 @@ def load_chunk(db: Database, row: ChunkRow, layout: ChunkLayout, *, out: torch.T
     except CorruptChunkError:
         delete_chunk(db, row.key)
         raise
-    touch(db, [row.key])
+    if touch_row:
+        touch(db, [row.key])
     return data
 
 
@@ -170,20 +174,28 @@ def unref_chunks(db: Database, keys: Iterable[str]) -> list[str]:
 
     A chunk is deleted when its ref_count is 0, it is not pinned and no remaining
     chunk has it as parent (so a chain still used by someone else stays whole).
-    Children are handled before parents, so a whole unshared chain goes at once.
+    Passes repeat until one deletes nothing, so a whole unshared chain goes at
+    once whatever the order of ``keys`` (owners' refs come back in key order, not chain order).
     """
     keys = list(keys)
     deleted: list[str] = []
     with write_transaction(db):
         db.conn.executemany("UPDATE kv_chunks SET ref_count = max(ref_count - 1, 0) WHERE key = ?", [(k,) for k in keys])
-        for key in reversed(keys):
-            rows = list(db.query(
-                f"SELECT {_COLS} FROM kv_chunks c WHERE key = ? AND ref_count = 0 AND pinned = 0"
-                " AND NOT EXISTS (SELECT 1 FROM kv_chunks ch WHERE ch.parent_key = c.key)",
-                [key],
-            ))
-            _delete_locked(db, map(_row, rows))
-            deleted += [r["key"] for r in rows]
+        pending = list(dict.fromkeys(keys))
+        while pending:
+            gone = []
+            for key in reversed(pending):
+                rows = list(db.query(
+                    f"SELECT {_COLS} FROM kv_chunks c WHERE key = ? AND ref_count = 0 AND pinned = 0"
+                    " AND NOT EXISTS (SELECT 1 FROM kv_chunks ch WHERE ch.parent_key = c.key)",
+                    [key],
+                ))
+                _delete_locked(db, map(_row, rows))
+                gone += [r["key"] for r in rows]
+            if not gone:
+                break
+            deleted += gone
+            pending = [k for k in pending if k not in gone]
     return deleted
 
 

@@ -1,0 +1,182 @@
+"""``kvchat plan``: how many chats of a given length fit on a GPU, per KV dtype.
+
+The arithmetic of the seed article's 40 GB example (a 7B model in fp16 on
+an A100 40 GB holds 12 concurrent 4096-token chats):
+
+- KV bytes per token = 2 (K and V) × layers × KV heads × (head_dim × bytes
+  per value + scale bytes), with kvchat's fp8 pools storing one fp32 scale
+  per token and KV head (:attr:`kvchat.kv_cache.KVCacheSpec.bytes_per_token`);
+- a chat takes its context rounded up to whole 16-token blocks;
+- GPU memory is advertised in decimal GB (40 GB = 37.25 GiB); weights take
+  parameters × bytes per weight; chats that fit = floor((GPU − weights −
+  reserve) / bytes per chat). Like the article, activations are ignored
+  unless ``--reserve-gb`` sets memory aside for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvchat.config import ModelConfig
+from kvchat.kv_cache import BLOCK_SIZE, KVCacheSpec
+
+GIB = 2**30
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PLAN_KV_DTYPES = ("fp16", "bf16", "fp8")
+
+
+class PlanInputError(ValueError):
+    """Plan inputs that make no sense (non-positive context or GPU size, missing config)."""
+
+
+@dataclass(slots=True, frozen=True)
+class KVRow:
+    """One KV dtype's line of a plan: bytes per token and per chat, chats that fit."""
+
+    kv_dtype: str
+    bytes_per_token: int
+    bytes_per_chat: int
+    chats: int
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryPlan:
+    """Weights plus KV arithmetic for one model, context and GPU size (bytes unless named)."""
+
+    model: str
+    params: int
+    weight_bytes: int
+    gpu_bytes: int
+    reserve_bytes: int
+    context: int
+    rows: tuple[KVRow, ...]
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """Bytes left for the KV cache (negative: the weights alone do not fit)."""
+        return self.gpu_bytes - self.weight_bytes - self.reserve_bytes
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of a Llama-family decoder from its config.
+
+    Embeddings (+ an untied LM head), per layer q/k/v/o projections (+ Qwen2
+    q/k/v bias, + Qwen3 q/k norms), SwiGLU gate/up/down, two RMSNorms, and the
+    final norm. Llama-2-7B's config gives 6,738,415,616, its published count.
+    """
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    attn += (q + 2 * kv) if cfg.attention_bias else 0
+    attn += 2 * cfg.head_dim if cfg.qk_norm else 0
+    layer = attn + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return embed + cfg.num_layers * layer + cfg.hidden_size
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    *,
+    context: int,
+    gpu_gb: float,
+    params: int | None = None,
+    weight_dtype: str = "bf16",
+    reserve_gb: float = 0.0,
+    model: str = "",
+    kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES,
+) -> MemoryPlan:
+    """Chats of ``context`` tokens that fit beside the weights on a ``gpu_gb`` GPU.
+
+    Args:
+        cfg: the model's config.
+        context: tokens per chat (rounded up to whole blocks of ``BLOCK_SIZE``).
+        gpu_gb: GPU memory in decimal GB, as advertised (40 -> 40e9 bytes).
+        params: parameter count (None: :func:`count_params`).
+        weight_dtype: ``fp32|bf16|fp16``, bytes per weight.
+        reserve_gb: decimal GB set aside for activations and runtime.
+    Raises:
+        PlanInputError: non-positive context, GPU size or params, negative reserve, unknown weight dtype.
+    """
+    if context < 1 or gpu_gb <= 0 or reserve_gb < 0:
+        raise PlanInputError("--context and --gpu-gb must be positive and --reserve-gb not negative")
+    if weight_dtype not in WEIGHT_BYTES:
+        raise PlanInputError(f"unknown weight dtype {weight_dtype!r} (choose {', '.join(WEIGHT_BYTES)})")
+    params = count_params(cfg) if params is None else params
+    if params < 1:
+        raise PlanInputError(f"--params must be positive, not {params}")
+    weight_bytes = params * WEIGHT_BYTES[weight_dtype]
+    gpu_bytes, reserve_bytes = round(gpu_gb * 1e9), round(reserve_gb * 1e9)
+    budget = gpu_bytes - weight_bytes - reserve_bytes
+    tokens = math.ceil(context / BLOCK_SIZE) * BLOCK_SIZE
+    rows = []
+    for kv in kv_dtypes:
+        per_token = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv).bytes_per_token
+        per_chat = per_token * tokens
+        rows.append(KVRow(kv, per_token, per_chat, max(0, budget // per_chat)))
+    return MemoryPlan(model, params, weight_bytes, gpu_bytes, reserve_bytes, context, tuple(rows))
+
+
+def load_plan_config(spec: str | None) -> tuple[str, ModelConfig, int | None]:
+    """``(name, config, parameters counted from the weights or None)`` for ``--model``.
+
+    A ``config.json`` file or a directory holding one is read directly (no
+    weights needed, nothing is hashed); other values go through
+    :func:`kvchat.model_registry.resolve_model` (imported names, ``.gguf``).
+
+    Raises:
+        kvchat.model_registry.ModelNotFoundError, kvchat.config.UnsupportedModelError.
+    """
+    from kvchat.fingerprint import tensor_entries
+    from kvchat.model_registry import resolve_model
+
+    path = Path(spec).expanduser() if spec else None
+    if path is not None and (path.suffix == ".json" and path.is_file() or (path / "config.json").is_file()):
+        config_file = path if path.is_file() else path / "config.json"
+        cfg = ModelConfig.from_hf(json.loads(config_file.read_text(encoding="utf-8")))
+        model_dir = config_file.parent
+        has_weights = any(model_dir.glob("*.safetensors"))
+        params = sum(math.prod(e.shape) for e in tensor_entries(model_dir)) if has_weights else None
+        return model_dir.name, cfg, params
+    info = resolve_model(spec)
+    return info.name, info.config, sum(math.prod(e.shape) for e in tensor_entries(info.path))
+
+
+def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
+    """The plan as text: the inputs, the formula with this model's numbers, one row per KV dtype."""
+    lines = [
+        f"{plan.model}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim; "
+        f"{plan.context}-token chats; GPU {plan.gpu_bytes / 1e9:g} GB = {plan.gpu_bytes / GIB:.2f} GiB",
+        f"weights: {plan.params / 1e9:.2f} B params -> {plan.weight_bytes / GIB:.2f} GiB; "
+        f"reserved {plan.reserve_bytes / GIB:.2f} GiB; left for KV: {plan.kv_budget_bytes / GIB:.2f} GiB",
+        f"KV bytes/token = 2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
+        f"(head_dim {cfg.head_dim} x bytes/value + 4-byte scale for fp8)",
+        "",
+        f"{'kv dtype':<9}{'bytes/token':>12}{'per chat':>12}{'chats':>7}",
+    ]
+    for r in plan.rows:
+        lines.append(f"{r.kv_dtype:<9}{r.bytes_per_token:>12,}{r.bytes_per_chat / GIB:>8.3f} GiB{r.chats:>7}")
+    if plan.kv_budget_bytes <= 0:
+        lines.append("the weights alone do not fit on this GPU")
+    lines.append("activations are not counted (as in the article); set --reserve-gb to hold memory back for them")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``kvchat plan``: print (or ``--json``) the memory plan. Returns 0.
+
+    Args (argparse): ``model``, ``context``, ``gpu_gb``, ``params``, ``weight_dtype``, ``reserve_gb``, ``json``.
+    Raises:
+        PlanInputError, kvchat.model_registry.ModelNotFoundError, kvchat.config.UnsupportedModelError.
+    """
+    name, cfg, counted = load_plan_config(args.model)
+    params = int(args.params) if args.params is not None else counted
+    plan = plan_memory(cfg, context=args.context, gpu_gb=args.gpu_gb, params=params,
+                       weight_dtype=args.weight_dtype, reserve_gb=args.reserve_gb, model=name)
+    if args.json:
+        print(json.dumps(asdict(plan) | {"kv_budget_bytes": plan.kv_budget_bytes}))
+    else:
+        print(format_plan(plan, cfg))
+    return 0

@@ -1,0 +1,82 @@
+"""``kvchat plan`` arithmetic against the figures of the seed article 004 (the 40 GB example)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvchat.config import ModelConfig
+from kvchat.plan import GIB, PlanInputError, cmd_plan, count_params, plan_memory
+
+# Llama-2-7B's published config.json (the article quotes L=32, hidden 4096, 32 heads, no GQA).
+LLAMA2_7B = {
+    "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+
+
+def _row(plan, kv):
+    return next(r for r in plan.rows if r.kv_dtype == kv)
+
+
+def test_article_40gb_example_from_config():
+    """7B fp16 on a 40 GB A100: 512 KiB/token, 2 GiB per 4096-token chat, 12 chats fit."""
+    cfg = ModelConfig.from_hf(LLAMA2_7B)
+    assert count_params(cfg) == 6_738_415_616  # Llama-2-7B's published parameter count
+    plan = plan_memory(cfg, context=4096, gpu_gb=40, weight_dtype="fp16")
+    fp16 = _row(plan, "fp16")
+    assert fp16.bytes_per_token == 524_288
+    assert fp16.bytes_per_chat == 2 * GIB
+    assert fp16.chats == 12
+    assert plan.gpu_bytes / GIB == pytest.approx(37.25, abs=0.01)
+    # kvchat's fp8 pool: 1 byte per value plus one fp32 scale per token and KV head.
+    fp8 = _row(plan, "fp8")
+    assert fp8.bytes_per_token == 2 * 32 * 32 * (128 + 4)
+    assert fp8.chats == int(plan.kv_budget_bytes // fp8.bytes_per_chat) == 23
+
+
+def test_article_nominal_7b_arithmetic():
+    """With the article's nominal 7e9 parameters: 13.04 GiB of weights, about 24.2 GiB left, 12 chats."""
+    plan = plan_memory(ModelConfig.from_hf(LLAMA2_7B), context=4096, gpu_gb=40, params=7_000_000_000, weight_dtype="fp16")
+    assert plan.weight_bytes / GIB == pytest.approx(13.04, abs=0.005)
+    assert plan.kv_budget_bytes / GIB == pytest.approx(24.2, abs=0.05)
+    assert _row(plan, "fp16").chats == 12
+
+
+def test_article_gqa_and_exercise_figures():
+    """8 KV heads: 128 KiB/token and about 48 chats; 70B: 320 KiB/token; the exercise: 384 MiB."""
+    gqa = plan_memory(ModelConfig.from_hf(LLAMA2_7B | {"num_key_value_heads": 8}), context=4096, gpu_gb=40,
+                      params=7_000_000_000, weight_dtype="fp16")
+    assert _row(gqa, "fp16").bytes_per_token == 128 * 1024
+    assert _row(gqa, "fp16").chats == 48
+    big = ModelConfig.from_hf(LLAMA2_7B | {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+                                           "num_key_value_heads": 8})
+    assert plan_memory(big, context=16, gpu_gb=200).rows[0].bytes_per_token == 327_680
+    small = ModelConfig.from_hf(LLAMA2_7B | {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
+                                             "num_key_value_heads": 16})
+    assert _row(plan_memory(small, context=2048, gpu_gb=40), "fp16").bytes_per_chat == 384 * 2**20
+
+
+def test_context_rounds_up_to_blocks_and_weights_too_big():
+    cfg = ModelConfig.from_hf(LLAMA2_7B)
+    plan = plan_memory(cfg, context=4097, gpu_gb=12)
+    assert _row(plan, "fp16").bytes_per_chat == 524_288 * 4112
+    assert plan.kv_budget_bytes < 0 and all(r.chats == 0 for r in plan.rows)
+    with pytest.raises(PlanInputError):
+        plan_memory(cfg, context=0, gpu_gb=40)
+
+
+def test_cmd_plan_reads_a_config_file(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    args = argparse.Namespace(model=str(tmp_path), context=4096, gpu_gb=40.0, params=None, weight_dtype="fp16",
+                              reserve_gb=0.0, json=True)
+    assert cmd_plan(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 6_738_415_616
+    assert {r["kv_dtype"]: r["chats"] for r in out["rows"]} == {"fp16": 12, "bf16": 12, "fp8": 23}
+    args.json = False
+    assert cmd_plan(args) == 0
+    assert "fp16" in capsys.readouterr().out
