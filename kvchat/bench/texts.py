@@ -24,7 +24,7 @@ EVAL_MODULES = (
     "difflib", "shutil", "tarfile", "zipfile", "threading", "inspect", "typing", "json",
 )
 CALIBRATION_MODULES = (
-    "collections", "contextlib", "email.message", "http.client", "unittest.case", "pickle",
+    "collections", "contextlib", "email.message", "http.client", "unittest.case", "pprint",
     "tempfile", "configparser", "smtplib", "string", "random", "statistics", "calendar",
 )
 
