@@ -81,3 +81,20 @@ def test_logits_match_transformers(model_type, heads, kv_heads, kv_dtype):
 def test_unsupported_model_type_is_named():
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         ModelConfig.from_hf({"model_type": "gpt2"})
+
+
+def test_smollm2_matches_transformers(smol_info):
+    """The real default model: our runner on a bf16 pool vs transformers' fp32 forward, same weights."""
+    from kvchat.model_registry import load_weights
+
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smol_info.path), dtype=torch.float32).eval()
+    engine = Engine(smol_info.config, load_weights(smol_info), "smol", kv_dtype="bf16", pool_bytes=2**24, device="cpu")
+    ids = torch.randint(0, smol_info.config.vocab_size, (53,)).tolist()
+    seq = SeqBlocks()
+    ours = torch.cat([engine.score(seq, ids[:37]), engine.score(seq, ids)])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    err = (ours - ref).abs().max().item()
+    assert err <= REL_TOL["bf16"] * ref.abs().max().item(), f"max |diff| {err}"
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
