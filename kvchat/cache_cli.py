@@ -10,6 +10,11 @@ from kvchat.store.chunk_index import gc, list_chunks, totals, verify_chunks
 from kvchat.store.db import get_db, write_transaction
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters (terminal escape sequences) shown as ``\\x1b``-style escapes."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)
+
+
 def human(n: float) -> str:
     """Bytes as a short human-readable size (decimal units)."""
     for unit in ("B", "kB", "MB", "GB"):
@@ -38,7 +43,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if sub == "ls":
         print(f"{'OWNER':10} {'TOKENS':>7} {'CHUNKS':>6} {'SIZE':>9}  PIN  TITLE")
         for o in _owners(db):
-            print(f"{o['owner']:10} {o['tokens']:>7} {o['chunks']:>6} {human(o['bytes']):>9}  {'yes' if o['pinned'] else '   '}  {o['title'][:50]}")
+            print(f"{o['owner']:10} {o['tokens']:>7} {o['chunks']:>6} {human(o['bytes']):>9}  {'yes' if o['pinned'] else '   '}  {printable(o['title'][:50])}")
     elif sub == "stats":
         t = totals(db)
         print(f"chunks {t.count}, {human(t.bytes)} of a {human(budget_bytes(db))} budget; pinned {t.pinned_count} ({human(t.pinned_bytes)})")
@@ -112,7 +117,7 @@ def cmd_doc(args: argparse.Namespace) -> int:
     if args.doc_command == "list":
         print(f"{'ID':12} {'TOKENS':>7}  TITLE")
         for d in db.query("SELECT id, title, token_count FROM documents ORDER BY created"):
-            print(f"{d['id']:12} {d['token_count']:>7}  {d['title']}")
+            print(f"{d['id']:12} {d['token_count']:>7}  {printable(d['title'])}")
         return 0
     if args.doc_command == "rm":
         from pathlib import Path
@@ -163,6 +168,6 @@ def _doc_add(db, args: argparse.Namespace) -> int:
         )
     session.save_snapshot(did)
     persist.close()
-    print(f"{did}  {doc.title}: {len(session.token_ids)} tokens, {stats.reused_tokens} reused, "
+    print(f"{did}  {printable(doc.title)}: {len(session.token_ids)} tokens, {stats.reused_tokens} reused, "
           f"{stats.prefilled_tokens} prefilled in {stats.prefill_ms / 1e3:.1f} s; cached for new chats")
     return 0

@@ -156,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         print("kvchat: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the known user errors below become one line
+        import sqlite3
+
+        if isinstance(exc, sqlite3.DatabaseError):
+            from kvchat.paths import db_path
+
+            print(f"kvchat: error: the database {db_path()} cannot be used ({exc}); backups of it are in its backups/ folder",
+                  file=sys.stderr)
+            return EXIT_USAGE
         if _is_user_error(exc):
             print(f"kvchat: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -180,6 +188,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise EmptyPromptError("the prompt is empty")
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.max_tokens)
     params.validate()
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.chat and (args.doc or args.system is not None):
         raise ValueError("--doc and --system set up a new chat; they cannot be used with --chat")
     docs = [read_document(p) for p in args.doc]

@@ -68,6 +68,12 @@ def load_runtime(
 
 
 def set_threads(n: int | None) -> None:
-    """Use ``n`` CPU threads for torch (None: torch's default, one per core)."""
+    """Use ``n`` CPU threads for torch (None: torch's default, one per core).
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n is not None and n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
     if n:
         torch.set_num_threads(n)

@@ -190,6 +190,8 @@ def cmd_model_pull(from_path: str | None, name: str | None) -> int:
     Returns 0, or 2 after one ``kvchat: error: …`` line on stderr.
     """
     try:
+        if from_path is not None and not Path(from_path).is_file():
+            raise ModelImportError(f"--from {from_path!r}: no such file")
         if name in (None, DEFAULT_MODEL_NAME):
             target = import_default_model(Path(from_path) if from_path else None)
         elif from_path is None:

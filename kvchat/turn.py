@@ -5,6 +5,7 @@ Torch-free, so the UI can import it before the model is loaded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -28,8 +29,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` with a one-line message on out-of-range values."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -268,6 +268,9 @@ def test_extend_extreme_values_agree_with_decode(pool_dtype):
     """Extend's last query row and decode of the same token read the pool identically (same scales)."""
     pool = make_pool([33, 20], 2, 64, pool_dtype, extreme=True)  # new tokens: the last 5 and all 20
     cu = torch.tensor([0, 5, 25], dtype=torch.int32)
+    # Seeded: with K values of 1e4 the scores are ~1e5 apart, and for some random queries two keys
+    # tie within fp32 rounding, where any summation order (triton vs torch) picks a different winner.
+    torch.manual_seed(0)
     query = torch.randn(25, 4, 64)
     ref = reference.extend_attention(query, *[t if t is None else t.cpu() for t in pool], cu, 0.125)
     out = triton_extend.extend_attention(query.to(DEVICE), *pool, cu.to(DEVICE), 0.125)

@@ -24,16 +24,20 @@ GS = SamplingParams(max_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def real_backend(smol_info):
+def real_backend(smol_info, tmp_path_factory):
     import torch
 
     from kvchat.tui.real_backend import RealBackend
 
+    # module-scoped, so it runs before the per-test data dir: give it its own, never the user's
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVCHAT_HOME", str(tmp_path_factory.mktemp("contract-home")))
     torch.set_num_threads(1)
     backend = RealBackend(str(smol_info.path), "fp8", pool_bytes=POOL_BYTES, threads=1)
     backend.load(lambda event: None)
     yield backend
     backend.shutdown()
+    mp.undo()
 
 
 @pytest.fixture(params=["fake", "real"])

@@ -59,7 +59,7 @@ def stdlib_text(modules: tuple[str, ...] = EVAL_MODULES) -> BenchText:
 
     Returns:
         :class:`BenchText` named ``"python-stdlib-docstrings:<first>..<last>"``;
-        about 40k tokens for :data:`EVAL_MODULES` on Python 3.11.
+        about 54k SmolLM2 tokens for :data:`EVAL_MODULES` on Python 3.11.
     Raises:
         TextSourceError: a module has no ``.py`` source.
     """
