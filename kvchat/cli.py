@@ -15,6 +15,7 @@ import threading
 from kvchat import __version__
 
 EXIT_USAGE = 2
+PROGRESS_MIN_TOKENS = 1024  # show prefill progress on stderr for prompts at least this long
 
 
 def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
@@ -215,9 +216,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
     session.persist = KVPersist(rt.engine)
 
     cancel = threading.Event()
+
+    def progress(done: int, total: int) -> None:
+        if cancel.is_set():  # Ctrl-C during prefill: nothing generated yet, so drop the turn
+            raise KeyboardInterrupt
+        if not args.json and total >= PROGRESS_MIN_TOKENS:
+            end = "\n" if done == total else ""
+            print(f"\rprefill {done}/{total} tokens", end=end, file=sys.stderr, flush=True)
+
     old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     try:
-        for piece in session.send(args.prompt, params, cancel):
+        for piece in session.send(args.prompt, params, cancel, progress):
             if not args.json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
