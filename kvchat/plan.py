@@ -147,12 +147,12 @@ def load_plan_config(spec: str | None) -> tuple[str, ModelConfig, int | None]:
 def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
     """The plan as text: the inputs, the formula with this model's numbers, one row per KV dtype."""
     lines = [
-        f"{plan.model}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim; "
-        f"{plan.context}-token chats; GPU {plan.gpu_bytes / 1e9:g} GB = {plan.gpu_bytes / GIB:.2f} GiB",
-        f"weights: {plan.params / 1e9:.2f} B params -> {plan.weight_bytes / GIB:.2f} GiB; "
-        f"reserved {plan.reserve_bytes / GIB:.2f} GiB; left for KV: {plan.kv_budget_bytes / GIB:.2f} GiB",
-        f"KV bytes/token = 2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
-        f"(head_dim {cfg.head_dim} x bytes/value + 4-byte scale for fp8)",
+        (f"{plan.model}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim; "
+         f"{plan.context}-token chats; GPU {plan.gpu_bytes / 1e9:g} GB = {plan.gpu_bytes / GIB:.2f} GiB"),
+        (f"weights: {plan.params / 1e9:.2f} B params -> {plan.weight_bytes / GIB:.2f} GiB; "
+         f"reserved {plan.reserve_bytes / GIB:.2f} GiB; left for KV: {plan.kv_budget_bytes / GIB:.2f} GiB"),
+        (f"KV bytes/token = 2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
+         f"(head_dim {cfg.head_dim} x bytes/value + 4-byte scale for fp8)"),
         "",
         f"{'kv dtype':<9}{'bytes/token':>12}{'per chat':>12}{'chats':>7}",
     ]
@@ -160,7 +160,8 @@ def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
         lines.append(f"{r.kv_dtype:<9}{r.bytes_per_token:>12,}{r.bytes_per_chat / GIB:>8.3f} GiB{r.chats:>7}")
     if plan.kv_budget_bytes <= 0:
         lines.append("the weights alone do not fit on this GPU")
-    lines.append("activations are not counted (as in the article); set --reserve-gb to hold memory back for them")
+    if plan.reserve_bytes == 0:
+        lines.append("activations are not counted (as in the article); set --reserve-gb to hold memory back for them")
     return "\n".join(lines)
 
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvchat.kernels import reference
 
 from kvchat import kernels
-from kvchat.bench.kv_schemes import KVScheme, SchemeOverride, fixed_scale_scheme, k_centred_scheme
+from kvchat.bench.kv_schemes import (
+    KVScheme,
+    SchemeOverride,
+    fixed_scale_scheme,
+    k_centred_scheme,
+)
 from kvchat.block_manager import SeqBlocks
-from kvchat.kernels import reference
 from kvchat.kv_cache import KVCacheSpec, KVPool
 
 LAYERS, KV_HEADS, HEAD_DIM, HEADS = 2, 3, 64, 9
@@ -19,18 +24,17 @@ def _setup(scheme: KVScheme):
     pool = KVPool(KVCacheSpec(LAYERS, KV_HEADS, HEAD_DIM, "fp8"), 8)
     seq = SeqBlocks(block_table=[5, 2, 7])
     slots = torch.tensor([seq.block_table[p // 16] * 16 + p % 16 for p in range(T)])
-    meta = dict(block_table=torch.tensor([seq.block_table], dtype=torch.int32), seq_lens=torch.tensor([T], dtype=torch.int32))
-    return pool, SchemeOverride(pool, scheme, seq), slots, meta
+    block_table = torch.tensor([seq.block_table], dtype=torch.int32)
+    return pool, SchemeOverride(pool, scheme, seq), slots, block_table, torch.tensor([T], dtype=torch.int32)
 
 
 def test_sink_attention_matches_reference_when_sink_is_the_stored_value():
     torch.manual_seed(0)
-    pool, ov, slots, meta = _setup(KVScheme("sink", exact_sink=True))
+    pool, ov, slots, bt, sl = _setup(KVScheme("sink", exact_sink=True))
     k, v, q = torch.randn(T, KV_HEADS, HEAD_DIM), torch.randn(T, KV_HEADS, HEAD_DIM), torch.randn(T, HEADS, HEAD_DIM)
     kc, vc, ks, vs = pool.layer(1)
     ov.write_kv(k, v, kc, vc, ks, vs, slots)
     assert torch.equal(ov.sink[1][0], k[0]) and torch.equal(ov.sink[1][1], v[0])
-    bt, sl = meta["block_table"], meta["seq_lens"]
     cu = torch.tensor([0, T], dtype=torch.int32)
     args = (kc, vc, ks, vs, bt, sl)
     exact = ov.extend_attention(q, *args, cu, 0.125)
@@ -41,7 +45,7 @@ def test_sink_attention_matches_reference_when_sink_is_the_stored_value():
 
 
 def test_fixed_scale_clamps_outliers_instead_of_nan():
-    pool, ov, slots, _ = _setup(fixed_scale_scheme(1.0))
+    pool, ov, slots, _, _ = _setup(fixed_scale_scheme(1.0))
     k = torch.full((T, KV_HEADS, HEAD_DIM), 1e4)
     k[1] = 0.3
     kc, vc, ks, vs = pool.layer(0)
@@ -55,7 +59,7 @@ def test_fixed_scale_clamps_outliers_instead_of_nan():
 def test_k_shift_is_subtracted_per_layer_and_dispatch_is_restored():
     torch.manual_seed(1)
     shift = torch.randn(LAYERS, KV_HEADS, HEAD_DIM) * 10
-    pool, ov, slots, _ = _setup(k_centred_scheme(shift))
+    pool, ov, slots, _, _ = _setup(k_centred_scheme(shift))
     k = shift[1] + torch.randn(T, KV_HEADS, HEAD_DIM) * 0.1
     original = kernels.write_kv
     with pytest.raises(RuntimeError), ov.active():

@@ -26,10 +26,11 @@ import datetime
 import inspect
 import json
 import platform
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -207,16 +208,18 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     for run in runners.values():  # first-call overheads (allocator, kernels) stay out of the figures
         run(ids[:WARMUP_TOKENS], 2)
     samples = {(b, n): RunSamples(b, n) for n in lengths for b in runners}
-    for _ in range(args.repeats):
+    for rep in range(args.repeats):
         for n in lengths:
             for backend, run in runners.items():
                 prefill_s, decode_s = run(ids[:n], args.decode_tokens)
                 samples[backend, n].prefill_tok_s.append(n / prefill_s)
                 samples[backend, n].decode_tok_s.append(args.decode_tokens / decode_s)
+                print(f"[repeat {rep + 1}/{args.repeats}] {backend} @{n}: prefill {n / prefill_s:.1f} tok/s, "
+                      f"decode {args.decode_tokens / decode_s:.1f} tok/s", file=sys.stderr, flush=True)
 
     return {
         "benchmark": "engine",
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "transformers": _version("transformers"),
                     "kvchat": _version("kvchat")},
@@ -292,7 +295,7 @@ def _version(dist: str) -> str:
 
 def format_report(res: dict) -> str:
     """The human-readable tables of a :func:`run_benchmark` result."""
-    fmt = lambda d, digits=1: f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"  # noqa: E731
+    fmt = lambda d, digits=1: f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
     head = (f"kvchat bench engine: {res['model']}, {res['compute_dtype']} weights and compute, "
             f"{res['threads']} threads, prompt {res['prompt']['name']} (sha256 {res['prompt']['sha256'][:12]}), "
             f"fp8 scheme {res['scale_scheme']}, {res['repeats']} repeats, {res['decode_tokens']} decode tokens; "

@@ -26,9 +26,9 @@ import argparse
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ class FidelityResult:
         """Share of positions with the same argmax token as bf16."""
         return self.top1_same / self.positions
 
-    def add(self, other: "FidelityResult") -> None:
+    def add(self, other: FidelityResult) -> None:
         """Accumulate ``other``'s sums (pooling texts)."""
         self.positions += other.positions
         self.nll_ref += other.nll_ref
@@ -198,13 +198,13 @@ def run_fidelity(args: argparse.Namespace) -> dict:
     info = resolve_model(args.model)
     cfg = info.config
     tok = AutoTokenizer.from_pretrained(str(info.path))
-    encode = lambda t, n: tok(t.text, add_special_tokens=False)["input_ids"][:n]  # noqa: E731
+    encode = lambda t, n: tok(t.text, add_special_tokens=False)["input_ids"][:n]
     calib_text = stdlib_text(CALIBRATION_MODULES)
     calib_ids = encode(calib_text, args.calibration_tokens)
     docs = [(t, encode(t, args.tokens)) for t in texts]
 
     weights = load_weights(info)
-    spec = lambda kv: KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)  # noqa: E731
+    spec = lambda kv: KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
     longest = max(len(calib_ids), *(len(ids) for _, ids in docs))
     blocks = longest // spec("bf16").block_size + 2
     ref = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", pool_bytes=spec("bf16").bytes_per_block * blocks)

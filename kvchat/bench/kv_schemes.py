@@ -33,8 +33,8 @@ Schemes:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

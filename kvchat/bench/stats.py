@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(slots=True, frozen=True)
@@ -17,7 +17,7 @@ class Spread:
     samples: tuple[float, ...]
 
     @classmethod
-    def of(cls, samples: Sequence[float]) -> "Spread":
+    def of(cls, samples: Sequence[float]) -> Spread:
         """Summarise ``samples``. Raises ValueError if empty."""
         if not samples:
             raise ValueError("no samples to summarise")
@@ -29,7 +29,7 @@ class Spread:
 
     def as_dict(self, digits: int = 3) -> dict:
         """JSON-ready ``{median, min, max, samples}`` rounded to ``digits``."""
-        r = lambda x: round(x, digits)  # noqa: E731
+        r = lambda x: round(x, digits)
         return {"median": r(self.median), "min": r(self.min), "max": r(self.max), "samples": [r(s) for s in self.samples]}
 
 
