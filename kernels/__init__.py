@@ -37,8 +37,10 @@ from .reference import (
     FP8_EPS,
     FP8_MAX,
     SCALE_SCHEME,
+    dense_attention,
     dequantize_fp8,
     quantize_fp8,
+    read_slots,
 )
 
 __all__ = [
@@ -49,9 +51,11 @@ __all__ = [
     "KernelBackendError",
     "backend_for",
     "decode_attention",
+    "dense_attention",
     "dequantize_fp8",
     "extend_attention",
     "quantize_fp8",
+    "read_slots",
     "write_kv",
 ]
 

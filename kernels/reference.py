@@ -126,6 +126,58 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Ten
     return cache[idx].flatten(0, 1)[:length].float()
 
 
+def read_slots(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """Read tokens at pool ``slots`` back, dequantized, for one layer or all layers at once.
+
+    Args:
+        cache: pool ``[..., num_blocks, block_size, num_kv_heads, head_dim]``
+            (one layer, or ``[num_layers, ...]`` for all of them).
+        scale: its ``[..., num_blocks, block_size, num_kv_heads]`` fp32 scales, or ``None``.
+        slots: int64 ``[T]`` slot ids (``block * block_size + offset``), all valid.
+    Returns:
+        float32 ``[..., T, num_kv_heads, head_dim]``: exactly the values attention reads.
+    """
+    flat = cache.flatten(-4, -3)
+    dim = flat.dim() - 3
+    if cache.dtype == FP8_DTYPE:
+        raw = flat.view(torch.uint8).index_select(dim, slots)
+        s = scale.flatten(-3, -2).index_select(dim, slots) * 256.0
+        return fp8_bits_to_f16(raw).float() * s.unsqueeze(-1)
+    return flat.index_select(dim, slots).float()
+
+
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_start: int, sm_scale: float) -> torch.Tensor:
+    """Causal GQA attention over one sequence's contiguous, dequantized K/V.
+
+    The CPU read path (``kvchat.dense_kv``): K/V copied once out of the pool,
+    so a decode step reads ``L`` tokens without gathering or dequantizing them.
+    Query heads are grouped under their KV head (``h = kv_head * group + g``,
+    as in Hugging Face's GQA), so K/V are never repeated.
+
+    Args:
+        query: ``[T, num_heads, head_dim]`` at positions ``q_start .. q_start + T - 1``.
+        key, value: float32 ``[num_kv_heads, L, head_dim]`` (may be views with
+            a longer stride along ``L``), ``L = q_start + T``.
+        sm_scale: softmax scale.
+    Returns:
+        ``[T, num_heads, head_dim]`` in ``query.dtype`` (fp32 math).
+    """
+    t, h, d = query.shape
+    hkv, length = key.shape[0], key.shape[1]
+    group = h // hkv
+    if t == 1 and length == q_start + 1:  # decode: no mask; three small ops beat SDPA's set-up
+        q = query.float().view(hkv, group, d)
+        probs = torch.softmax(torch.bmm(q, key.transpose(1, 2)) * sm_scale, dim=-1)
+        return torch.bmm(probs, value).view(1, h, d).to(query.dtype)
+    q = query.float().view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * t, d)
+    mask = None
+    if t > 1 or q_start + t < length:
+        pos = torch.arange(q_start, q_start + t, device=query.device).repeat(group)
+        mask = torch.arange(length, device=query.device)[None, :] <= pos[:, None]
+    out = F.scaled_dot_product_attention(q, key[None], value[None], attn_mask=mask, scale=sm_scale)
+    return out[0].view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, h, d).to(query.dtype)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, sm_scale: float) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[T, H, D]`` (positions ``q_start..``) over ``k``/``v`` ``[L, Hkv, D]``.
 

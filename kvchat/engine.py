@@ -16,9 +16,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvchat import kernels
 from kvchat.block_manager import BlockManager, SeqBlocks
 from kvchat.cache_id import cache_fingerprint
 from kvchat.config import ModelConfig
+from kvchat.dense_kv import DenseKV
 from kvchat.kv_cache import KVCacheSpec, KVPool
 from kvchat.model import AttnMetadata, Transformer, rope_inv_freq
 
@@ -94,6 +96,7 @@ class Engine:
         pool_bytes: int | None = None,
         device: torch.device | str | None = None,
         name: str = "",
+        dense_kv: bool | None = None,
     ):
         self.cfg = cfg
         self.name = name
@@ -110,6 +113,9 @@ class Engine:
         self.pool = KVPool.from_budget(self.spec, pool_bytes or self._default_pool_bytes(), self.device)
         self.cache_fingerprint = cache_fingerprint(model_fingerprint, kv_dtype, self.spec.scale_scheme, self.spec.block_size)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
+        if dense_kv is None:
+            dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
+        self.dense = DenseKV(self.pool) if dense_kv else None
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
 
@@ -144,6 +150,10 @@ class Engine:
         """Write K/V for tokens ``[start, end)``; return their hidden states ``[end - start, hidden]``."""
         copies = self.blocks.reserve(seq, end)
         self.pool.copy_blocks(copies)
+        if self.dense is not None:
+            self.dense.sync(seq, start, end)
+        bs = self.spec.block_size
+        self.pool.mark_written(seq.block_table[start // bs : (end - 1) // bs + 1])
         dev = self.device
         ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
         positions = torch.arange(start, end, device=dev)
@@ -154,8 +164,12 @@ class Engine:
             seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32, device=dev),
             is_decode=end - start == 1 and start > 0,
+            dense=self.dense,
+            q_start=start,
         )
         hidden = self.model(ids, positions, meta, self.pool)
+        if self.dense is not None:
+            self.dense.finish(seq, end)
         self.blocks.commit(seq, token_ids, end)
         return hidden
 

@@ -66,6 +66,9 @@ class KVPool:
             in the spec's dtype.
         k_scale, v_scale: ``[num_layers, num_blocks, block_size, num_kv_heads]``
             float32 for fp8 pools, else ``None``.
+        block_writes: per block, how many times anything was written into it;
+            every writer calls :meth:`mark_written`, so a reader holding a copy
+            (``kvchat.dense_kv``) can tell whether a block changed since it read it.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"):
@@ -81,6 +84,7 @@ class KVPool:
         if spec.kv_dtype == "fp8":
             self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
             self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+        self.block_writes = [0] * num_blocks
 
     @classmethod
     def from_budget(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device | str = "cpu") -> "KVPool":
@@ -104,10 +108,16 @@ class KVPool:
         vs = self.v_scale[i] if self.v_scale is not None else None
         return self.k[i], self.v[i], ks, vs
 
+    def mark_written(self, block_ids) -> None:
+        """Record a write into each of ``block_ids`` (call before or with the write)."""
+        for b in set(block_ids):
+            self.block_writes[b] += 1
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write)."""
         if not pairs:
             return
+        self.mark_written(p[1] for p in pairs)
         src = torch.tensor([p[0] for p in pairs], device=self.k.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.k.device)
         for t in (self.k, self.v, self.k_scale, self.v_scale):

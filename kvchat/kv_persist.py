@@ -283,6 +283,7 @@ def _read_tokens(pool: KVPool, blocks, seq: SeqBlocks, start: int, end: int) -> 
 def _write_tokens(pool: KVPool, blocks, seq: SeqBlocks, data: ChunkData, offset: int, start: int, end: int) -> None:
     """Copy chunk rows ``offset..`` into ``seq``'s slots for tokens ``[start, end)``."""
     slots = _slots(blocks, seq, start, end).to(pool.k.device)
+    pool.mark_written(seq.block_table[start // blocks.block_size : (end - 1) // blocks.block_size + 1])
     n = end - start
     for dst, src in ((pool.k, data.k), (pool.v, data.v), (pool.k_scale, data.k_scale), (pool.v_scale, data.v_scale)):
         if dst is None:

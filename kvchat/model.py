@@ -3,7 +3,8 @@
 Plain modules in the spirit of gpt-fast. Every forward writes the new
 tokens' K/V into the pool first (``write_kv``) and then attends through the
 pool (``extend_attention`` for chunks, ``decode_attention`` for one token per
-sequence), so prefill, extend and decode all read the same stored values.
+sequence, or on CPU a contiguous copy read back from the pool, ``dense_kv``),
+so prefill, extend and decode all read the same stored values.
 Architecture: Touvron et al. 2023 (Llama 2: RMSNorm, RoPE, SwiGLU, GQA);
 llama3 RoPE scaling as in Meta's Llama 3.1 reference code; Qwen2 adds a bias
 to q/k/v; Qwen3 RMS-normalises q and k per head before RoPE.
@@ -20,6 +21,7 @@ from torch import nn
 
 from kvchat import kernels
 from kvchat.config import ModelConfig
+from kvchat.dense_kv import DenseKV
 from kvchat.kv_cache import KVPool
 
 
@@ -33,6 +35,9 @@ class AttnMetadata:
         seq_lens: int32 ``[num_seqs]`` tokens in the pool per sequence, new ones included.
         cu_seqlens_q: int32 ``[num_seqs + 1]`` offsets of each sequence's new tokens.
         is_decode: exactly one new token per sequence (selects the decode kernel).
+        dense: the sequence's contiguous dequantized K/V copy (CPU read path,
+            one sequence only); when set, attention reads it instead of the block table.
+        q_start: position of the first new token (used with ``dense``).
     """
 
     slot_mapping: torch.Tensor
@@ -40,6 +45,8 @@ class AttnMetadata:
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     is_decode: bool
+    dense: DenseKV | None = None
+    q_start: int = 0
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -97,6 +104,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same formula (no cast to round through)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -118,18 +127,21 @@ class Attention(nn.Module):
         self.sm_scale = cfg.head_dim**-0.5
 
     def forward(self, x, cos, sin, meta: AttnMetadata, pool: KVPool) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.cfg.num_heads, self.cfg.head_dim)
-        k = k.view(t, self.cfg.num_kv_heads, self.cfg.head_dim)
-        v = v.view(t, self.cfg.num_kv_heads, self.cfg.head_dim)
+        t, heads = x.shape[0], self.cfg.num_heads
+        qkv = self.qkv(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.cfg.num_kv_heads, self.cfg.head_dim)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
+        q, k = qk[:, :heads], qk[:, heads:]
         k_cache, v_cache, k_scale, v_scale = pool.layer(self.layer_id)
         kernels.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
         args = (k_cache, v_cache, k_scale, v_scale, meta.block_table, meta.seq_lens)
-        if meta.is_decode:
+        if meta.dense is not None:
+            key, value = meta.dense.append(self.layer_id, meta.slot_mapping, meta.q_start)
+            out = kernels.dense_attention(q, key, value, meta.q_start, self.sm_scale)
+        elif meta.is_decode:
             out = kernels.decode_attention(q, *args, self.sm_scale)
         else:
             out = kernels.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale)

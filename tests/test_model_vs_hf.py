@@ -49,10 +49,14 @@ def hf_config(model_type: str, heads: int, kv_heads: int):
     return transformers.Qwen3Config(**common, head_dim=24)
 
 
-def run_ours(hf_model, ids: list[int], kv_dtype: str, n_prefill: int, n_extend: int) -> torch.Tensor:
-    """Logits for every position: prefill [0, n_prefill), extend to n_extend, decode the rest."""
+def run_ours(hf_model, ids: list[int], kv_dtype: str, n_prefill: int, n_extend: int, dense_kv: bool) -> torch.Tensor:
+    """Logits for every position: prefill [0, n_prefill), extend to n_extend, decode the rest.
+
+    ``dense_kv`` picks the read path: the CPU contiguous copy or the paged reference kernels.
+    """
     cfg = ModelConfig.from_hf(hf_model.config.to_dict())
-    engine = Engine(cfg, dict(hf_model.state_dict()), "test", kv_dtype=kv_dtype, pool_bytes=2**22, device="cpu")
+    engine = Engine(cfg, dict(hf_model.state_dict()), "test", kv_dtype=kv_dtype, pool_bytes=2**22, device="cpu",
+                    dense_kv=dense_kv)
     seq = SeqBlocks()
     rows = [engine.score(seq, ids[:n_prefill]), engine.score(seq, ids[:n_extend])]
     rows += [engine.decode(seq, ids[: n + 1])[None] for n in range(n_extend, len(ids))]
@@ -62,7 +66,8 @@ def run_ours(hf_model, ids: list[int], kv_dtype: str, n_prefill: int, n_extend: 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("kv_dtype", ["fp16", "bf16"])
-def test_logits_match_transformers(model_type, heads, kv_heads, kv_dtype):
+@pytest.mark.parametrize("dense_kv", [True, False], ids=["dense", "paged"])
+def test_logits_match_transformers(model_type, heads, kv_heads, kv_dtype, dense_kv):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config(model_type, heads, kv_heads)).eval()
     if model_type == "qwen2":
@@ -73,7 +78,7 @@ def test_logits_match_transformers(model_type, heads, kv_heads, kv_dtype):
     ids = torch.randint(0, 211, (45,)).tolist()  # odd length: 2 blocks + 13
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    ours = run_ours(hf, ids, kv_dtype, n_prefill=19, n_extend=33)
+    ours = run_ours(hf, ids, kv_dtype, n_prefill=19, n_extend=33, dense_kv=dense_kv)
     err = (ours - ref).abs().max().item()
     assert err <= REL_TOL[kv_dtype] * ref.abs().max().item(), f"max |diff| {err}"
 

@@ -1,0 +1,123 @@
+"""A contiguous, dequantized copy of one sequence's K/V: the CPU attention read path.
+
+The paged reference kernels gather a sequence's blocks and dequantize them at
+every step, so a CPU decode step at 4,096 tokens costs two full gathers per
+layer. This copy holds, per layer, float32 K/V ``[num_kv_heads, capacity,
+head_dim]`` of exactly the values the pool stores: new tokens are read back
+from the pool after :func:`kvchat.kernels.write_kv` (never taken from the
+pre-quantization K/V), so attention sees the same numbers as through the
+block table, and a decode step reads only its own new token from the pool.
+
+Staleness: :attr:`KVPool.block_writes` counts writes per block. The copy
+records each block's id and count when it reads it and trusts a token only
+while both are unchanged, so a rollback, a restore, a fork's copy-on-write
+or a block reused by another sequence makes it re-read from the first
+changed block. The engine keeps one copy, for the sequence it ran last.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvchat import kernels
+from kvchat.block_manager import SeqBlocks
+from kvchat.kv_cache import KVPool
+
+MIN_CAPACITY = 256
+
+
+class DenseKV:
+    """One sequence's K/V, dequantized and contiguous (see module doc).
+
+    Attributes:
+        k, v: float32 ``[num_layers, num_kv_heads, capacity, head_dim]``.
+        length: leading tokens that are valid.
+    """
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        spec = pool.spec
+        self._shape = (spec.num_layers, spec.num_kv_heads, 0, spec.head_dim)
+        self.k = torch.empty(self._shape, device=pool.k.device)
+        self.v = torch.empty(self._shape, device=pool.k.device)
+        self.length = 0
+        self._owner: SeqBlocks | None = None
+        self._blocks: list[int] = []
+        self._writes: list[int] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the copy (both tensors, full capacity)."""
+        return 2 * self.k.numel() * 4
+
+    def _valid_prefix(self, seq: SeqBlocks, limit: int) -> int:
+        """Tokens ``< limit`` whose blocks are unchanged since they were read."""
+        if self._owner is not seq:
+            return 0
+        bs = self.pool.spec.block_size
+        n = min(self.length, limit)
+        nb = -(-n // bs)
+        table, writes = seq.block_table[:nb], self.pool.block_writes
+        if table == self._blocks[:nb] and [writes[b] for b in table] == self._writes[:nb]:
+            return n
+        i = 0
+        while i < nb and i < len(self._blocks) and table[i] == self._blocks[i] and writes[table[i]] == self._writes[i]:
+            i += 1
+        return min(n, i * bs)
+
+    def _reserve(self, num_tokens: int) -> None:
+        cap = self.k.shape[2]
+        if num_tokens <= cap:
+            return
+        new_cap = max(MIN_CAPACITY, 1 << (num_tokens - 1).bit_length())
+        shape = (self._shape[0], self._shape[1], new_cap, self._shape[3])
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.empty(shape, device=old.device)
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def sync(self, seq: SeqBlocks, start: int, end: int) -> None:
+        """Before a forward of tokens ``[start, end)``: make ``[0, start)`` valid.
+
+        Reads from the pool, for all layers at once, the tokens that are
+        missing or whose blocks changed. ``seq.block_table`` must cover
+        ``end`` tokens.
+        """
+        valid = self._valid_prefix(seq, start)
+        self._owner = seq
+        self.length = valid
+        self._reserve(end)
+        if valid < start:
+            slots = self.slots(seq, valid, start)
+            pool = self.pool
+            for dst, cache, scale in ((self.k, pool.k, pool.k_scale), (self.v, pool.v, pool.v_scale)):
+                dst[:, :, valid:start] = kernels.read_slots(cache, scale, slots).transpose(1, 2)
+        self.length = start
+
+    def append(self, layer: int, slots: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After ``write_kv`` of layer ``layer``: copy the new tokens in, return K/V so far.
+
+        Args:
+            slots: int64 ``[T]`` pool slots of the new tokens (positions ``start .. start + T - 1``).
+        Returns:
+            ``(k, v)`` float32 ``[num_kv_heads, start + T, head_dim]`` views.
+        """
+        end = start + slots.numel()
+        k_cache, v_cache, k_scale, v_scale = self.pool.layer(layer)
+        self.k[layer, :, start:end] = kernels.read_slots(k_cache, k_scale, slots).transpose(0, 1)
+        self.v[layer, :, start:end] = kernels.read_slots(v_cache, v_scale, slots).transpose(0, 1)
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def finish(self, seq: SeqBlocks, end: int) -> None:
+        """After a forward: tokens ``[0, end)`` are valid; record the blocks' write counts."""
+        bs = self.pool.spec.block_size
+        self._blocks = seq.block_table[: -(-end // bs)]
+        self._writes = [self.pool.block_writes[b] for b in self._blocks]
+        self.length = end
+
+    def slots(self, seq: SeqBlocks, start: int, end: int) -> torch.Tensor:
+        """int64 ``[end - start]`` pool slots of ``seq``'s tokens ``[start, end)``."""
+        bs = self.pool.spec.block_size
+        table = torch.tensor(seq.block_table[: -(-end // bs)], dtype=torch.long, device=self.k.device)
+        return (table[:, None] * bs + torch.arange(bs, device=self.k.device)).flatten()[start:end]
