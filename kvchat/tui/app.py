@@ -7,6 +7,7 @@ model in a worker thread after mount (``ChatScreen._load``).
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from importlib.resources import files
 from typing import Iterable
@@ -20,6 +21,8 @@ from kvchat.tui.backend import Backend
 from kvchat.tui.screens.chat import ChatScreen
 
 CSS_FILE = files("kvchat.assets") / "kvchat.tcss"
+EXIT_CANNOT_RUN = 2  # as the CLI's usage errors: the data dir or database cannot be used
+EXIT_NOT_SAVED = 1  # quit, but flushing the cache (or closing the store) failed
 
 
 class KvchatApp(App[int]):
@@ -32,6 +35,7 @@ class KvchatApp(App[int]):
         super().__init__()
         self.backend = backend
         self._shut_down = False
+        self.error_line = ""  # printed by run_app after the terminal is restored
 
     def get_default_screen(self) -> Screen:
         return ChatScreen(self.backend)
@@ -52,21 +56,44 @@ class KvchatApp(App[int]):
             screen.update_status(note="saving cache…")
         self._flush_and_exit()
 
+    def cannot_run(self, reason: str) -> None:
+        """Exit with :data:`EXIT_CANNOT_RUN`; ``reason`` (one line) is printed once the terminal is restored."""
+        if not self.error_line:
+            self.error_line = reason
+            self.exit(return_code=EXIT_CANNOT_RUN)
+
     @work(thread=True, exclusive=True, group="quit")
     def _flush_and_exit(self) -> None:
-        self.shutdown_backend()
-        self.call_from_thread(self.exit, 0)
+        ok = self.shutdown_backend()
+        self.call_from_thread(self.exit, return_code=self.return_code or (0 if ok else EXIT_NOT_SAVED))
 
-    def shutdown_backend(self) -> None:
-        """Call ``backend.shutdown()`` once (quit action, or :func:`run_app` after another kind of exit)."""
-        if not self._shut_down:
-            self._shut_down = True
+    def shutdown_backend(self) -> bool:
+        """Call ``backend.shutdown()`` once (quit action, or :func:`run_app` after another kind of exit).
+
+        Returns False when it failed (e.g. the disk is full or read-only): the
+        failure becomes :attr:`error_line`, never a traceback; the chats' text
+        is stored at every turn, so only cache snapshots can be lost.
+        """
+        if self._shut_down:
+            return True
+        self._shut_down = True
+        try:
             self.backend.shutdown()
+        except Exception as exc:  # noqa: BLE001 - quitting must not end in a traceback
+            detail = " ".join(str(exc).split()) or type(exc).__name__
+            self.error_line = self.error_line or f"saving the KV cache at quit failed ({detail}); chats are kept"
+            return False
+        return True
 
 
 def run_app(model: str | None = None, kv_dtype: str = "fp8", threads: int | None = None,
             backend: Backend | None = None) -> int:
-    """Run the TUI until quit; returns the exit code. ``backend`` defaults to the real engine for ``model``."""
+    """Run the TUI until quit; returns the exit code. ``backend`` defaults to the real engine for ``model``.
+
+    Where the app cannot run (the data dir or its database cannot be used) or
+    the cache could not be saved at quit, one ``kvchat: error: …`` line goes
+    to stderr after the terminal is restored and the exit code is non-zero.
+    """
     if backend is None:
         from kvchat.tui.real_backend import RealBackend
 
@@ -75,5 +102,7 @@ def run_app(model: str | None = None, kv_dtype: str = "fp8", threads: int | None
     try:
         app.run()
     finally:
-        app.shutdown_backend()
-    return app.return_code or 0
+        ok = app.shutdown_backend()
+    if app.error_line:
+        print(f"kvchat: error: {app.error_line}", file=sys.stderr)
+    return app.return_code or (0 if ok else EXIT_NOT_SAVED)

@@ -16,8 +16,11 @@ Contract (checked for both implementations by ``tests/test_tui_backend_contract.
   ``kvchat.documents.DocumentError`` for a bad document, an empty prompt, an
   unknown chat id (``LookupError``). Nothing else is swallowed.
 - Cache fields (:attr:`ChatSummary.cache_state`, :class:`ResumeInfo`) report
-  what the engine's counters say; ``"disk"`` is filled in by the persistent KV
-  store (issue 4) through the same fields.
+  what the engine's counters and the store say: ``"memory"`` when the pool
+  holds the whole history, ``"disk"`` when snapshots under this engine's
+  cache fingerprint exist, ``"none"`` otherwise.
+- :class:`StoreUnavailableError` from any operation means the data dir or its
+  database cannot be opened: the app cannot run and should exit with that line.
 """
 
 from __future__ import annotations
@@ -46,19 +49,30 @@ class BackendNotReadyError(RuntimeError):
     """An engine operation was called before :meth:`Backend.load` finished."""
 
 
+class StoreUnavailableError(RuntimeError):
+    """The data dir or its database cannot be opened (damaged file, read-only dir): the app cannot run.
+
+    The message is one line naming the path and the cause; nothing on disk was changed.
+    """
+
+
 @dataclass(slots=True)
 class ResumeInfo:
     """How a chat's history got into the KV pool when it was opened (engine counters).
 
     ``tokens`` were reused in ``ms``: ``from_disk`` of them read from snapshot
-    files, the rest found in the pool's prefix cache; ``miss_reason`` says why
-    stored KV could not be used, if some was skipped.
+    files, the rest found in the pool's prefix cache; ``prefill`` history
+    tokens were not cached and will be prefilled (0 when less than a block
+    short: the last token and the end-of-turn tokens the last answer never ran
+    through the model are always recomputed); ``miss_reason`` says why stored
+    KV could not be used, if some was skipped.
     """
 
     tokens: int
     from_disk: int
     ms: float
     miss_reason: str | None = None
+    prefill: int = 0
 
     @property
     def source(self) -> CacheState:
@@ -73,7 +87,11 @@ class ResumeInfo:
         memory = self.tokens - self.from_disk
         where = ("from disk" if not memory else "from memory" if not self.from_disk
                  else f"({memory:,} from memory, {self.from_disk:,} from disk)")
-        line = f"resumed {self.tokens:,} tokens {where} in {self.ms:.0f} ms — prefill skipped"
+        line = f"resumed {self.tokens:,} tokens {where} in {self.ms:.0f} ms"
+        if self.prefill:
+            line += f"; {self.prefill:,} more will be prefilled"
+            return line + (f" ({self.miss_reason})" if self.miss_reason else "")
+        line += " — prefill skipped"
         return line + (f" (partly: {self.miss_reason})" if self.miss_reason else "")
 
 
@@ -112,13 +130,22 @@ class ChatSummary:
 
 @dataclass(slots=True)
 class DocumentSummary:
-    """A document attached in some chat: its title, token count and whether its prefix is cached."""
+    """A document attached in some chat: its title, token count and where its prefix's KV lives.
+
+    ``cache_state``: ``memory`` (in the pool), ``disk`` (a snapshot this
+    engine can restore), ``none``.
+    """
 
     id: str
     title: str
     path: str
     tokens: int
-    cached: bool
+    cache_state: CacheState
+
+    @property
+    def cached(self) -> bool:
+        """True when the document's prefix need not be prefilled again (in memory or on disk)."""
+        return self.cache_state != "none"
 
 
 @dataclass(slots=True)

@@ -10,9 +10,15 @@ from kvchat.turn import TurnStats
 
 @dataclass(slots=True)
 class LoadProgress:
-    """A step of startup (importing the default model, loading weights), as a line of text."""
+    """A step of startup (importing the default model, loading weights), as a line of text.
+
+    ``total`` > 0 for a step of a longer job (the first-run import): ``done``
+    of ``total`` steps are finished, so the UI can show a progress bar.
+    """
 
     message: str
+    done: int = 0
+    total: int = 0
 
 
 @dataclass(slots=True)

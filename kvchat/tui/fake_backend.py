@@ -4,6 +4,9 @@ Tokens are counted as words (``\\w+`` runs and punctuation marks) plus
 ``TURN_OVERHEAD`` per message; answers come from ``answers`` in order, then
 ``"You said: <text>"``. ``hold_after`` pauses a stream after that many pieces
 until ``cancel`` is set, so a test can press Esc mid-answer deterministically.
+``import_steps`` scripts a first-run model import in :meth:`FakeBackend.load`
+(one ``LoadProgress`` per step); with ``step_gate`` each step waits for one
+``release()`` before the next (or the load) goes on, so a test can look at every step.
 The contract suite (``tests/test_tui_backend_contract.py``) runs the same
 checks against this and the real backend.
 """
@@ -73,8 +76,11 @@ class _Chat:
 class FakeBackend:
     """Scripted backend; see the module docstring. ``context_limit`` is in (fake) tokens."""
 
-    def __init__(self, answers: Sequence[str] = (), context_limit: int = 4096, hold_after: int | None = None):
+    def __init__(self, answers: Sequence[str] = (), context_limit: int = 4096, hold_after: int | None = None,
+                 import_steps: Sequence[str] = (), step_gate: threading.Semaphore | None = None):
         self.answers = list(answers)
+        self.import_steps = list(import_steps)
+        self.step_gate = step_gate
         self.context_limit = context_limit
         self.hold_after = hold_after
         self.chats: dict[str, _Chat] = {}
@@ -89,6 +95,10 @@ class FakeBackend:
         self._clock = itertools.count(1)
 
     def load(self, emit: Emit) -> Status:
+        for i, text in enumerate(self.import_steps):
+            emit(LoadProgress(f"first run: importing fake-model — {text}", i, len(self.import_steps)))
+            if self.step_gate is not None and not self.step_gate.acquire(timeout=10):
+                raise TimeoutError("the scripted import was never released")
         emit(LoadProgress("loading weights"))
         self.loaded = True
         return self.status()
@@ -143,7 +153,7 @@ class FakeBackend:
         for d in docs:
             self.documents.pop(d.text, None)
             self.documents[d.text] = DocumentSummary(f"d{len(self.documents) + 1}", d.title, str(d.path),
-                                                     count_tokens(d.text), True)
+                                                     count_tokens(d.text), "memory")
         self.chat, self._resume = _Chat(None, "New chat", system, [d.title for d in docs], prefix), None
         return self.current()
 

@@ -22,6 +22,7 @@ from kvchat.tui.backend import (
     ChatView,
     DocumentSummary,
     Status,
+    StoreUnavailableError,
 )
 from kvchat.tui.events import Emit, LoadProgress, TurnDone
 from kvchat.turn import SamplingParams
@@ -79,15 +80,22 @@ class RealBackend:
         return self._engine_lane.call(self._load, emit)
 
     def _load(self, emit: Emit) -> Status:
+        from kvchat.tui.store_open import open_store
+
+        try:
+            open_store()  # a damaged database or read-only data dir fails here, before torch is imported
+        except StoreUnavailableError as exc:
+            self._status = Status(phase="error", message=str(exc))
+            raise
         emit(LoadProgress("importing torch and transformers"))
         from kvchat.loader import load_runtime, set_threads
-        from kvchat.model_import import DEFAULT_MODEL_NAME
+        from kvchat.model_import import DEFAULT_MODEL_NAME, read_manifest
         from kvchat.paths import models_dir
         from kvchat.tui.real_chats import OpenChats
 
         set_threads(self.threads)
-        if self.model is None and not (models_dir() / DEFAULT_MODEL_NAME).exists():
-            emit(LoadProgress(f"first run: importing the default model {DEFAULT_MODEL_NAME} (about a minute)"))
+        if self.model is None and read_manifest(models_dir() / DEFAULT_MODEL_NAME) is None:
+            self._import_default(emit)
         emit(LoadProgress("loading weights"))
         try:
             rt = load_runtime(self.model, self.kv_dtype, pool_bytes=self.pool_bytes)
@@ -97,6 +105,19 @@ class RealBackend:
         self._chats = OpenChats(rt)
         self._status = Status(phase="ready", message="ready")
         return self.status()
+
+    def _import_default(self, emit: Emit) -> None:
+        """First run: import the default model, each step shown as ``LoadProgress(…, done, total)``."""
+        from kvchat.model_import import DEFAULT_MODEL_NAME, import_default_model
+
+        def progress(text: str, done: int, total: int) -> None:
+            emit(LoadProgress(f"first run: importing {DEFAULT_MODEL_NAME} — {text}", done, total))
+
+        try:
+            import_default_model(progress=progress)
+        except Exception as exc:
+            self._status = Status(phase="error", message=f"importing the default model failed: {exc}")
+            raise
 
     def _require(self):
         if self._chats is None:
@@ -147,6 +168,9 @@ class RealBackend:
     def _store(self, fn: str, *args: Any) -> Any:
         """``kvchat.tui.real_store.<fn>(chats, *args)`` on the store lane (SQLite imports stay off the UI thread)."""
         def run() -> Any:
+            from kvchat.tui.store_open import open_store
+
+            open_store()
             from kvchat.tui import real_store
 
             return getattr(real_store, fn)(self._chats, *args)

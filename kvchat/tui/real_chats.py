@@ -27,6 +27,7 @@ from kvchat.tui.backend import (
     ResumeInfo,
     Status,
 )
+from kvchat.tui.cache_state import why_not_restored
 from kvchat.tui.events import Emit, TurnDone
 from kvchat.tui.real_store import register_documents
 from kvchat.tui.rewind import carry_over, rewind_store, truncate_session, turn_spans
@@ -49,10 +50,10 @@ class _Chat:
         return len(self.session.token_ids)
 
 
-def _resume(stats: TurnStats, ms: float) -> ResumeInfo | None:
+def _resume(stats: TurnStats, ms: float, prefill: int = 0) -> ResumeInfo | None:
     """What reusing cached KV did (memory hits, then snapshot files) as a resume line; None if nothing was stored."""
     if stats.reused_tokens or stats.miss_reason:
-        return ResumeInfo(stats.reused_tokens, stats.from_disk, ms, stats.miss_reason)
+        return ResumeInfo(stats.reused_tokens, stats.from_disk, ms, stats.miss_reason, prefill)
     return None
 
 
@@ -71,6 +72,17 @@ class OpenChats:
         """Flush queued snapshot writes, stop the writer thread, then evict down to the disk budget."""
         self.persist.close()
         enforce(get_db())
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.rt.engine.spec.block_size
+
+    def explain_miss(self, db, chat_id: str) -> str:
+        """Why this engine cannot restore ``chat_id``'s stored KV (another KV dtype, nothing stored, …)."""
+        e = self.rt.engine
+        return why_not_restored(db, chat_id, self.persist.fingerprint, self.rt.info.fingerprint, e.spec.kv_dtype,
+                                e.spec.block_size)
 
     @property
     def bytes_per_token(self) -> int:
@@ -147,7 +159,16 @@ class OpenChats:
         session.persist = self.persist
         stats, t0 = TurnStats(prompt_tokens=len(session.token_ids)), time.perf_counter()
         session.attach_cached_prefix(stats)
-        resume = _resume(stats, (time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        # Besides the last token, the few end-of-turn tokens the last answer never ran through the model are
+        # always recomputed; a shortfall of a block or more means stored KV was missing or unusable.
+        prefill = max(0, len(session.token_ids) - 1 - stats.reused_tokens)
+        if prefill < self.block_size:
+            prefill = 0
+        elif not stats.miss_reason:
+            stats.miss_reason = ("the rest of its snapshot chain is not on disk (evicted or never written)"
+                                 if stats.from_disk else self.explain_miss(get_db(), conv.id))
+        resume = _resume(stats, ms, prefill)
         messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s) for m in conv.messages]
         chat = _Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings, messages, resume)
         return self._switch(chat)

@@ -1,7 +1,10 @@
 """Store-side operations of the real backend (SQLite through ``kvchat.store``), run on its store/engine lanes.
 
 Each function takes the loaded :class:`kvchat.tui.real_chats.OpenChats` (None
-before the model is loaded: cache states are then ``"none"``).
+before the model is loaded: nothing is in memory then, and a snapshot under
+any cache fingerprint counts as "on disk", since the engine's is not known yet).
+Listings first wait for queued snapshot writes, so a chat or document shows
+"disk" as soon as its snapshot is indexed.
 """
 
 from __future__ import annotations
@@ -26,34 +29,38 @@ from kvchat.store.db import get_db, write_transaction
 from kvchat.tui.backend import (
     CacheReport,
     CacheRow,
-    CacheState,
     ChatSummary,
     DocumentSummary,
 )
+from kvchat.tui.cache_state import all_in_memory, disk_bytes, state
 from kvchat.tui.search import search_conversation_ids
 
 if TYPE_CHECKING:
     from kvchat.tui.real_chats import OpenChats
 
 
-def cached_tokens(chats: OpenChats | None, db: Database, ids: list[str]) -> dict[str, int]:
-    """Tokens of each chat whose KV blocks are in the pool's prefix cache (empty before the model is loaded)."""
+def cached_tokens(chats: OpenChats | None, db: Database, ids: list[str]) -> dict[str, tuple[int, int]]:
+    """Per chat: (tokens whose KV blocks are in the pool's prefix cache, history tokens); empty before load."""
     if chats is None or not ids:
         return {}
     marks = ",".join("?" * len(ids))
     rows = db.query(f"SELECT id, token_ids FROM conversations WHERE id IN ({marks})", ids)
-    return {r["id"]: chats.cached_tokens(decode_token_ids(r["token_ids"])) for r in rows}
+    out = {}
+    for r in rows:
+        token_ids = decode_token_ids(r["token_ids"])
+        out[r["id"]] = (chats.cached_tokens(token_ids), len(token_ids))
+    return out
 
 
-def disk_bytes(db: Database) -> dict[str, int]:
-    """Snapshot bytes on disk referenced by each owner (chat ``c_...`` or document ``d_...``)."""
-    rows = db.query("SELECT r.owner, sum(k.bytes) AS b FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
-                    " GROUP BY r.owner")
-    return {r["owner"]: r["b"] for r in rows}
-
-
-def _state(memory_tokens: int, disk: int) -> CacheState:
-    return "memory" if memory_tokens else "disk" if disk else "none"
+def _facts(chats: OpenChats | None, db: Database, ids: list[str]):
+    """(cached tokens per chat, memory flag per chat, restorable disk bytes per owner)."""
+    if chats is not None:
+        chats.persist.flush()  # queued snapshot writes count: "disk" as soon as they are indexed
+    pairs = cached_tokens(chats, db, ids)
+    bs = chats.block_size if chats is not None else 1
+    memory = {i: all_in_memory(c, n, bs) for i, (c, n) in pairs.items()}
+    disk = disk_bytes(db, chats.persist.fingerprint if chats is not None else None)
+    return {i: c for i, (c, _) in pairs.items()}, memory, disk
 
 
 def list_chats(chats: OpenChats | None, query: str) -> list[ChatSummary]:
@@ -63,16 +70,22 @@ def list_chats(chats: OpenChats | None, query: str) -> list[ChatSummary]:
     if query.strip():
         hits = search_conversation_ids(db, query)
         rows = [r for r in rows if r.id in hits]
-    cached, disk = cached_tokens(chats, db, [r.id for r in rows]), disk_bytes(db)
+    cached, memory, disk = _facts(chats, db, [r.id for r in rows])
     return [ChatSummary(r.id, r.title, r.updated, r.num_tokens, r.num_messages, r.pinned,
-                        _state(cached.get(r.id, 0), disk.get(r.id, 0)), cached.get(r.id, 0)) for r in rows]
+                        state(memory.get(r.id, False), disk.get(r.id, 0)), cached.get(r.id, 0)) for r in rows]
 
 
 def list_documents(chats: OpenChats | None) -> list[DocumentSummary]:
-    """Rows of the ``documents`` table, newest first; ``cached`` when its prefix is in the pool."""
-    rows = get_db().query("SELECT id, title, path, token_count FROM documents ORDER BY created DESC")
+    """Rows of the ``documents`` table, newest first: ``memory`` when its prefix is in the pool (documents
+    prefilled by this process), ``disk`` when a snapshot this engine can restore is indexed."""
+    if chats is not None:
+        chats.persist.flush()
+    db = get_db()
+    rows = db.query("SELECT id, title, path, token_count FROM documents ORDER BY created DESC")
     cached = chats.cached_documents() if chats is not None else set()
-    return [DocumentSummary(r["id"], r["title"], r["path"] or "", r["token_count"], r["id"] in cached) for r in rows]
+    disk = disk_bytes(db, chats.persist.fingerprint if chats is not None else None)
+    return [DocumentSummary(r["id"], r["title"], r["path"] or "", r["token_count"],
+                            state(r["id"] in cached, disk.get(r["id"], 0))) for r in rows]
 
 
 def rename_chat(chats: OpenChats | None, chat_id: str, title: str) -> None:
@@ -109,21 +122,35 @@ def delete_chat(chats: OpenChats | None, chat_id: str) -> None:
 
 
 def cache_report(chats: OpenChats | None) -> CacheReport:
-    """Per-chat rows (memory bytes = cached tokens × KV bytes per token) and the KV chunk bytes on disk."""
-    if chats is not None:
-        chats.persist.flush()  # count queued snapshot writes too
+    """Per-chat rows (memory bytes = cached tokens × KV bytes per token, all snapshot bytes on disk) and totals.
+
+    ``miss_reason``: for the open chat, what its opening found; for a chat
+    that is neither in memory nor restorable from disk, why (e.g. saved with
+    another KV dtype).
+    """
     db = get_db()
     rows = list_conversations(db)
-    cached, disk = cached_tokens(chats, db, [r.id for r in rows]), disk_bytes(db)
+    cached, memory, restorable = _facts(chats, db, [r.id for r in rows])
+    on_disk = disk_bytes(db)
     per_token = chats.bytes_per_token if chats is not None else 0
-    open_chat = chats.chat if chats is not None else None
-    miss = {open_chat.chat_id: open_chat.resume.miss_reason or ""} if open_chat and open_chat.resume else {}
-    report = CacheReport(rows=[
-        CacheRow(r.id, r.title, r.num_tokens, _state(cached.get(r.id, 0), disk.get(r.id, 0)), cached.get(r.id, 0),
-                 cached.get(r.id, 0) * per_token, disk.get(r.id, 0), r.pinned, miss.get(r.id, "")) for r in rows])
+    report = CacheReport()
+    for r in rows:
+        st = state(memory.get(r.id, False), restorable.get(r.id, 0))
+        report.rows.append(CacheRow(r.id, r.title, r.num_tokens, st, cached.get(r.id, 0),
+                                    cached.get(r.id, 0) * per_token, on_disk.get(r.id, 0), r.pinned,
+                                    _miss(chats, db, r.id, st)))
     report.disk_bytes = next(db.query("SELECT coalesce(sum(bytes), 0) AS b FROM kv_chunks"))["b"]
     report.disk_budget_bytes = budget_bytes(db)
     return report
+
+
+def _miss(chats: OpenChats | None, db: Database, chat_id: str, st: str) -> str:
+    if chats is None:
+        return ""
+    open_chat = chats.chat
+    if open_chat is not None and open_chat.chat_id == chat_id:
+        return (open_chat.resume.miss_reason or "") if open_chat.resume else ""
+    return chats.explain_miss(db, chat_id) if st == "none" else ""
 
 
 def register_documents(chats: OpenChats, fmt, docs) -> list[str]:

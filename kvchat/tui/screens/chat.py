@@ -20,11 +20,16 @@ from textual.widgets import Footer
 
 from kvchat.store.errors import StoreError
 from kvchat.tui.actions import ACTIONS
-from kvchat.tui.backend import Backend, ChatView, ContextFullError
+from kvchat.tui.backend import (
+    Backend,
+    ChatView,
+    ContextFullError,
+    StoreUnavailableError,
+)
 from kvchat.tui.events import BackendEvent as Event
 from kvchat.tui.events import LoadProgress, PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.screens.chat_actions import ChatActions
-from kvchat.tui.screens.messages import BackendEvent, TurnFailed
+from kvchat.tui.screens.messages import BackendEvent, CannotRun, TurnFailed
 from kvchat.tui.text import one_line
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message import MessageBlock, stats_line
@@ -81,15 +86,24 @@ class ChatScreen(ChatActions, Screen):
     def _load(self) -> None:
         try:
             self.backend.load(self.emit)
+        except StoreUnavailableError as exc:
+            self.load_error = f"kvchat cannot run: {one_line(str(exc))}"
+            self.notify_error(exc)  # the app exits with this line
+            return
         except Exception as exc:  # noqa: BLE001 - a failed load is shown, the app keeps running
             self.load_error = f"the model failed to load: {one_line(str(exc))}"
-            self.app.call_from_thread(self.update_status, self.load_error)
+            self.app.call_from_thread(self._load_failed)
             self.notify_error(exc)
             return
         self.app.call_from_thread(self._loaded)
 
+    def _load_failed(self) -> None:
+        self.hide_prefill()
+        self.update_status(self.load_error)
+
     def _loaded(self) -> None:
         self.ready = True
+        self.hide_prefill()
         self.update_status()
         self.refresh_lists()
 
@@ -141,10 +155,20 @@ class ChatScreen(ChatActions, Screen):
         self.query_one(PrefillBar).done()
 
     def notify_error(self, exc: Exception) -> None:
-        """A one-line error notification (thread-safe); unexpected errors name their type."""
+        """A one-line error notification (thread-safe); unexpected errors name their type.
+
+        An unusable data dir or database ends the app instead (:class:`CannotRun`).
+        """
+        if isinstance(exc, StoreUnavailableError):
+            self.post_message(CannotRun(str(exc)))
+            return
         expected = isinstance(exc, (ValueError, LookupError, OSError, StoreError))
         text = one_line(str(exc)) if expected else f"{type(exc).__name__}: {one_line(str(exc))}"
         self.app.notify(text, severity="error", markup=False, timeout=8)
+
+    @on(CannotRun)
+    def _cannot_run(self, message: CannotRun) -> None:
+        self.app.cannot_run(message.reason)
 
     # --- turns -----------------------------------------------------------------------------------
     @on(ChatInput.Submitted)
@@ -195,6 +219,8 @@ class ChatScreen(ChatActions, Screen):
         event = message.event
         if isinstance(event, LoadProgress):
             self.update_status(event.message)
+            if event.total and not self.ready:
+                self.query_one(PrefillBar).steps("import", event.done, event.total)
         elif isinstance(event, PrefillProgress):
             self.query_one(PrefillBar).progress(event.done, event.total, event.eta_s)
         elif isinstance(event, TokenBatch) and self._answer is not None:

@@ -21,3 +21,11 @@ class TurnFailed(Message):
     def __init__(self, text: str, error: Exception):
         super().__init__()
         self.text, self.error = text, error
+
+
+class CannotRun(Message):
+    """The data dir or its database cannot be used (:class:`kvchat.tui.backend.StoreUnavailableError`)."""
+
+    def __init__(self, reason: str):
+        super().__init__()
+        self.reason = reason

@@ -12,6 +12,7 @@ from kvchat.tui.backend import ChatSummary, DocumentSummary
 from kvchat.tui.text import ago, one_line, tokens
 
 CACHE_MARK = {"memory": "● mem", "disk": "◐ disk", "none": "○ none"}
+DOCUMENT_MARK = {"memory": "● cached in memory", "disk": "◐ cached on disk", "none": "○ not cached"}
 
 
 def chat_row(c: ChatSummary) -> str:
@@ -22,7 +23,8 @@ def chat_row(c: ChatSummary) -> str:
 
 
 def document_row(d: DocumentSummary) -> str:
-    return f"{one_line(d.title)}\n{tokens(d.tokens)} tok · {'● cached' if d.cached else '○ not cached'}"
+    """Two lines: the title, then tokens · whether its prefix is cached (in memory, on disk) or not."""
+    return f"{one_line(d.title)}\n{tokens(d.tokens)} tok · {DOCUMENT_MARK[d.cache_state]}"
 
 
 class Sidebar(Vertical):

@@ -1,0 +1,166 @@
+"""Sidebar cache states and "why missed" on the real engine, for every chat, not only the open one.
+
+Fast checks of :mod:`kvchat.tui.cache_state` on a fresh store, then one run
+of the real model across three processes' worth of backends: fp8 (write two
+chats on a document), fp8 again after one chat's snapshot files were deleted
+(open the intact chat, then the damaged one from the sidebar), and bf16.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kvchat.store.db import get_db, write_transaction
+from textual.widgets import Input, ListView
+
+from kvchat.cache_id import cache_fingerprint
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.cache_state import all_in_memory, disk_bytes, why_not_restored
+from kvchat.tui.widgets.chat_input import ChatInput
+from kvchat.tui.widgets.status_bar import StatusBar
+from kvchat.turn import SamplingParams
+
+SIZE = (120, 40)
+MODEL_FP = "m" * 64
+
+
+def add_chunk_row(db, key: str, fingerprint: str, owner: str, nbytes: int = 100) -> None:
+    with write_transaction(db):
+        db["kv_chunks"].insert({"key": key, "parent_key": None, "fingerprint": fingerprint, "token_count": 16,
+                                "file_path": f"{key}.safetensors", "bytes": nbytes, "checksum": "x", "created": 0.0,
+                                "last_used": 0.0, "pinned": 0, "ref_count": 1})
+        db["chunk_refs"].insert({"owner": owner, "key": key})
+
+
+def test_why_not_restored_names_the_cause():
+    db = get_db()
+    from kvchat.kernels import SCALE_SCHEME
+
+    fp8 = cache_fingerprint(MODEL_FP, "fp8", SCALE_SCHEME, 16)
+    bf16 = cache_fingerprint(MODEL_FP, "bf16", "none", 16)
+    assert "no KV snapshot" in why_not_restored(db, "c_1", bf16, MODEL_FP, "bf16", 16)
+    add_chunk_row(db, "k1", fp8, "c_1")
+    add_chunk_row(db, "k2", "f" * 32, "c_2")
+    add_chunk_row(db, "k3", bf16, "c_3", nbytes=7)
+    assert "saved as fp8; this run uses bf16" in why_not_restored(db, "c_1", bf16, MODEL_FP, "bf16", 16)
+    assert "another cache fingerprint" in why_not_restored(db, "c_2", bf16, MODEL_FP, "bf16", 16)
+    assert "chain stops early" in why_not_restored(db, "c_3", bf16, MODEL_FP, "bf16", 16)
+    assert disk_bytes(db, bf16) == {"c_3": 7} and disk_bytes(db) == {"c_1": 100, "c_2": 100, "c_3": 7}
+
+
+def test_a_shared_system_prompt_block_does_not_make_a_chat_in_memory():
+    assert not all_in_memory(16, 120, 16)  # only the first block (the system prompt) is cached
+    assert all_in_memory(112, 120, 16) and all_in_memory(48, 51, 16)
+    assert not all_in_memory(0, 10, 16)
+
+
+async def until(pilot, condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await pilot.pause(0.05)
+
+
+def rows(screen, list_id: str) -> dict[str, str]:
+    """Sidebar rows of ``#chats`` / ``#documents``: item name (chat id or document path) -> text."""
+    items = screen.query_one(list_id, ListView).children
+    return {item.name: "".join(str(label.render()) for label in item.query("Label")) for item in items}
+
+
+async def send(pilot, screen, text: str) -> None:
+    view_len = len(screen.query("MessageBlock"))
+    await pilot.click(ChatInput)
+    screen.query_one(ChatInput).text = text
+    await pilot.press("enter")
+    await until(pilot, lambda: not screen.generating and len(screen.query("MessageBlock")) >= view_len + 2)
+
+
+async def choose_chat(pilot, screen, chat_id: str) -> None:
+    ids = list(rows(screen, "#chats"))
+    chats = screen.query_one("#chats", ListView)
+    chats.focus()
+    chats.index = ids.index(chat_id)
+    await pilot.press("enter")
+    await until(pilot, lambda: screen.backend.current() is not None and screen.backend.current().id == chat_id
+                and not screen.workers)
+
+
+def real_app(smol_info, kv_dtype: str = "fp8"):
+    from kvchat.tui.real_backend import RealBackend
+
+    backend = RealBackend(str(smol_info.path), kv_dtype, pool_bytes=12 * 2**20, threads=1)
+    return backend, KvchatApp(backend)
+
+
+@pytest.mark.asyncio
+async def test_real_sidebar_states_and_why_missed_for_a_chat_opened_after_another(smol_info, tmp_path):
+    import torch
+
+    torch.set_num_threads(1)
+    doc = tmp_path / "heron.txt"
+    doc.write_text("The grey heron nests in the old mill by the river. " * 8)
+
+    backend, app = real_app(smol_info)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen_stack[0]
+        await until(pilot, lambda: screen.ready, timeout=120)
+        screen.settings = SamplingParams(max_tokens=6)
+        await pilot.press("ctrl+o")
+        app.screen.query_one(Input).value = str(doc)
+        await pilot.press("enter")
+        await until(pilot, lambda: len(rows(screen, "#documents")) == 1)
+        assert "● cached in memory" in next(iter(rows(screen, "#documents").values()))
+        await send(pilot, screen, "Where does the heron nest?")
+        chat_a = backend.current().id
+        await pilot.press("ctrl+n")
+        await send(pilot, screen, "Name a colour.")
+        chat_b = backend.current().id
+        await until(pilot, lambda: set(rows(screen, "#chats")) == {chat_a, chat_b})
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: app._shut_down)
+
+    db = get_db()
+    only_b = [r["file_path"] for r in db.query(
+        "SELECT k.file_path FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key WHERE r.owner = ?"
+        " AND r.key NOT IN (SELECT key FROM chunk_refs WHERE owner != ?)", [chat_b, chat_b])]
+    assert only_b, "chat B has snapshot chunks of its own"
+    from kvchat.store.snapshot import kv_dir
+
+    for path in only_b:
+        (kv_dir() / path).unlink()
+
+    backend, app = real_app(smol_info)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen_stack[0]
+        await until(pilot, lambda: screen.ready, timeout=120)
+        await until(pilot, lambda: "◐ cached on disk" in "".join(rows(screen, "#documents").values()))
+        chats = rows(screen, "#chats")
+        assert "◐ disk" in chats[chat_a] and "◐ disk" in chats[chat_b]  # nothing in memory in a new process
+        await choose_chat(pilot, screen, chat_a)
+        status = str(screen.query_one(StatusBar).render())
+        assert "from disk" in status and "prefill skipped" in status
+        await until(pilot, lambda: "● mem" in rows(screen, "#chats")[chat_a])
+        assert "● mem" not in rows(screen, "#chats")[chat_b]  # sharing the system prompt's block is not enough
+        await choose_chat(pilot, screen, chat_b)  # a chat opened after another one
+        status = str(screen.query_one(StatusBar).render()).split("\n")[1]
+        resume = backend.status().resume
+        assert resume.from_disk == 0 and resume.prefill > 0 and "missing chunk" in resume.miss_reason
+        assert "missing chunk" in status and "prefill skipped" not in status
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: app._shut_down)
+
+    from kvchat.tui.real_backend import RealBackend
+
+    other = RealBackend(str(smol_info.path), "bf16", pool_bytes=12 * 2**20, threads=1)
+    try:
+        other.load(lambda e: None)
+        assert {c.id: c.cache_state for c in other.list_chats()} == {chat_a: "none", chat_b: "none"}
+        assert [d.cache_state for d in other.list_documents()] == ["none"]
+        view = other.open_chat(chat_a)
+        assert view.resume.from_disk == 0 and "saved as fp8; this run uses bf16" in view.resume.miss_reason
+        assert "saved as fp8; this run uses bf16" in view.resume.line
+        report = {r.chat_id: r.miss_reason for r in other.cache_report().rows}
+        assert "saved as fp8" in report[chat_b]  # explained for a chat that is not open too
+    finally:
+        other.shutdown()

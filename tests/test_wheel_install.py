@@ -1,0 +1,61 @@
+"""The built wheel ships the stylesheet: install it into a fresh venv and start the app headless from there.
+
+The venv sees the global site-packages (torch, textual, …) but the test runs
+from a directory outside the checkout and checks that ``kvchat`` came from the
+venv's own site-packages, so a stylesheet missing from the wheel fails here
+even though the checkout has it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import asyncio, json, sys
+import kvchat.tui.app as app_module
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.fake_backend import FakeBackend
+
+async def main():
+    app = KvchatApp(FakeBackend())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause(0.3)
+        sidebar = app.screen_stack[0].query_one("#sidebar")
+        status = app.screen_stack[0].query_one("#status")
+        print(json.dumps({
+            "module": app_module.__file__,
+            "css": str(app_module.CSS_FILE),
+            "sidebar_width": sidebar.outer_size.width,
+            "status_height": status.outer_size.height,
+        }))
+
+asyncio.run(main())
+"""
+
+
+def test_wheel_ships_the_stylesheet_and_the_app_starts_from_it(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
+                    str(REPO)], check=True, capture_output=True, timeout=120)
+    [wheel] = dist.glob("kvchat-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+                   check=True, capture_output=True, timeout=120)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([str(python), "-c", CHILD], check=False, cwd=elsewhere, capture_output=True, text=True, timeout=120,
+                          env={"KVCHAT_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    site = env_dir / "lib"
+    assert Path(facts["module"]).is_relative_to(site) and not Path(facts["module"]).is_relative_to(REPO)
+    assert Path(facts["css"]).is_relative_to(site) and Path(facts["css"]).is_file()
+    assert facts["sidebar_width"] == 36 and facts["status_height"] == 2  # values from kvchat.tcss
