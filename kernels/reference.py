@@ -28,6 +28,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_EPS = 1e-6
 SCALE_SCHEME = "pth1"
+SMALL_READ = 1 << 15  # elements; below this read_slots converts with torch's own fp8 cast
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,18 +94,17 @@ def write_kv(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if slot_mapping.numel() == 0:
         return
-    block_size = k_cache.shape[1]
-    blocks = slot_mapping // block_size
-    offsets = slot_mapping % block_size
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None
-        for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-            q, s = quantize_fp8(x)
-            cache.view(torch.uint8)[blocks, offsets] = q.view(torch.uint8)
-            scales[blocks, offsets] = s
+        q, s = quantize_fp8(torch.stack((key, value)))  # K and V in one pass
+        q = q.view(torch.uint8)
+        k_cache.view(torch.uint8).flatten(0, 1)[slot_mapping] = q[0]
+        v_cache.view(torch.uint8).flatten(0, 1)[slot_mapping] = q[1]
+        k_scale.flatten(0, 1)[slot_mapping] = s[0]
+        v_scale.flatten(0, 1)[slot_mapping] = s[1]
     else:
-        k_cache[blocks, offsets] = key.to(k_cache.dtype)
-        v_cache[blocks, offsets] = value.to(v_cache.dtype)
+        k_cache.flatten(0, 1)[slot_mapping] = key.to(k_cache.dtype)
+        v_cache.flatten(0, 1)[slot_mapping] = value.to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int) -> torch.Tensor:
@@ -141,8 +141,10 @@ def read_slots(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Ten
     dim = flat.dim() - 3
     if cache.dtype == FP8_DTYPE:
         raw = flat.view(torch.uint8).index_select(dim, slots)
-        s = scale.flatten(-3, -2).index_select(dim, slots) * 256.0
-        return fp8_bits_to_f16(raw).float() * s.unsqueeze(-1)
+        s = scale.flatten(-3, -2).index_select(dim, slots)
+        if raw.numel() < SMALL_READ:  # few elements: one conversion op beats the bit trick's six
+            return raw.view(FP8_DTYPE).float() * s.unsqueeze(-1)
+        return fp8_bits_to_f16(raw).float() * (s * 256.0).unsqueeze(-1)
     return flat.index_select(dim, slots).float()
 
 

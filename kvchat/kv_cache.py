@@ -85,6 +85,11 @@ class KVPool:
             self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
             self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
         self.block_writes = [0] * num_blocks
+        fp8 = self.k_scale is not None
+        self._layers = [  # views made once: a decode step asks for them 60 times
+            (self.k[i], self.v[i], self.k_scale[i] if fp8 else None, self.v_scale[i] if fp8 else None)
+            for i in range(spec.num_layers)
+        ]
 
     @classmethod
     def from_budget(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device | str = "cpu") -> "KVPool":
@@ -104,9 +109,7 @@ class KVPool:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Views ``(k_cache, v_cache, k_scale, v_scale)`` of layer ``i`` in kernel layout."""
-        ks = self.k_scale[i] if self.k_scale is not None else None
-        vs = self.v_scale[i] if self.v_scale is not None else None
-        return self.k[i], self.v[i], ks, vs
+        return self._layers[i]
 
     def mark_written(self, block_ids) -> None:
         """Record a write into each of ``block_ids`` (call before or with the write)."""

@@ -75,11 +75,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Su et al. 2021, HF layout). ``x`` ``[T, heads, D]``, ``cos/sin`` ``[T, 1, D]``."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Su et al. 2021, HF layout) in three ops.
+
+    ``x`` ``[T, heads, D]``; ``cos`` and ``sin_signed`` ``[T, 1, D]`` from
+    :meth:`Transformer.rope`, where ``sin_signed`` carries rotate-half's minus
+    sign on its first half, so ``rotate_half(x) * sin == swap_halves(x) * sin_signed``.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 class Linear(nn.Module):
@@ -190,10 +195,12 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[T, 1, head_dim]`` for int64 ``positions`` ``[T]`` (angles in fp32)."""
+        """``(cos, sin_signed)`` ``[T, 1, head_dim]`` for int64 ``positions`` ``[T]`` (angles in fp32);
+        see :func:`apply_rope` for the sign."""
         angles = positions.float().unsqueeze(-1) * self.inv_freq
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = angles.sin()
+        cos = torch.cat((angles, angles), dim=-1).cos().unsqueeze(1)
+        return cos.to(dtype), torch.cat((-sin, sin), dim=-1).unsqueeze(1).to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, pool: KVPool) -> torch.Tensor:
         """Run ``input_ids`` int64 ``[T]`` at ``positions`` ``[T]``; returns hidden ``[T, hidden_size]``.
