@@ -177,11 +177,13 @@ class BlockManager:
         """Pool slot (block * block_size + offset) of token ``position``."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def commit(self, seq: SeqBlocks, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit(self, seq: SeqBlocks, token_ids: Sequence[int], num_computed: int, register: bool = True) -> None:
         """Record that the first ``num_computed`` tokens now have K/V in the pool.
 
-        Newly full blocks get their chained hash and enter the prefix cache
-        (a block whose hash is already cached by another block stays private).
+        Newly full blocks get their chained hash and, with ``register``, enter
+        the prefix cache (a block whose hash is already cached by another
+        block stays private). Unregistered blocks stay private and writable,
+        so their tokens can be recomputed in place.
         """
         seq.num_computed = num_computed
         full = num_computed // self.block_size
@@ -190,7 +192,7 @@ class BlockManager:
             h = block_hash(parent, self.salt, token_ids[i * self.block_size : (i + 1) * self.block_size])
             seq.hashes.append(h)
             block = self.blocks[seq.block_table[i]]
-            if h not in self.cached and block.hash is None:
+            if register and h not in self.cached and block.hash is None:
                 block.hash = h
                 self.cached[h] = block.block_id
 

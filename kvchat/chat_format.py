@@ -17,8 +17,15 @@ Nothing is hand-written per model: each piece is cut out of a real rendering of
 a skeleton conversation of sentinel strings, after the previous message's sentinel
 and its closing text. A cut must start with a special token (HF tokenizers split
 those out before BPE); the constructor checks that, and that split = whole ids on
-the skeleton. Special-token strings inside user text or documents are parsed as
-special tokens, as ``apply_chat_template`` does.
+the skeleton.
+
+Message content (system prompt, document titles and texts, user messages) is
+tokenized as literal text: a user who types ``<|im_end|>`` gets the characters,
+never the control token. Each piece is rendered twice, with the real content and
+with a sentinel; the template's own text around the content is encoded as usual
+(its special tokens stay special) and the run of plain text that holds the content
+is encoded with the tokenizer's ``split_special_tokens=True``. For content without
+special-token strings the ids equal those of encoding the whole rendering.
 
 How the templates that break "render the whole list again" are handled:
 
@@ -49,8 +56,8 @@ import jinja2
 
 KINDS = ("prefix", "user", "assistant")
 DOC_ROLE = "system"
-_SENT_SYSTEM, _SENT_DOC, _SENT_USER, _SENT_ASSISTANT, _SENT_DATE = (
-    f"KVCHAT-SENTINEL-{name}" for name in ("SYSTEM", "DOCUMENT", "USER", "ASSISTANT", "DATE"))
+_SENT_SYSTEM, _SENT_DOC, _SENT_USER, _SENT_ASSISTANT, _SENT_DATE, _SENT_CONTENT = (
+    f"KVCHAT-SENTINEL-{name}" for name in ("SYSTEM", "DOCUMENT", "USER", "ASSISTANT", "DATE", "CONTENT"))
 
 
 class ChatTemplateError(ValueError):
@@ -116,7 +123,8 @@ class ChatFormat:
             conversation, stamps the clock despite date_string, renders history
             differently once a turn is appended (other than the assistant's own
             content), renders the first user turn differently from later ones,
-            or produces a piece that does not start with a special token.
+            produces a piece that does not start with a special token, or tokenizes a
+            message differently when its content is encoded as literal text.
     """
 
     def __init__(self, tokenizer, date_string: str | None = None,
@@ -149,6 +157,9 @@ class ChatFormat:
         head = tokenizer.convert_ids_to_tokens(self._close_ids[0])
         if close_text.startswith(head):
             self._check_split(head, close_text[len(head):])
+        for skeleton, message, gen in (([], _msg("system", _SENT_SYSTEM), False), (self._after_system, doc, False),
+                                       (self._after_assistant, _msg("user", _SENT_USER), True)):
+            self._check_literal_split(*self._frame(skeleton, message, gen))
         specials = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.stop_token_ids: set[int] = set(extra_stop_ids) | {tokenizer.eos_token_id} - {None}
         self.stop_token_ids |= {self._close_ids[0]} & specials
@@ -159,24 +170,29 @@ class ChatFormat:
         ``system`` is always rendered as a system message (even ""), so no template
         default is injected. Deterministic: equal inputs give equal ids in any process.
 
+        Special-token strings in ``system``, titles and texts are kept as literal text.
+
         Raises:
-            ChatTemplateError: the template fails on these messages.
+            ChatTemplateError: the template fails on these messages, or renders the text
+                around a message differently depending on its content.
         """
-        ids = self._encode(self._render([_msg("system", system)], False))
+        ids = self._message_ids([], _msg("system", system), False)
         for i, (title, text) in enumerate(documents):
             skeleton = self._after_system if i == 0 else self._after_doc
-            ids += self._encode(self._delta(skeleton, document_message(title, text), False))
+            ids += self._message_ids(skeleton, document_message(title, text), False)
         return ids
 
     def user_turn_ids(self, text: str) -> list[int]:
         """Token ids appended for a user message: the message, then the generation prompt.
 
         The same ids whatever came before (prefix or a finished assistant turn).
+        Special-token strings in ``text`` are kept as literal text.
 
         Raises:
-            ChatTemplateError: the template fails on this message.
+            ChatTemplateError: the template fails on this message, or renders the text
+                around it differently depending on its content.
         """
-        return self._encode(self._delta(self._after_assistant, _msg("user", text), True))
+        return self._message_ids(self._after_assistant, _msg("user", text), True)
 
     def assistant_close_ids(self, stop_id: int | None) -> list[int]:
         """Token ids appended after the generated ids when an assistant turn ends.
@@ -215,6 +231,49 @@ class ChatFormat:
     def _encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
+    def _encode_literal(self, text: str) -> list[int]:
+        """Ids of ``text`` with special-token strings tokenized as ordinary characters."""
+        return self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def _piece(self, skeleton: list[dict], new: dict, add_generation_prompt: bool) -> str:
+        """Text the template adds for ``new`` after ``skeleton``; the whole rendering when skeleton is []."""
+        if not skeleton:
+            return self._render([new], add_generation_prompt)
+        return self._delta(skeleton, new, add_generation_prompt)
+
+    def _frame(self, skeleton: list[dict], new: dict, add_generation_prompt: bool) -> tuple[str, str, str]:
+        """Split the piece for ``new`` into (template text before, rendered content, template text after).
+
+        The frame comes from rendering a sentinel in place of the content; the content is
+        what the real rendering holds between the frame's two halves (a template may
+        trim it, for example).
+        """
+        real = self._piece(skeleton, new, add_generation_prompt)
+        framed = self._piece(skeleton, {**new, "content": _SENT_CONTENT}, add_generation_prompt)
+        head, found, foot = framed.partition(_SENT_CONTENT)
+        if not found or _SENT_CONTENT in foot:
+            raise ChatTemplateError(f"the chat template does not render a {new['role']} message's content once")
+        if not (len(real) >= len(head) + len(foot) and real.startswith(head) and real.endswith(foot)):
+            raise ChatTemplateError(f"the chat template renders the text around a {new['role']} message "
+                                    "differently depending on its content")
+        return head, real[len(head):len(real) - len(foot)], foot
+
+    def _message_ids(self, skeleton: list[dict], new: dict, add_generation_prompt: bool) -> list[int]:
+        """Ids of the piece for ``new`` after ``skeleton``, its content tokenized literally."""
+        return self._encode_framed(*self._frame(skeleton, new, add_generation_prompt))
+
+    def _encode_framed(self, head: str, content: str, foot: str) -> list[int]:
+        """Encode head + content + foot; only the template's text outside the content may hold special tokens.
+
+        The plain-text run around the content (from the last special token of ``head`` to
+        the first of ``foot``) is encoded as one literal piece, so BPE sees the same run
+        as when the whole text is encoded.
+        """
+        start = max((head.rindex(t) + len(t) for t in self._specials if t in head), default=0)
+        end = min((foot.index(t) for t in self._specials if t in foot), default=len(foot))
+        run = head[start:] + content + foot[:end]
+        return self._encode(head[:start]) + self._encode_literal(run) + self._encode(foot[end:])
+
     def _tail(self, skeleton: list[dict]) -> str:
         """What the template renders after the last skeleton message's content (its closing)."""
         text = self._render(skeleton, False)
@@ -242,6 +301,12 @@ class ChatFormat:
         """Raise unless ``before + piece`` tokenizes as ``before`` then ``piece`` (no merge, no strip)."""
         if self._encode(before + piece) != self._encode(before) + self._encode(piece):
             raise ChatTemplateError(f"{before!r} + {piece[:40]!r} tokenizes differently whole than split")
+
+    def _check_literal_split(self, head: str, content: str, foot: str) -> None:
+        """Raise unless literal encoding of a message equals encoding its whole text (no special strings)."""
+        if self._encode_framed(head, content, foot) != self._encode(head + content + foot):
+            raise ChatTemplateError(f"{head!r} + content + {foot[:40]!r} tokenizes differently when the content "
+                                    "is encoded as literal text")
 
     def _check_clock(self, template: str) -> None:
         """Raise if the template stamps today's date although date_string is given."""

@@ -1,7 +1,8 @@
 """Command line: ``kvchat`` (the TUI), ``kvchat ask``, ``kvchat model``, ``kvchat bench``.
 
 Bad input prints one ``kvchat: error: ...`` line on stderr and exits with 2,
-before anything in the data dir changes.
+before anything in the data dir changes; usage errors (unknown option, missing
+argument, bad value) too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,23 @@ EXIT_USAGE = 2
 PROGRESS_MIN_TOKENS = 1024  # show prefill progress on stderr for prompts at least this long
 
 
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one line: ``kvchat: error: ... (see 'kvchat ask --help')``.
+
+    Sub-parsers inherit the class (argparse creates them with ``type(parent)``).
+    """
+
+    def error(self, message: str):
+        """Print one line on stderr and exit with 2 (``SystemExit``); never returns."""
+        line = " ".join(message.split())
+        self.exit(EXIT_USAGE, f"kvchat: error: {line} (see '{self.prog} --help')\n")
+
+    def add_subparsers(self, **kwargs):
+        """Sub-command groups are named COMMAND in usage and errors (not their internal dest)."""
+        kwargs.setdefault("metavar", "COMMAND")
+        return super().add_subparsers(**kwargs)
+
+
 def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     """``--model --kv-dtype --threads``; on sub-commands they default to the top-level values."""
     keep = {} if top else {"default": argparse.SUPPRESS}
@@ -28,7 +46,7 @@ def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree for every sub-command."""
-    parser = argparse.ArgumentParser(prog="kvchat", description="Local chat on a paged, FP8, persistent KV cache.")
+    parser = _Parser(prog="kvchat", description="Local chat on a paged, FP8, persistent KV cache.")
     parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
     _add_model_args(parser, top=True)
     sub = parser.add_subparsers(dest="command")
@@ -99,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--text", action="append", default=[], metavar="PATH", help="evaluation text (repeatable; default: stdlib docstrings)")
     fid.add_argument("--tokens", type=int, default=2048, help="evaluation tokens per text")
     fid.add_argument("--calibration-tokens", type=int, default=2048, help="tokens of other text to calibrate K centring on")
+    fid.add_argument("--retrieval-tokens", type=int, default=4096, help="document tokens of the retrieval probe (0: skip it)")
+    fid.add_argument("--depths", type=float, nargs="+", help="where the probe's fact sits, shares of the document (default 0.1 0.5 0.9)")
     fid.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     _add_model_args(fid)
     resume = bsub.add_parser("resume", help="reopen an N-token chat from its disk snapshot vs cold prefill (fresh processes)")
@@ -111,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_startup_args(startup)
     _add_model_args(startup)
+    from kvchat.bench.all import add_all_args
+    from kvchat.bench.memory import add_memory_args
+    from kvchat.bench.peers import add_peers_args
+
+    memory = bsub.add_parser("memory", help="KV bytes/token per dtype (allocated tensors), chats that fit, paged waste")
+    add_memory_args(memory)
+    _add_model_args(memory)
+    peers = bsub.add_parser("peers", help="llama.cpp (llama-cpp-python) vs kvchat: tok/s and resume TTFT, same GGUF and threads")
+    add_peers_args(peers)
+    _add_model_args(peers)
+    every = bsub.add_parser("all", help="every benchmark on the default model: one JSON each plus PNG plots in --out")
+    add_all_args(every)
+    _add_model_args(every)
     return parser
 
 
@@ -146,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                 from kvchat.bench.resume import cmd_bench_resume
 
                 return cmd_bench_resume(args)
+            if args.bench_command in ("memory", "all", "peers"):
+                from kvchat.bench.all import cmd_bench_all
+                from kvchat.bench.memory import cmd_bench_memory
+                from kvchat.bench.peers import cmd_bench_peers
+
+                return {"memory": cmd_bench_memory, "all": cmd_bench_all, "peers": cmd_bench_peers}[args.bench_command](args)
             if args.bench_command == "startup":
                 from kvchat.bench.startup import cmd_bench_startup
 
@@ -182,6 +221,7 @@ def _is_user_error(exc: Exception) -> bool:
 def cmd_ask(args: argparse.Namespace) -> int:
     """``kvchat ask``: validate everything, answer (streamed or as JSON), store the turn."""
     from kvchat.documents import read_document
+    from kvchat.phase_trace import mark
     from kvchat.sampling import SamplingParams
     from kvchat.session import EmptyPromptError
 
@@ -214,6 +254,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     stored_len = len(session.token_ids)
     session.check_turn_fits(args.prompt)
     session.persist = KVPersist(rt.engine)
+    mark("loaded")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
 
     cancel = threading.Event()
 
@@ -226,18 +267,23 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     try:
-        for piece in session.send(args.prompt, params, cancel, progress):
+        for i, piece in enumerate(session.send(args.prompt, params, cancel, progress)):
+            if i == 0:
+                mark("decoding")
             if not args.json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
     finally:
         signal.signal(signal.SIGINT, old)
+    mark("generated")
     db = get_db()
     chat_id = conv.id if conv else save_new_chat(db, rt, session, system, settings, args.prompt)
     if conv is not None:
         save_turn(db, conv.id, session, args.prompt, stored_len)
+    mark("committed")
     session.save_snapshot(chat_id)
     session.persist.close()
+    mark("flushed")
     for err in session.persist.errors[:1]:
         print(f"kvchat: warning: {err}", file=sys.stderr)
     turn = session.last_turn

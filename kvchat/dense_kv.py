@@ -23,7 +23,9 @@ from kvchat import kernels
 from kvchat.block_manager import SeqBlocks
 from kvchat.kv_cache import KVPool
 
-MIN_CAPACITY = 256
+MIN_CAPACITY = 256  # tokens; capacity is a multiple of it
+HEADROOM_TOKENS = 512  # grown by this much beyond the need: a question after a prefill, or 512 decode steps, fit
+# without a copy, and a resumed 4,096-token chat does not fault in pages for 8,192 (doubling would).
 
 
 class DenseKV:
@@ -69,7 +71,7 @@ class DenseKV:
         cap = self.k.shape[2]
         if num_tokens <= cap:
             return
-        new_cap = max(MIN_CAPACITY, 1 << (num_tokens - 1).bit_length())
+        new_cap = -(-(num_tokens + HEADROOM_TOKENS) // MIN_CAPACITY) * MIN_CAPACITY
         shape = (self._shape[0], self._shape[1], new_cap, self._shape[3])
         for name in ("k", "v"):
             old = getattr(self, name)
@@ -92,7 +94,7 @@ class DenseKV:
             slots = self.slots(seq, valid, start)
             pool = self.pool
             for dst, cache, scale in ((self.k, pool.k, pool.k_scale), (self.v, pool.v, pool.v_scale)):
-                dst[:, :, valid:start] = kernels.read_slots(cache, scale, slots).transpose(1, 2)
+                kernels.read_slots(cache, scale, slots, out=dst[:, :, valid:start].transpose(1, 2))
         self.length = start
 
     def append(self, layer: int, slots: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:

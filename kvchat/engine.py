@@ -83,6 +83,17 @@ def chunk_plan(start: int, end: int, boundaries: Sequence[int], chunk_tokens: in
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
+def last_cut(num_tokens: int, boundaries: Sequence[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
+    """The largest chunk edge of :func:`chunk_plan` at or below ``num_tokens``.
+
+    Reused K/V (prefix hits, disk restores) are trimmed to such an edge, so
+    the tokens after it are computed in exactly the chunks a cold run uses
+    and every token's K/V are bit-identical whichever way they were obtained.
+    """
+    seg = max((b for b in (0, *boundaries) if b <= num_tokens), default=0)
+    return seg + (num_tokens - seg) // chunk_tokens * chunk_tokens
+
+
 class Engine:
     """Weights + paged KV pool + block manager for one model on one device."""
 
@@ -146,8 +157,11 @@ class Engine:
         if num_tokens > self.max_context:
             raise ContextOverflowError(f"conversation would be {num_tokens} tokens; {self.context_limit_text}")
 
-    def _forward(self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Write K/V for tokens ``[start, end)``; return their hidden states ``[end - start, hidden]``."""
+    def _forward(self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int, register: bool = True) -> torch.Tensor:
+        """Write K/V for tokens ``[start, end)``; return their hidden states ``[end - start, hidden]``.
+
+        ``register``: full blocks enter the prefix cache (see :meth:`BlockManager.commit`).
+        """
         copies = self.blocks.reserve(seq, end)
         self.pool.copy_blocks(copies)
         if self.dense is not None:
@@ -170,7 +184,7 @@ class Engine:
         hidden = self.model(ids, positions, meta, self.pool)
         if self.dense is not None:
             self.dense.finish(seq, end)
-        self.blocks.commit(seq, token_ids, end)
+        self.blocks.commit(seq, token_ids, end, register)
         return hidden
 
     @torch.inference_mode()
@@ -228,10 +242,16 @@ class Engine:
 
     @torch.inference_mode()
     def decode(self, seq: SeqBlocks, token_ids: Sequence[int]) -> torch.Tensor:
-        """Run the last id of ``token_ids`` (all earlier ones in the pool); float32 logits ``[vocab_size]``."""
+        """Run the last id of ``token_ids`` (all earlier ones in the pool); float32 logits ``[vocab_size]``.
+
+        Decode's K/V are provisional: one token at a time they differ in the
+        last bits from what a prefill chunk computes, so their blocks stay out
+        of the prefix cache and :meth:`kvchat.session.Session.send` recomputes
+        the answer as a chunk once it ends (see :func:`last_cut`).
+        """
         n = len(token_ids)
         self.check_fits(n)
-        hidden = self._forward(seq, token_ids, n - 1, n)
+        hidden = self._forward(seq, token_ids, n - 1, n, register=False)
         return self.model.logits(hidden)[0]
 
     def release(self, seq: SeqBlocks) -> None:

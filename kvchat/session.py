@@ -15,7 +15,8 @@ from typing import Callable, Iterator
 
 from kvchat.block_manager import SeqBlocks
 from kvchat.chat_format import ChatFormat, Segment, append_segment
-from kvchat.engine import ContextOverflowError, Engine
+from kvchat.block_manager import PoolFullError
+from kvchat.engine import ContextOverflowError, Engine, last_cut
 from kvchat.sampling import Sampler
 from kvchat.turn import SamplingParams, TurnStats
 
@@ -86,6 +87,12 @@ class Session:
             res = self.persist.restore(self.seq, self.token_ids)
             stats.from_disk, stats.restore_ms = res.from_disk, res.restore_ms
             stats.bytes_read, stats.miss_reason = res.bytes_read, res.miss_reason
+            have = self.seq.num_computed
+            cut = last_cut(have, self.boundaries)
+            if res.from_disk and cut < have < len(self.token_ids) - 1:
+                # The chain stopped early inside a segment (a chunk missing or corrupt): recompute
+                # from a chunk edge, in a cold run's chunks, so the K/V are bit-identical to a cold run's.
+                self.seq.num_computed = cut
         stats.reused_tokens = self.seq.num_computed
 
     def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
@@ -193,6 +200,25 @@ class Session:
         append_segment(self.token_ids, self.segments, "assistant", generated)
         append_segment(self.token_ids, self.segments, "assistant", self.fmt.assistant_close_ids(stop_id))
         self.last_turn = Turn(text_out, (user_start, gen_start), (gen_start, len(self.token_ids)), stats)
+        self._settle(gen_start)
+
+    def _settle(self, gen_start: int) -> None:
+        """Recompute the answer and closing ids as prefill chunks, replacing decode's K/V.
+
+        Decode computed the answer one token at a time; a cold run, or a
+        resume whose snapshot lacks this turn, computes it in chunks, and the
+        two differ in the last bits (enough to flip a near-tie later). After
+        this the pool holds for every token exactly what a cold run computes,
+        so the snapshot and every later answer are the same either way. Runs
+        after the answer was streamed, so it costs no TTFT.
+        """
+        self.seq.num_computed = min(self.seq.num_computed, gen_start)
+        t0 = time.perf_counter()
+        try:
+            self.engine.prefill(self.seq, self.token_ids, self.boundaries)
+        except PoolFullError:  # the next turn's prefill recomputes from here instead
+            pass
+        self.last_turn.stats.settle_ms = (time.perf_counter() - t0) * 1e3
 
     def _undo_turn(self, user_start: int) -> None:
         """Drop a turn that failed before generation: ids, segment, and the blocks holding them."""

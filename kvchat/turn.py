@@ -59,6 +59,7 @@ class TurnStats:
         restore_ms: time to look up, read, verify and copy them, ms.
         bytes_read: snapshot bytes read.
         miss_reason: why stored K/V could not be used, if any.
+        settle_ms: after the answer, time to recompute it as prefill chunks (canonical K/V), ms.
     """
 
     prompt_tokens: int = 0
@@ -73,4 +74,5 @@ class TurnStats:
     ttft_ms: float = 0.0
     prefill_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
+    settle_ms: float = 0.0
     finish_reason: str = ""

@@ -92,3 +92,17 @@ def test_pool_bytes_per_token_matches_allocation():
         pool = KVPool(spec, 10)
         assert pool.nbytes == spec.bytes_per_token * pool.capacity_tokens
         assert spec.bytes_per_token == 2 * 30 * 3 * (64 * elem + (4 if kv_dtype == "fp8" else 0))
+
+
+def test_read_slots_paths_agree_bit_for_bit():
+    """The small-read cast, the bulk bit trick and the in-place ``out=`` path give the same values."""
+    pool = _pool("fp8", num_blocks=40)
+    kc, vc, ks, vs = pool.layer(0)
+    slots = torch.randperm(40 * 16)[:600]
+    ref.write_kv(torch.randn(600, 3, 64) * 3, torch.randn(600, 3, 64), kc, vc, ks, vs, slots)
+    want = ref.gather_kv(kc, ks, torch.arange(40), 640).view(40 * 16, 3, 64)[slots]
+    small = ref.read_slots(kc, ks, slots[:100])  # 19,200 elements: the cast path
+    bulk = ref.read_slots(kc, ks, slots)  # 115,200 elements: the bit trick
+    out = torch.full((3, 600, 64), float("nan")).transpose(0, 1)
+    ref.read_slots(kc, ks, slots, out=out)
+    assert torch.equal(small, want[:100]) and torch.equal(bulk, want) and torch.equal(out, want)

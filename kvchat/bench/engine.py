@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from kvchat.bench.ceiling import matmul_ceiling
+from kvchat.bench.run_info import run_info
 from kvchat.bench.stats import Spread, format_table, ratios
 from kvchat.bench.texts import BenchText, stdlib_text
 
@@ -153,8 +155,8 @@ def prompt_ids(tokenizer, text: BenchText, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def run_benchmark(args: argparse.Namespace) -> dict:
-    """Run everything ``cmd_bench_engine`` reports; returns the JSON-ready result.
+def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
+    """Run everything ``cmd_bench_engine`` reports; returns the JSON-ready result (``quick``: recorded in ``run``).
 
     Raises:
         BenchConfigError: bad lengths/repeats or a context beyond the model's limit.
@@ -191,6 +193,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, pool_bytes=pool_bytes, name=info.name)
         runners[f"kvchat-{kv}"] = kvchat_runner(engine)
     compute_dtype = engine.dtype
+    ceiling = matmul_ceiling(engine.model, repeats=max(3, args.repeats))
     del weights, engine
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
@@ -219,6 +222,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
     return {
         "benchmark": "engine",
+        "run": run_info(threads=torch.get_num_threads(), quick=quick),
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "transformers": _version("transformers"),
@@ -238,6 +242,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                   "decode_tok_s": Spread.of(s.decode_tok_s).as_dict()} for s in samples.values()],
         "ratios": _ratios(samples, lengths, list(runners)),
         "llama_cpp_reference": LLAMA_CPP_REFERENCE,
+        "matmul_ceiling": ceiling,
         "targets": _targets(samples, lengths, load, list(runners)),
     }
 
@@ -310,7 +315,11 @@ def format_report(res: dict) -> str:
     ref = res["llama_cpp_reference"]
     note = (f"llama.cpp: {ref['prefill_tok_s']:.0f} tok/s prefill, {ref['decode_tok_s']:.0f} tok/s decode, "
             f"{ref['threads']} threads, {ref['context']} context: {ref['note']}.")
-    return "\n\n".join([head, format_table(speed), format_table(ratio), note, format_table(load), format_table(targets)])
+    c = res["matmul_ceiling"]
+    ceiling = (f"matmul ceiling (the weight matmuls alone, same dtype and threads; no torch runner can beat it): "
+               f"decode {c['decode_ceiling_tok_s']:.1f} tok/s ({c['decode_ms']:.1f} ms/token, {c['weight_gb_s']:.1f} GB/s of weights), "
+               f"prefill {c['prefill_ceiling_tok_s']:.0f} tok/s ({c['gemm_gflop_s']:.0f} GFLOP/s).")
+    return "\n\n".join([head, format_table(speed), format_table(ratio), note, ceiling, format_table(load), format_table(targets)])
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:

@@ -40,6 +40,8 @@ from kvchat.bench.kv_schemes import (
     fixed_scale_scheme,
     k_centred_scheme,
 )
+from kvchat.bench.retrieval import DEFAULT_DEPTHS, DEFAULT_DOC_TOKENS, format_retrieval, run_retrieval
+from kvchat.bench.run_info import run_info
 from kvchat.bench.stats import format_table
 from kvchat.bench.texts import CALIBRATION_MODULES, EVAL_MODULES, BenchText, stdlib_text
 
@@ -178,8 +180,20 @@ def read_text(path: str) -> BenchText:
     return BenchText(Path(path).name, text, hashlib.sha256(data).hexdigest())
 
 
-def run_fidelity(args: argparse.Namespace) -> dict:
+def joined_text(texts: Sequence[BenchText]) -> BenchText:
+    """``texts`` as one text (blank line between them), named ``a+b+...``, sha256 of the joined UTF-8 bytes."""
+    if len(texts) == 1:
+        return texts[0]
+    text = "\n\n".join(t.text for t in texts)
+    return BenchText("+".join(t.name for t in texts), text, hashlib.sha256(text.encode()).hexdigest())
+
+
+def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
     """Everything ``cmd_bench_fidelity`` reports, JSON-ready.
+
+    With ``args.retrieval_tokens`` > 0 it also runs the long-context retrieval
+    probe (:mod:`kvchat.bench.retrieval`) at ``args.depths`` in a document of
+    that many tokens of the evaluation texts, bf16 vs fp8 pools (key ``"retrieval"``).
 
     Raises:
         ValueError: bad ``--tokens``/``--calibration-tokens``, an unreadable or non-UTF-8 ``--text``.
@@ -207,8 +221,12 @@ def run_fidelity(args: argparse.Namespace) -> dict:
     spec = lambda kv: KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
     longest = max(len(calib_ids), *(len(ids) for _, ids in docs))
     blocks = longest // spec("bf16").block_size + 2
-    ref = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", pool_bytes=spec("bf16").bytes_per_block * blocks)
-    fp8 = Engine(cfg, weights, info.fingerprint, kv_dtype="fp8", pool_bytes=spec("fp8").bytes_per_block * blocks * NUM_SCHEMES)
+    # Paged read path (dense_kv=False): the scheme overrides hook the paged attention
+    # kernels, and the schemes' sequences interleave on one fp8 engine.
+    ref = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", pool_bytes=spec("bf16").bytes_per_block * blocks,
+                 dense_kv=False)
+    fp8 = Engine(cfg, weights, info.fingerprint, kv_dtype="fp8", pool_bytes=spec("fp8").bytes_per_block * blocks * NUM_SCHEMES,
+                 dense_kv=False)
     del weights
     k_mean = calibrate_k_mean(ref, calib_ids)
     schemes = [default_scheme(), fixed_scale_scheme(1.0), k_centred_scheme(k_mean), k_centred_scheme(k_mean, exact_sink=True)]
@@ -216,14 +234,22 @@ def run_fidelity(args: argparse.Namespace) -> dict:
     per_text = []
     for text, ids in docs:
         per_text += compare_to_reference(ref, fp8, ids, schemes, text.name)
+    compute = str(ref.dtype).removeprefix("torch.")
+    del ref, fp8
+    retrieval_tokens = getattr(args, "retrieval_tokens", DEFAULT_DOC_TOKENS)
+    retrieval = None
+    if retrieval_tokens > 0:
+        depths = getattr(args, "depths", None) or DEFAULT_DEPTHS
+        retrieval = run_retrieval(info, tok, joined_text(texts), retrieval_tokens, depths)
     pooled = [FidelityResult("all texts", s.name) for s in schemes]
     for i, res in enumerate(per_text):
         pooled[i % len(schemes)].add(res)
     return {
         "benchmark": "fidelity",
+        "run": run_info(quick=quick),
         "model": info.name,
         "model_fingerprint": info.fingerprint,
-        "compute_dtype": str(ref.dtype).removeprefix("torch."),
+        "compute_dtype": compute,
         "threads": torch.get_num_threads(),
         "reference_pool": "bf16",
         "chunk_tokens": SCORE_CHUNK_TOKENS,
@@ -233,6 +259,7 @@ def run_fidelity(args: argparse.Namespace) -> dict:
                         "k_mean_abs_max": round(k_mean.abs().max().item(), 3)},
         "goal_ppl_delta_pct": GOAL_PPL_DELTA_PCT,
         "results": [r.as_dict() for r in per_text + (pooled if len(docs) > 1 else [])],
+        "retrieval": retrieval,
     }
 
 
@@ -245,7 +272,10 @@ def format_report(res: dict) -> str:
     for r in res["results"]:
         rows.append((r["text"], r["scheme"], str(r["positions"]), f"{r['ppl_bf16']:.3f}", f"{r['ppl']:.3f}",
                      f"{r['ppl_delta_pct']:+.2f}", f"{r['mean_kl']:.4f}", f"{r['top1_agreement']:.3f}"))
-    return f"{head}\n\n{format_table(rows)}\n\ngoal: Δppl ≤ +{res['goal_ppl_delta_pct']}% vs bf16"
+    out = f"{head}\n\n{format_table(rows)}\n\ngoal: Δppl ≤ +{res['goal_ppl_delta_pct']}% vs bf16"
+    if res.get("retrieval"):
+        out += "\n\n" + format_retrieval(res["retrieval"])
+    return out
 
 
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:

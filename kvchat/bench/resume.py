@@ -345,13 +345,19 @@ def _verdicts(summaries: list[dict]) -> list[str]:
     ]
 
 
-def cmd_bench_resume(args: argparse.Namespace) -> int:
-    """Run the benchmark (fresh processes, temporary data dir beside the real one); print a table, write JSON.
+def run_resume(args: argparse.Namespace, *, quick: bool = False) -> dict:
+    """Run the benchmark (fresh processes, temporary data dir beside the real one); the JSON-ready result.
+
+    Keys: ``summary`` (per length: ``cold_prefill_ms``, ``warm``/``dropped``
+    ``restore_ms`` and ``ttft_ms`` spreads, ``disk_floor_ms``,
+    ``page_cache_floor_ms``, snapshot bytes), ``runs`` (raw samples), ``disk``,
+    ``run`` (:func:`kvchat.bench.run_info.run_info`; ``quick`` recorded there).
 
     Raises:
         ValueError: bad ``--tokens``/``--repeats``/``--cold-repeats``.
         BenchResumeError: a child failed, or a resume was not a full disk restore.
     """
+    from kvchat.bench.run_info import run_info
     from kvchat.paths import data_dir
 
     tokens = args.tokens or list(DEFAULT_TOKENS)
@@ -367,21 +373,36 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
             runs.append(bench_length(home, n, args))
     summaries = [summarise(r, disk) for r in runs]
     first = runs[0]["builds"][0]
-    print(f"kvchat resume: model {first['model']} · KV {first['kv_dtype']} ({first['scale_scheme']}) · {first['device']} · "
-          f"{first['threads']} threads · text {first['text']} (sha256 {first['text_sha256'][:12]}) · "
-          f"question {first['question_tokens']} tokens · {args.repeats} repeats (cold: {args.cold_repeats})")
-    print(f"disk: sequential read {disk['cold_bytes_per_s']['median'] / 1e9:.2f} GB/s cache dropped, "
-          f"{disk['hot_bytes_per_s']['median'] / 1e9:.2f} GB/s from the page cache ({BANDWIDTH_FILE_BYTES >> 20} MiB file)")
-    print(_table(summaries))
+    return {"benchmark": "resume", "run": run_info(threads=first["threads"], quick=quick),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.platform(),
+            "cpus": os.cpu_count(), "repeats": args.repeats, "cold_repeats": args.cold_repeats, "disk": disk,
+            "summary": summaries, "runs": runs, "targets": TARGETS, "llama_cpp_reference": LLAMA_CPP_REFERENCE,
+            "question": QUESTION}
+
+
+def format_report(result: dict) -> str:
+    """The header lines, the table, the llama.cpp reference line and the verdicts of a :func:`run_resume` result."""
+    runs, disk, summaries = result["runs"], result["disk"], result["summary"]
+    first = runs[0]["builds"][0]
+    lines = []
+    lines.append(f"kvchat resume: model {first['model']} · KV {first['kv_dtype']} ({first['scale_scheme']}) · {first['device']} · "
+                 f"{first['threads']} threads · text {first['text']} (sha256 {first['text_sha256'][:12]}) · "
+                 f"question {first['question_tokens']} tokens · {result['repeats']} repeats (cold: {result['cold_repeats']})")
+    lines.append(f"disk: sequential read {disk['cold_bytes_per_s']['median'] / 1e9:.2f} GB/s cache dropped, "
+                 f"{disk['hot_bytes_per_s']['median'] / 1e9:.2f} GB/s from the page cache ({BANDWIDTH_FILE_BYTES >> 20} MiB file)")
+    lines.append(_table(summaries))
     ref = LLAMA_CPP_REFERENCE
-    print(f"llama.cpp reference (not this run): {ref['tokens']} tokens, {ref['state_bytes'] / 1e6:.0f} MB f16 state, "
-          f"{ref['resume_plus_question_ms']:.0f} ms resume + {ref['question_tokens']}-token question, "
-          f"{ref['cold_prefill_ms'] / 1e3:.0f} s cold ({ref['cold_prefill_ms'] / ref['resume_plus_question_ms']:.0f}x)")
-    for line in _verdicts(summaries):
-        print(line)
-    result = {"benchmark": "resume", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": platform.platform(), "cpus": os.cpu_count(), "disk": disk, "summary": summaries,
-              "runs": runs, "targets": TARGETS, "llama_cpp_reference": LLAMA_CPP_REFERENCE, "question": QUESTION}
+    lines.append(f"llama.cpp reference (not this run): {ref['tokens']} tokens, {ref['state_bytes'] / 1e6:.0f} MB f16 state, "
+                 f"{ref['resume_plus_question_ms']:.0f} ms resume + {ref['question_tokens']}-token question, "
+                 f"{ref['cold_prefill_ms'] / 1e3:.0f} s cold ({ref['cold_prefill_ms'] / ref['resume_plus_question_ms']:.0f}x)")
+    lines.extend(_verdicts(summaries))
+    return "\n".join(lines)
+
+
+def cmd_bench_resume(args: argparse.Namespace) -> int:
+    """``kvchat bench resume``: run it (:func:`run_resume`), print the report, write ``args.json`` if set. Returns 0."""
+    result = run_resume(args)
+    print(format_report(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

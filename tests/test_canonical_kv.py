@@ -1,0 +1,101 @@
+"""Every token's K/V are bit-identical however they were obtained: decoded, reused from memory, or cold.
+
+Decode computes one token at a time and differs in the last bits from a
+prefill chunk; after a turn the session recomputes the answer in a cold
+run's chunks, and reused K/V are trimmed to a chunk edge. So a chat's pool
+contents equal a cold prefill of its token list, byte for byte, and an
+answer cannot depend on whether the snapshot of a turn was on disk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvchat.block_manager import SeqBlocks
+from kvchat.chats import new_settings
+from kvchat.engine import chunk_plan, last_cut
+from kvchat.loader import load_runtime
+from kvchat.sampling import SamplingParams
+from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
+
+DOC = ("Paged attention stores the KV cache in fixed-size blocks, like virtual memory pages, "
+       "so memory is allocated on demand and shared between sequences. ") * 12
+
+
+@pytest.fixture(scope="module")
+def rt(smol_info):
+    return load_runtime(None, "fp16")  # 11-bit mantissa: a last-bit difference shows up (fp8 hides most)
+
+
+def _pool_bytes(engine, seq: SeqBlocks, n: int) -> list[torch.Tensor]:
+    """Raw bytes of tokens [0, n) of ``seq`` in every pool tensor (K, V, scales), all layers."""
+    pos = torch.arange(n)
+    slots = torch.tensor(seq.block_table)[pos // 16] * 16 + pos % 16
+    out = []
+    for t in (engine.pool.k, engine.pool.v, engine.pool.k_scale, engine.pool.v_scale):
+        if t is not None:
+            out.append(t.flatten(1, 2)[:, slots].contiguous().view(torch.uint8))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cold_rt(rt):
+    return load_runtime(None, rt.engine.spec.kv_dtype)  # its own pool: a cold run shares nothing
+
+
+def _assert_equals_cold(cold_rt, session: Session) -> None:
+    ids = session.token_ids
+    assert session.seq.num_computed == len(ids)
+    cold = SeqBlocks()
+    cold_rt.engine.prefill(cold, ids, session.boundaries)
+    got = _pool_bytes(session.engine, session.seq, len(ids))
+    want = _pool_bytes(cold_rt.engine, cold, len(ids))
+    cold_rt.engine.release(cold)
+    for g, w, name in zip(got, want, ("k", "v")):
+        assert torch.equal(g, w), f"{name} differs from a cold prefill"
+
+
+def test_last_cut_is_an_edge_of_the_chunk_plan():
+    bounds = [0, 700, 730, 1500]
+    edges = {a for a, _ in chunk_plan(0, 2100, bounds)}  # where chunks start, for any longer plan too
+    for n in range(0, 2100, 7):
+        cut = last_cut(n, bounds)
+        assert cut in edges and cut <= n
+        assert not any(cut < e <= n for e in edges), "largest edge at or below n"
+
+
+def test_a_chat_holds_exactly_what_a_cold_run_computes(rt, cold_rt):
+    session = Session.new(rt.engine, rt.chat_format(new_settings(["doc"])), DEFAULT_SYSTEM_PROMPT, [("doc", DOC)])
+    for q in ("What does paged attention store?", "Why are blocks shared?"):
+        list(session.send(q, SamplingParams(max_tokens=24)))
+        assert session.last_turn.stats.new_tokens > 1, "decode ran"
+        assert session.last_turn.stats.settle_ms > 0
+    _assert_equals_cold(cold_rt, session)
+
+
+def test_a_resume_whose_chain_stops_inside_a_segment_recomputes_in_cold_chunks(rt, cold_rt):
+    """The second snapshot chunk is gone: restore stops at token 256, inside the documents' prefix."""
+    from kvchat.kv_persist import KVPersist
+
+    persist = KVPersist(rt.engine)
+    first = Session.new(rt.engine, rt.chat_format(new_settings(["doc"])), DEFAULT_SYSTEM_PROMPT, [("doc", DOC * 3)], persist)
+    list(first.send("What does paged attention store?", SamplingParams(max_tokens=16)))
+    first.save_snapshot("c_canonical")
+    persist.flush()
+    rows = persist.find(first.token_ids)
+    assert first.segments[0].end > 768 and rows[0].token_count == 256
+    Path(rows[1].path).unlink()
+    first.close()
+    persist.close()
+
+    resumed_rt = load_runtime(None, rt.engine.spec.kv_dtype)  # a new process: nothing in its pool
+    again = Session(resumed_rt.engine, first.fmt, list(first.token_ids), list(first.segments), KVPersist(resumed_rt.engine))
+    list(again.send("And what is shared?", SamplingParams(max_tokens=16)))
+    stats = again.last_turn.stats
+    assert stats.from_disk == 256 and stats.miss_reason and "missing" in stats.miss_reason
+    assert stats.reused_tokens == 0, "256 is inside the first 512-token chunk of the prefix: recompute from 0"
+    _assert_equals_cold(cold_rt, again)
+    again.persist.close()

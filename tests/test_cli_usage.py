@@ -1,0 +1,52 @@
+"""argparse usage errors follow the CLI rule: one ``kvchat: error:`` line on stderr, exit status 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvchat.cli import main
+
+USAGE_ERRORS = [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["ask"], "required: prompt"),
+    (["ask", "hi", "--max-tokens", "many"], "invalid int value: 'many'"),
+    (["ask", "hi", "--kv-dtype", "fp4"], "invalid choice: 'fp4'"),
+    (["cache"], "required: COMMAND"),
+    (["cache", "nope"], "invalid choice: 'nope'"),
+    (["model", "pull", "--from"], "expected one argument"),
+    (["plan", "--gpu-gb", "lots"], "invalid float value"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", USAGE_ERRORS)
+def test_usage_error_is_one_line_exit_2(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.endswith("\n")
+    assert err.startswith("kvchat: error: ") and fragment in err and "usage:" not in err
+
+
+def test_usage_error_from_the_installed_entry_point(kvchat_home):
+    """The real process: exit status 2, one line, the sub-command's help named, data dir untouched."""
+    proc = subprocess.run([sys.executable, "-m", "kvchat.cli", "ask", "hi", "--top-k", "x"], capture_output=True, check=False,
+                          text=True, env={**os.environ, "KVCHAT_HOME": str(kvchat_home)}, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "kvchat: error: argument --top-k: invalid int value: 'x' (see 'kvchat ask --help')"]
+    assert not kvchat_home.exists()
+
+
+def test_help_and_version_are_not_errors(capsys):
+    for argv in (["--help"], ["cache", "--help"], ["--version"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+    out, err = capsys.readouterr()
+    assert "usage: kvchat cache" in out and err == ""
