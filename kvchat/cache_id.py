@@ -12,7 +12,7 @@ import hashlib
 import json
 
 LAYOUT_VERSION = 1
-NUMERICS_VERSION = 1
+NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomputed as prefill chunks
 
 
 def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, block_size: int, calibration: str = "") -> str:
