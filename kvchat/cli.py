@@ -30,6 +30,14 @@ class _Parser(argparse.ArgumentParser):
         line = " ".join(message.split())
         self.exit(EXIT_USAGE, f"kvchat: error: {line} (see '{self.prog} --help')\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse, but a sub-command (a parser without sub-commands of its own) rejects
+        arguments it does not know itself, so the error names its own ``--help``."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None and " " in self.prog:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
     def add_subparsers(self, **kwargs):
         """Sub-command groups are named COMMAND in usage and errors (not their internal dest)."""
         kwargs.setdefault("metavar", "COMMAND")

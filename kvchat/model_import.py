@@ -229,6 +229,9 @@ def cmd_model_pull(from_path: str | None, name: str | None) -> int:
         if from_path is not None and not Path(from_path).is_file():
             raise ModelImportError(f"--from {from_path!r}: no such file")
         if name in (None, DEFAULT_MODEL_NAME):
+            if from_path is not None and read_manifest(models_dir() / DEFAULT_MODEL_NAME) is not None:
+                with _staging("check") as stage:  # already imported: still check what was given
+                    _extract_gguf(Path(from_path), stage / "src", DEFAULT_GGUF_SHA256, quiet=True)
             target = import_default_model(Path(from_path) if from_path else None)
         elif from_path is None:
             raise ModelImportError("--name needs --from PATH (only the default model is downloaded)")

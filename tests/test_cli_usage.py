@@ -19,6 +19,8 @@ USAGE_ERRORS = [
     (["cache", "nope"], "invalid choice: 'nope'"),
     (["model", "pull", "--from"], "expected one argument"),
     (["plan", "--gpu-gb", "lots"], "invalid float value"),
+    (["ask", "hi", "--bogus"], "unrecognized arguments: --bogus (see 'kvchat ask --help')"),
+    (["cache", "ls", "--bogus"], "unrecognized arguments: --bogus (see 'kvchat cache ls --help')"),
 ]
 
 
@@ -50,3 +52,11 @@ def test_help_and_version_are_not_errors(capsys):
         assert exc.value.code == 0
     out, err = capsys.readouterr()
     assert "usage: kvchat cache" in out and err == ""
+
+
+def test_model_pull_from_checks_the_file_even_when_already_imported(smol_dir, tmp_path, capsys):
+    garbage = tmp_path / "model.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(64))
+    assert main(["model", "pull", "--from", str(garbage)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvchat: error: ")
