@@ -47,11 +47,6 @@ class DenseKV:
         self._blocks: list[int] = []
         self._writes: list[int] = []
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the copy (both tensors, full capacity)."""
-        return 2 * self.k.numel() * 4
-
     def _valid_prefix(self, seq: SeqBlocks, limit: int) -> int:
         """Tokens ``< limit`` whose blocks are unchanged since they were read."""
         if self._owner is not seq:
