@@ -181,15 +181,13 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     t, h, d = query.shape
     hkv, length = key.shape[0], key.shape[1]
     group = h // hkv
-    if t == 1 and length == q_start + 1:  # decode: no mask; three small ops beat SDPA's set-up
+    if t == 1:  # decode: no mask; three small ops beat SDPA's set-up
         q = query.float().view(hkv, group, d)
         probs = torch.softmax(torch.bmm(q, key.transpose(1, 2)) * sm_scale, dim=-1)
         return torch.bmm(probs, value).view(1, h, d).to(query.dtype)
     q = query.float().view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * t, d)
-    mask = None
-    if t > 1 or q_start + t < length:
-        pos = torch.arange(q_start, q_start + t, device=query.device).repeat(group)
-        mask = torch.arange(length, device=query.device)[None, :] <= pos[:, None]
+    pos = torch.arange(q_start, q_start + t, device=query.device).repeat(group)
+    mask = torch.arange(length, device=query.device)[None, :] <= pos[:, None]
     out = F.scaled_dot_product_attention(q, key[None], value[None], attn_mask=mask, scale=sm_scale)
     return out[0].view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, h, d).to(query.dtype)
 
