@@ -159,17 +159,18 @@ def decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, ``[num_seqs, num_heads, head_dim]``; see :func:`reference.decode_attention`.
 
     Raises:
-        KernelBackendError: see :func:`backend_for` and the module doc.
+        KernelBackendError: see :func:`backend_for` and the module doc; ``sink`` on the Triton backend.
     """
     if backend_for(k_cache) == "triton":
+        _no_sink_on_triton(sink)
         fn = _triton_module("triton_decode", k_cache).decode_attention
-    else:
-        fn = reference.decode_attention
-    return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale)
+        return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale)
+    return reference.decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, sink)
 
 
 def extend_attention(
@@ -182,14 +183,20 @@ def extend_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     sm_scale: float,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Prefix-extend attention, ``[total_q, num_heads, head_dim]``; see :func:`reference.extend_attention`.
 
     Raises:
-        KernelBackendError: see :func:`backend_for` and the module doc.
+        KernelBackendError: see :func:`backend_for` and the module doc; ``sink`` on the Triton backend.
     """
+    args = (query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale)
     if backend_for(k_cache) == "triton":
-        fn = _triton_module("triton_extend", k_cache).extend_attention
-    else:
-        fn = reference.extend_attention
-    return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale)
+        _no_sink_on_triton(sink)
+        return _triton_module("triton_extend", k_cache).extend_attention(*args)
+    return reference.extend_attention(*args, sink)
+
+
+def _no_sink_on_triton(sink) -> None:
+    if sink is not None:  # the engine never asks (its scheme drops "+sink" on this backend)
+        raise KernelBackendError("the Triton kernels do not read an exact attention sink yet")

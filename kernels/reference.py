@@ -208,6 +208,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, sm_
     return out[0].transpose(0, 1)
 
 
+def _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table, length: int, sink, i: int):
+    """Sequence ``i``'s dequantized K/V ``[length, num_kv_heads, head_dim]``, position 0 from ``sink`` if given."""
+    k = gather_kv(k_cache, k_scale, block_table, length)
+    v = gather_kv(v_cache, v_scale, block_table, length)
+    if sink is not None:
+        k[0], v[0] = sink[0][i], sink[1][i]
+    return k, v
+
+
 def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -217,6 +226,7 @@ def decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached sequence.
 
@@ -226,14 +236,16 @@ def decode_attention(
         block_table: int32 ``[num_seqs, max_blocks]``; seq_lens: int32 ``[num_seqs]``
             (the query token's own K/V already written, so it is included).
         sm_scale: softmax scale, usually ``head_dim ** -0.5``.
+        sink: optional exact K/V of position 0, float32 ``([num_seqs, num_kv_heads,
+            head_dim], same)``, read instead of the stored (quantized) position 0
+            (the attention sink, Xiao et al. 2023; see ``kvchat.engine``).
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 math).
     """
     out = torch.empty_like(query)
     for i in range(query.shape[0]):
         length = int(seq_lens[i])
-        k = gather_kv(k_cache, k_scale, block_table[i], length)
-        v = gather_kv(v_cache, v_scale, block_table[i], length)
+        k, v = _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table[i], length, sink, i)
         out[i] = _attend(query[i : i + 1], k, v, length - 1, sm_scale)[0].to(query.dtype)
     return out
 
@@ -248,6 +260,7 @@ def extend_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     sm_scale: float,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A chunk of new tokens per sequence attending to the cached prefix and causally to itself.
 
@@ -263,6 +276,7 @@ def extend_attention(
             new tokens in ``query``; its queries sit at positions
             ``seq_len - q_len .. seq_len - 1``.
         sm_scale: softmax scale.
+        sink: optional exact position-0 K/V, as in :func:`decode_attention`.
     Returns:
         ``[total_q, num_heads, head_dim]`` in ``query.dtype``.
     """
@@ -272,7 +286,6 @@ def extend_attention(
         if a == b:
             continue
         length = int(seq_lens[i])
-        k = gather_kv(k_cache, k_scale, block_table[i], length)
-        v = gather_kv(v_cache, v_scale, block_table[i], length)
+        k, v = _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table[i], length, sink, i)
         out[a:b] = _attend(query[a:b], k, v, length - (b - a), sm_scale).to(query.dtype)
     return out

@@ -124,7 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     fid = bsub.add_parser("fidelity", help="fp8 vs bf16 pool, teacher-forced: perplexity delta, KL, top-1, per scheme")
     fid.add_argument("--text", action="append", default=[], metavar="PATH", help="evaluation text (repeatable; default: stdlib docstrings)")
     fid.add_argument("--tokens", type=int, default=2048, help="evaluation tokens per text")
-    fid.add_argument("--calibration-tokens", type=int, default=2048, help="tokens of other text to calibrate K centring on")
     fid.add_argument("--retrieval-tokens", type=int, default=4096, help="document tokens of the retrieval probe (0: skip it)")
     fid.add_argument("--depths", type=float, nargs="+", help="where the probe's fact sits, shares of the document (default 0.1 0.5 0.9)")
     fid.add_argument("--json", metavar="FILE", help="also write the results as JSON")

@@ -46,6 +46,7 @@ class DenseKV:
         self._owner: SeqBlocks | None = None
         self._blocks: list[int] = []
         self._writes: list[int] = []
+        self._sink: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _valid_prefix(self, seq: SeqBlocks, limit: int) -> int:
         """Tokens ``< limit`` whose blocks are unchanged since they were read."""
@@ -74,14 +75,18 @@ class DenseKV:
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 
-    def sync(self, seq: SeqBlocks, start: int, end: int) -> None:
+    def sync(self, seq: SeqBlocks, start: int, end: int, sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Before a forward of tokens ``[start, end)``: make ``[0, start)`` valid.
 
         Reads from the pool, for all layers at once, the tokens that are
         missing or whose blocks changed. ``seq.block_table`` must cover
-        ``end`` tokens.
+        ``end`` tokens. ``sink``: the sequence's exact position-0 K/V
+        (float32 ``[num_layers, num_kv_heads, head_dim]`` x2, see
+        :meth:`kvchat.engine.Engine.sink_kv`), kept in row 0 instead of the
+        pool's quantized values; the same for every forward of a sequence.
         """
         valid = self._valid_prefix(seq, start)
+        self._sink = sink
         self._owner = seq
         self.length = valid
         self._reserve(end)
@@ -90,6 +95,8 @@ class DenseKV:
             pool = self.pool
             for dst, cache, scale in ((self.k, pool.k, pool.k_scale), (self.v, pool.v, pool.v_scale)):
                 kernels.read_slots(cache, scale, slots, out=dst[:, :, valid:start].transpose(1, 2))
+            if valid == 0 and sink is not None:
+                self.k[:, :, 0], self.v[:, :, 0] = sink
         self.length = start
 
     def append(self, layer: int, slots: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +111,8 @@ class DenseKV:
         k_cache, v_cache, k_scale, v_scale = self.pool.layer(layer)
         self.k[layer, :, start:end] = kernels.read_slots(k_cache, k_scale, slots).transpose(0, 1)
         self.v[layer, :, start:end] = kernels.read_slots(v_cache, v_scale, slots).transpose(0, 1)
+        if start == 0 and self._sink is not None:
+            self.k[layer, :, 0], self.v[layer, :, 0] = self._sink[0][layer], self._sink[1][layer]
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
     def finish(self, seq: SeqBlocks, end: int) -> None:

@@ -21,7 +21,8 @@ from kvchat.block_manager import BlockManager, SeqBlocks
 from kvchat.cache_id import cache_fingerprint
 from kvchat.config import ModelConfig
 from kvchat.dense_kv import DenseKV
-from kvchat.kv_cache import KVCacheSpec, KVPool
+from kvchat.kv_cache import KVCacheSpec, KVPool, fp8_scheme_name
+from kvchat.kv_calibration import KVCalibration
 from kvchat.model import AttnMetadata, Transformer, rope_inv_freq
 
 DEFAULT_CPU_POOL_BYTES = 512 * 2**20
@@ -108,6 +109,8 @@ class Engine:
         device: torch.device | str | None = None,
         name: str = "",
         dense_kv: bool | None = None,
+        calibration: KVCalibration | None = None,
+        exact_sink: bool = True,
     ):
         self.cfg = cfg
         self.name = name
@@ -122,7 +125,16 @@ class Engine:
         self.model = model.eval()
         self.spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         self.pool = KVPool.from_budget(self.spec, pool_bytes or self._default_pool_bytes(), self.device)
-        self.cache_fingerprint = cache_fingerprint(model_fingerprint, kv_dtype, self.spec.scale_scheme, self.spec.block_size)
+        fp8 = kv_dtype == "fp8"
+        self.calibration = calibration if fp8 else None
+        if self.calibration is not None:
+            for layer, shift in zip(model.layers, self.calibration.k_mean):
+                layer.self_attn.k_shift = shift.to(self.device, self.dtype)
+        self.exact_sink = fp8 and exact_sink and kernels.backend_for(self.pool.k) == "torch"
+        self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scale_scheme = fp8_scheme_name(self.calibration is not None, self.exact_sink) if fp8 else self.spec.scale_scheme
+        self.cache_fingerprint = cache_fingerprint(model_fingerprint, kv_dtype, self.scale_scheme, self.spec.block_size,
+                                                   self.calibration.digest if self.calibration else "")
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
@@ -157,15 +169,47 @@ class Engine:
         if num_tokens > self.max_context:
             raise ContextOverflowError(f"conversation would be {num_tokens} tokens; {self.context_limit_text}")
 
-    def _forward(self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int, register: bool = True) -> torch.Tensor:
+    def sink_kv(self, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact (unquantized) K/V of ``token_id`` at position 0, every layer: float32 ``[num_layers, num_kv_heads, head_dim]`` x2.
+
+        Position 0 is the attention sink (Xiao et al. 2023, "Efficient
+        Streaming Language Models with Attention Sinks"): every query gives
+        it a large share of its attention, so its fp8 rounding error weighs on
+        every score. With ``exact_sink`` all attention reads take position 0
+        from here instead of the pool (the pool and snapshots keep the
+        quantized values, unchanged in layout). A causal model's position 0
+        depends on its token alone, so the values are computed once per
+        token and process by a one-token forward (K already centred) and are
+        the same in every process and for every sequence: cold, resumed and
+        shared prefixes read identical numbers.
+        """
+        sink = self._sinks.get(token_id)
+        if sink is None:
+            shape = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+            sink = (torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
+            seq = SeqBlocks()
+            try:
+                self._forward(seq, [token_id], 0, 1, register=False, sink=sink, capture_sink=True)
+            finally:
+                self.release(seq)
+            self._sinks[token_id] = sink
+        return sink
+
+    def _forward(self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int, register: bool = True,
+                 sink: tuple[torch.Tensor, torch.Tensor] | None = None, capture_sink: bool = False) -> torch.Tensor:
         """Write K/V for tokens ``[start, end)``; return their hidden states ``[end - start, hidden]``.
 
         ``register``: full blocks enter the prefix cache (see :meth:`BlockManager.commit`).
+        ``sink``/``capture_sink``: used by :meth:`sink_kv` (which fills ``sink``
+        layer by layer, on the paged path so the sequence's dense copy is kept).
         """
+        if sink is None and self.exact_sink:
+            sink = self.sink_kv(token_ids[0])
+        dense = None if capture_sink else self.dense
         copies = self.blocks.reserve(seq, end)
         self.pool.copy_blocks(copies)
-        if self.dense is not None:
-            self.dense.sync(seq, start, end)
+        if dense is not None:
+            dense.sync(seq, start, end, sink)
         bs = self.spec.block_size
         self.pool.mark_written(seq.block_table[start // bs : (end - 1) // bs + 1])
         dev = self.device
@@ -178,12 +222,14 @@ class Engine:
             seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32, device=dev),
             is_decode=end - start == 1 and start > 0,
-            dense=self.dense,
+            dense=dense,
             q_start=start,
+            sink=sink,
+            capture_sink=capture_sink,
         )
         hidden = self.model(ids, positions, meta, self.pool)
-        if self.dense is not None:
-            self.dense.finish(seq, end)
+        if dense is not None:
+            dense.finish(seq, end)
         self.blocks.commit(seq, token_ids, end, register)
         return hidden
 

@@ -18,6 +18,12 @@ KV_DTYPES: dict[str, torch.dtype] = {"fp8": FP8_DTYPE, "bf16": torch.bfloat16, "
 BLOCK_SIZE = 16
 
 
+def fp8_scheme_name(k_centring: bool, exact_sink: bool) -> str:
+    """Name of an fp8 scheme: per-token, per-KV-head scales (``pth1``), then ``+kc`` (K centred,
+    :mod:`kvchat.kv_calibration`) and ``+sink`` (position 0 read exact, :meth:`kvchat.engine.Engine.sink_kv`)."""
+    return SCALE_SCHEME + ("+kc" if k_centring else "") + ("+sink" if exact_sink else "")
+
+
 class KVDtypeError(ValueError):
     """An unknown KV dtype name was given."""
 

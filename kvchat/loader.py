@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.chat_format import ChatFormat
+from kvchat.chat_format import ChatFormat, ChatTemplateError
 from kvchat.engine import Engine
+from kvchat.kv_calibration import ensure_calibration
 from kvchat.model_registry import ModelInfo, load_weights, resolve_model
 
 
@@ -49,6 +50,9 @@ def load_runtime(
 ) -> Runtime:
     """Resolve (importing on first use), load weights, build the engine and tokenizer.
 
+    For an fp8 pool the model's K-centring calibration is loaded, or
+    computed and stored on first use (:mod:`kvchat.kv_calibration`).
+
     Raises:
         kvchat.model_registry.ModelNotFoundError, kvchat.config.UnsupportedModelError,
         kvchat.model_import.ModelImportError, kvchat.kv_cache.KVDtypeError.
@@ -60,11 +64,18 @@ def load_runtime(
     kv_torch_dtype(kv_dtype)
     info = resolve_model(model)
     weights = load_weights(info)
-    engine = Engine(info.config, weights, info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
-                    device=device, name=info.name)
-    del weights
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
-    return Runtime(info, engine, tokenizer)
+    calibration = ensure_calibration(info, weights, tokenizer, device) if kv_dtype == "fp8" else None
+    engine = Engine(info.config, weights, info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
+                    device=device, name=info.name, calibration=calibration)
+    del weights
+    runtime = Runtime(info, engine, tokenizer)
+    if engine.exact_sink:  # every chat starts with the template's first token: its sink now, not in the first TTFT
+        try:
+            engine.sink_kv(runtime.chat_format().prefix_ids("", [])[0])
+        except ChatTemplateError:
+            pass  # reported where a chat is formatted; the sink is made on first use instead
+    return runtime
 
 
 def set_threads(n: int | None) -> None:

@@ -38,6 +38,11 @@ class AttnMetadata:
         dense: the sequence's contiguous dequantized K/V copy (CPU read path,
             one sequence only); when set, attention reads it instead of the block table.
         q_start: position of the first new token (used with ``dense``).
+        sink: exact position-0 K/V of the (one) sequence, float32 ``[num_layers,
+            num_kv_heads, head_dim]`` x2, read by attention instead of the stored
+            position 0 (see :meth:`kvchat.engine.Engine.sink_kv`); None: read the pool.
+        capture_sink: fill ``sink`` from this forward's token 0 (a one-token
+            forward at position 0), layer by layer before attention reads it.
     """
 
     slot_mapping: torch.Tensor
@@ -47,6 +52,8 @@ class AttnMetadata:
     is_decode: bool
     dense: DenseKV | None = None
     q_start: int = 0
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None
+    capture_sink: bool = False
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -117,7 +124,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged pool; q/k/v fused into one projection."""
+    """GQA self-attention over the paged pool; q/k/v fused into one projection.
+
+    ``k_shift`` (``[num_kv_heads, head_dim]``, set by the engine for fp8 pools
+    from :mod:`kvchat.kv_calibration`) is subtracted from post-RoPE K before
+    it is stored: every score of a query moves by the same amount, which
+    softmax ignores, and the stored values get smaller rounding errors.
+    """
+
+    k_shift: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -140,6 +155,13 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
         q, k = qk[:, :heads], qk[:, heads:]
+        if self.k_shift is not None:
+            k = k - self.k_shift
+        sink = None
+        if meta.sink is not None:
+            if meta.capture_sink:
+                meta.sink[0][self.layer_id], meta.sink[1][self.layer_id] = k[0], v[0]
+            sink = (meta.sink[0][self.layer_id][None], meta.sink[1][self.layer_id][None])
         k_cache, v_cache, k_scale, v_scale = pool.layer(self.layer_id)
         kernels.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
         args = (k_cache, v_cache, k_scale, v_scale, meta.block_table, meta.seq_lens)
@@ -147,9 +169,9 @@ class Attention(nn.Module):
             key, value = meta.dense.append(self.layer_id, meta.slot_mapping, meta.q_start)
             out = kernels.dense_attention(q, key, value, meta.q_start, self.sm_scale)
         elif meta.is_decode:
-            out = kernels.decode_attention(q, *args, self.sm_scale)
+            out = kernels.decode_attention(q, *args, self.sm_scale, sink)
         else:
-            out = kernels.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale)
+            out = kernels.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale, sink)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

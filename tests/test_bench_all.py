@@ -27,7 +27,7 @@ def _tiny(name: str) -> argparse.Namespace:
     ns = bench_settings(name, True, argparse.Namespace(model=None, kv_dtype="fp8", threads=1, text=[]))
     tiny = {"memory": {"mix_chats": 40, "budget_gib": [0.25]},
             "engine": {"lengths": [48], "decode_tokens": 2, "repeats": 1},
-            "fidelity": {"tokens": 64, "calibration_tokens": 64, "retrieval_tokens": 160, "depths": [0.5]}}[name]
+            "fidelity": {"tokens": 64, "retrieval_tokens": 160, "depths": [0.5]}}[name]
     for k, v in tiny.items():
         setattr(ns, k, v)
     return ns

@@ -27,14 +27,19 @@ def _engine(kv_dtype: str = "fp8", pool_bytes: int = 2**20) -> Engine:
     return Engine(cfg, dict(hf.state_dict()), "test", kv_dtype=kv_dtype, pool_bytes=pool_bytes, device="cpu", dense_kv=True)
 
 
-def _assert_copy_matches_pool(engine: Engine, seq: SeqBlocks) -> None:
+def _assert_copy_matches_pool(engine: Engine, seq: SeqBlocks, first_token: int) -> None:
+    """The copy is the pool's values bit for bit, except position 0: the exact sink (fp8 pools)."""
     dense = engine.dense
     assert dense.length == seq.num_computed
     table = torch.tensor(seq.block_table)
+    sink = engine.sink_kv(first_token) if engine.exact_sink else None
     for layer in range(engine.cfg.num_layers):
         kc, vc, ks, vs = engine.pool.layer(layer)
         want_k = ref.gather_kv(kc, ks, table, dense.length).transpose(0, 1)
         want_v = ref.gather_kv(vc, vs, table, dense.length).transpose(0, 1)
+        if sink is not None:
+            assert not torch.equal(want_k[:, 0], sink[0][layer])  # the pool holds the quantized sink
+            want_k[:, 0], want_v[:, 0] = sink[0][layer], sink[1][layer]
         assert torch.equal(dense.k[layer, :, : dense.length], want_k)
         assert torch.equal(dense.v[layer, :, : dense.length], want_v)
 
@@ -44,15 +49,15 @@ def test_copy_equals_pool_through_prefill_decode_and_rollback():
     ids = torch.randint(0, 97, (70,)).tolist()
     seq = SeqBlocks()
     engine.prefill(seq, ids[:45], boundaries=[0, 19])
-    _assert_copy_matches_pool(engine, seq)
+    _assert_copy_matches_pool(engine, seq, ids[0])
     for n in range(46, 51):
         engine.decode(seq, ids[:n])
-    _assert_copy_matches_pool(engine, seq)
+    _assert_copy_matches_pool(engine, seq, ids[0])
     # Roll back into the middle of a block and continue with other tokens (edit / regenerate).
     seq.num_computed = 21
     other = ids[:21] + [(t + 1) % 97 for t in ids[21:60]]
     engine.prefill(seq, other)
-    _assert_copy_matches_pool(engine, seq)
+    _assert_copy_matches_pool(engine, seq, ids[0])
 
 
 def test_a_write_it_did_not_make_is_noticed():
@@ -65,7 +70,7 @@ def test_a_write_it_did_not_make_is_noticed():
     engine.pool.mark_written([block])
     engine.pool.k.view(torch.uint8)[:, block, 3] = 0x38  # every element of token 3 becomes 1.0 * scale
     engine.decode(seq, ids + [5])
-    _assert_copy_matches_pool(engine, seq)
+    _assert_copy_matches_pool(engine, seq, ids[0])
 
 
 def test_switching_sequences_and_reusing_blocks_reads_afresh():
@@ -77,10 +82,10 @@ def test_switching_sequences_and_reusing_blocks_reads_afresh():
     engine.prefill(a, a_ids)
     engine.release(a)
     engine.prefill(b, b_ids)
-    _assert_copy_matches_pool(engine, b)
+    _assert_copy_matches_pool(engine, b, b_ids[0])
     engine.release(b)
     logits = engine.prefill(a, a_ids).logits  # same seq object, blocks overwritten meanwhile
-    _assert_copy_matches_pool(engine, a)
+    _assert_copy_matches_pool(engine, a, a_ids[0])
     fresh = _engine(pool_bytes=6 * 16 * 2 * 2 * 2 * (16 + 4))
     assert torch.equal(logits, fresh.prefill(SeqBlocks(), a_ids).logits)
 

@@ -13,15 +13,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from kvchat.bench.fidelity import compare_to_reference
-from kvchat.bench.kv_schemes import default_scheme
+from kvchat.bench.fidelity import GOAL_PPL_DELTA_PCT, compare_to_reference
+from kvchat.bench.kv_schemes import all_schemes
 from kvchat.engine import Engine
 from kvchat.kv_cache import KVCacheSpec
+from kvchat.kv_calibration import ensure_calibration
 from kvchat.model_registry import load_weights
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 TOKENS = 2048
-# Bounds from issue 2; measured here with pth1 on 000_*.txt: KL ~0.0065, top-1 ~0.95.
+# Bounds from issue 2; measured here on 000_*.txt: default KL 0.0037, top-1 0.964 (pth1 alone 0.0061, 0.951).
 MAX_MEAN_KL = 0.02
 MIN_TOP1 = 0.93
 
@@ -46,22 +47,32 @@ def _seed_ids(tokenizer) -> tuple[str, list[int]]:
 
 
 def test_fp8_pool_close_to_bf16_teacher_forced(smol_info, two_threads):
-    name, ids = _seed_ids(AutoTokenizer.from_pretrained(str(smol_info.path)))
+    tokenizer = AutoTokenizer.from_pretrained(str(smol_info.path))
+    name, ids = _seed_ids(tokenizer)
     cfg = smol_info.config
     weights = load_weights(smol_info)
-    engines = {}
-    for kv in ("bf16", "fp8"):
-        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
-        engines[kv] = Engine(cfg, weights, smol_info.fingerprint, kv_dtype=kv, device="cpu",
-                             pool_bytes=spec.bytes_per_block * (TOKENS // spec.block_size + 1))
+    calibration = ensure_calibration(smol_info, weights, tokenizer)
+    blocks = TOKENS // 16 + 3
+    ref = Engine(cfg, weights, smol_info.fingerprint, kv_dtype="bf16", device="cpu",
+                 pool_bytes=KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bf16").bytes_per_block * blocks)
+    fp8_bytes = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "fp8").bytes_per_block * blocks
+    default, plain = (s for s in all_schemes() if s.name in ("pth1+kc+sink", "pth1"))
+    runs = [(s, s.engine(cfg, weights, smol_info.fingerprint, calibration, pool_bytes=fp8_bytes, device="cpu"))
+            for s in (default, plain)]
     del weights
-    assert engines["fp8"].pool.k.dtype == torch.float8_e4m3fn
+    assert runs[0][1].pool.k.dtype == torch.float8_e4m3fn
+    assert runs[0][1].scale_scheme == "pth1+kc+sink"
 
-    (res,) = compare_to_reference(engines["bf16"], engines["fp8"], ids, [default_scheme()], name)
+    res, res_plain = compare_to_reference(ref, runs, ids, name)
 
-    print(f"\n{name}: {res.positions} positions, ppl bf16 {res.ppl_ref:.3f} fp8 {res.ppl:.3f} "
-          f"({res.ppl_delta_pct:+.2f}%), mean KL {res.mean_kl:.5f}, top-1 {res.top1_agreement:.4f}")
+    for r in (res, res_plain):
+        print(f"\n{name} {r.scheme}: {r.positions} positions, ppl bf16 {r.ppl_ref:.3f} fp8 {r.ppl:.3f} "
+              f"({r.ppl_delta_pct:+.2f}%), mean KL {r.mean_kl:.5f}, top-1 {r.top1_agreement:.4f}")
     assert res.positions == TOKENS - 1
     assert res.mean_kl > 0, "fp8 and bf16 pools gave identical distributions: quantization was not applied"
     assert res.mean_kl <= MAX_MEAN_KL
     assert res.top1_agreement >= MIN_TOP1
+    # The default scheme's point: K centring + exact sink beat per-token scales alone
+    # (measured: KL 0.0037 vs 0.0061) and reach the +0.5% perplexity goal (measured +0.21%).
+    assert res.mean_kl < 0.8 * res_plain.mean_kl
+    assert res.ppl_delta_pct <= GOAL_PPL_DELTA_PCT

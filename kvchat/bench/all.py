@@ -26,7 +26,7 @@ BENCHES = ("memory", "engine", "fidelity", "resume", "startup", "peers")
 QUICK: dict[str, dict] = {
     "memory": {},
     "engine": {"lengths": [256, 768], "decode_tokens": 8, "repeats": 1},
-    "fidelity": {"tokens": 384, "calibration_tokens": 256, "retrieval_tokens": 768},
+    "fidelity": {"tokens": 384, "retrieval_tokens": 768},
     "resume": {"tokens": [256, 1024], "repeats": 1, "cold_repeats": 1},
     "startup": {"repeats": 1},
     "peers": {"context": 512, "decode_tokens": 8, "repeats": 1, "resume_tokens": 1024},

@@ -122,11 +122,13 @@ def measure_load(model: str | None, repeats: int) -> dict[str, Spread]:
     :func:`load_weights` and ``Engine(...)`` (weights to a ready model and pool).
     """
     from kvchat.engine import Engine
+    from kvchat.kv_calibration import load_calibration
     from kvchat.loader import load_runtime
     from kvchat.model_registry import load_weights, resolve_model
 
     samples: dict[str, list[float]] = {"load_runtime_s": [], "weights_read_s": [], "engine_build_s": []}
     info = resolve_model(model)
+    k_mean_shape = (info.config.num_layers, info.config.num_kv_heads, info.config.head_dim)
     for _ in range(repeats):
         t0 = time.perf_counter()
         rt = load_runtime(model, "fp8")
@@ -135,7 +137,8 @@ def measure_load(model: str | None, repeats: int) -> dict[str, Spread]:
         t0 = time.perf_counter()
         weights = load_weights(info)
         t1 = time.perf_counter()
-        engine = Engine(info.config, weights, info.fingerprint, kv_dtype="fp8", name=info.name)
+        engine = Engine(info.config, weights, info.fingerprint, kv_dtype="fp8", name=info.name,
+                        calibration=load_calibration(info.fingerprint, k_mean_shape))
         t2 = time.perf_counter()
         samples["weights_read_s"].append(t1 - t0)
         samples["engine_build_s"].append(t2 - t1)
@@ -165,6 +168,7 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     from kvchat.engine import Engine
     from kvchat.kv_cache import KVCacheSpec
+    from kvchat.kv_calibration import ensure_calibration
     from kvchat.loader import set_threads
     from kvchat.model_registry import load_weights, resolve_model
 
@@ -181,16 +185,19 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
             f"{info.name}'s context of {cfg.max_position_embeddings} tokens"
         )
     text = stdlib_text()
-    ids = prompt_ids(AutoTokenizer.from_pretrained(str(info.path)), text, max(lengths))
+    tokenizer = AutoTokenizer.from_pretrained(str(info.path))
+    ids = prompt_ids(tokenizer, text, max(lengths))
     pools = ["fp8", "bf16"] + ([args.kv_dtype] if args.kv_dtype not in ("fp8", "bf16") else [])
 
     load = measure_load(args.model, args.repeats)
     weights = load_weights(info)
+    calibration = ensure_calibration(info, weights, tokenizer)
     runners: dict[str, RunFn] = {}
     specs = {kv: KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv) for kv in pools}
     for kv, spec in specs.items():
-        pool_bytes = spec.bytes_per_block * (longest // spec.block_size + 2)
-        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, pool_bytes=pool_bytes, name=info.name)
+        pool_bytes = spec.bytes_per_block * (longest // spec.block_size + 3)  # + the sink's one-token forward
+        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, pool_bytes=pool_bytes, name=info.name,
+                        calibration=calibration)
         runners[f"kvchat-{kv}"] = kvchat_runner(engine)
     compute_dtype = engine.dtype
     ceiling = matmul_ceiling(engine.model, repeats=max(3, args.repeats))

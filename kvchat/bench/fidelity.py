@@ -11,13 +11,14 @@ distributions are compared position by position:
 - mean KL(reference ‖ fp8) over positions, in nats;
 - top-1 agreement: share of positions whose argmax token is the same.
 
-Schemes (see :mod:`kvchat.bench.kv_schemes`): the engine's default, a fixed
-scale of 1.0 (vLLM's default), K centring calibrated on standard-library
-text that is disjoint from the evaluation text, and K centring with the
-attention sink (position 0) kept exact. The kvchat goal is a perplexity
-within +0.5% of bf16. Perplexity deltas over ~2k tokens move by several
-tenths of a percent under any small perturbation; mean KL is the steadier
-figure, and pooling several texts steadies both.
+Schemes (see :mod:`kvchat.bench.kv_schemes`), each run by its own fp8
+engine: the engine's default (per-token scales, K centring with the model's
+stored calibration, computed on standard-library text disjoint from the
+evaluation text, and the attention sink read exact), per-token scales alone,
+a fixed scale of 1.0 (vLLM's default), and K centring without the exact sink.
+The kvchat goal is a perplexity within +0.5% of bf16. Perplexity deltas over
+~2k tokens move by several tenths of a percent under any small perturbation;
+mean KL is the steadier figure, and pooling several texts steadies both.
 """
 
 from __future__ import annotations
@@ -32,23 +33,15 @@ from pathlib import Path
 
 import torch
 
-from kvchat.bench.kv_schemes import (
-    KVScheme,
-    SchemeOverride,
-    calibrate_k_mean,
-    default_scheme,
-    fixed_scale_scheme,
-    k_centred_scheme,
-)
+from kvchat.bench.kv_schemes import KVScheme, all_schemes
 from kvchat.bench.retrieval import DEFAULT_DEPTHS, DEFAULT_DOC_TOKENS, format_retrieval, run_retrieval
 from kvchat.bench.run_info import run_info
 from kvchat.bench.stats import format_table
-from kvchat.bench.texts import CALIBRATION_MODULES, EVAL_MODULES, BenchText, stdlib_text
+from kvchat.bench.texts import EVAL_MODULES, BenchText, stdlib_text
 
 GOAL_PPL_DELTA_PCT = 0.5
 DEFAULT_TOKENS = 2048
 SCORE_CHUNK_TOKENS = 512
-NUM_SCHEMES = 4  # default, fixed scale 1.0, K centring, K centring + exact sink
 
 
 @dataclass(slots=True)
@@ -110,9 +103,8 @@ class FidelityResult:
 @torch.inference_mode()
 def compare_to_reference(
     ref_engine,
-    fp8_engine,
+    runs: Sequence[tuple[KVScheme, object]],
     token_ids: Sequence[int],
-    schemes: Sequence[KVScheme],
     text_name: str = "",
     chunk_tokens: int = SCORE_CHUNK_TOKENS,
 ) -> list[FidelityResult]:
@@ -125,12 +117,11 @@ def compare_to_reference(
 
     Args:
         ref_engine: :class:`kvchat.engine.Engine` with a bf16 (or fp16) pool.
-        fp8_engine: an Engine with an fp8 pool; every scheme gets its own sequence in it.
+        runs: ``(scheme, fp8 engine running it)`` pairs (see :meth:`KVScheme.engine`).
         token_ids: the text, at least 2 ids.
-        schemes: fp8 schemes to compare.
         text_name: label for the results.
     Returns:
-        one :class:`FidelityResult` per scheme, ``len(token_ids) - 1`` positions each.
+        one :class:`FidelityResult` per run, ``len(token_ids) - 1`` positions each.
     Raises:
         ValueError: fewer than 2 tokens; kvchat.block_manager.PoolFullError: a pool too small.
     """
@@ -139,9 +130,8 @@ def compare_to_reference(
     ids, total = list(token_ids), len(token_ids)
     if total < 2:
         raise ValueError("a fidelity text needs at least 2 tokens")
-    ref_seq, seqs = SeqBlocks(), [SeqBlocks() for _ in schemes]
-    overrides = [SchemeOverride(fp8_engine.pool, s, seq) for s, seq in zip(schemes, seqs)]
-    results = [FidelityResult(text_name, s.name) for s in schemes]
+    ref_seq, seqs = SeqBlocks(), [SeqBlocks() for _ in runs]
+    results = [FidelityResult(text_name, scheme.name) for scheme, _ in runs]
     try:
         for start in range(0, total, chunk_tokens):
             end = min(start + chunk_tokens, total)
@@ -150,9 +140,9 @@ def compare_to_reference(
             logp_ref = torch.log_softmax(ref_engine.score(ref_seq, ids[:end])[:rows], dim=-1)
             top_ref = logp_ref.argmax(-1)
             nll_ref = -logp_ref.gather(-1, targets[:, None]).sum().item()
-            for override, seq, res in zip(overrides, seqs, results):
-                with override.active():
-                    logits = fp8_engine.score(seq, ids[:end])[:rows]
+            for (scheme, engine), seq, res in zip(runs, seqs, results):
+                with scheme.active():
+                    logits = engine.score(seq, ids[:end])[:rows]
                 logp = torch.log_softmax(logits, dim=-1)
                 res.positions += rows
                 res.nll_ref += nll_ref
@@ -161,8 +151,8 @@ def compare_to_reference(
                 res.top1_same += int((logp.argmax(-1) == top_ref).sum())
     finally:
         ref_engine.release(ref_seq)
-        for seq in seqs:
-            fp8_engine.release(seq)
+        for (_, engine), seq in zip(runs, seqs):
+            engine.release(seq)
     return results
 
 
@@ -196,7 +186,7 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
     that many tokens of the evaluation texts, bf16 vs fp8 pools (key ``"retrieval"``).
 
     Raises:
-        ValueError: bad ``--tokens``/``--calibration-tokens``, an unreadable or non-UTF-8 ``--text``.
+        ValueError: bad ``--tokens``, an unreadable or non-UTF-8 ``--text``.
     """
     from transformers import AutoTokenizer
 
@@ -205,37 +195,35 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
     from kvchat.loader import set_threads
     from kvchat.model_registry import load_weights, resolve_model
 
-    if args.tokens < 2 or args.calibration_tokens < 1:
-        raise ValueError("--tokens must be at least 2 and --calibration-tokens at least 1")
+    from kvchat.kv_calibration import ensure_calibration
+
+    if args.tokens < 2:
+        raise ValueError("--tokens must be at least 2")
     texts = [read_text(p) for p in args.text] or [stdlib_text(EVAL_MODULES)]
     set_threads(args.threads)
     info = resolve_model(args.model)
     cfg = info.config
     tok = AutoTokenizer.from_pretrained(str(info.path))
-    encode = lambda t, n: tok(t.text, add_special_tokens=False)["input_ids"][:n]
-    calib_text = stdlib_text(CALIBRATION_MODULES)
-    calib_ids = encode(calib_text, args.calibration_tokens)
-    docs = [(t, encode(t, args.tokens)) for t in texts]
+    docs = [(t, tok(t.text, add_special_tokens=False)["input_ids"][: args.tokens]) for t in texts]
 
     weights = load_weights(info)
+    calibration = ensure_calibration(info, weights, tok)
     spec = lambda kv: KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
-    longest = max(len(calib_ids), *(len(ids) for _, ids in docs))
-    blocks = longest // spec("bf16").block_size + 2
-    # Paged read path (dense_kv=False): the scheme overrides hook the paged attention
-    # kernels, and the schemes' sequences interleave on one fp8 engine.
-    ref = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", pool_bytes=spec("bf16").bytes_per_block * blocks,
-                 dense_kv=False)
-    fp8 = Engine(cfg, weights, info.fingerprint, kv_dtype="fp8", pool_bytes=spec("fp8").bytes_per_block * blocks * NUM_SCHEMES,
-                 dense_kv=False)
+    blocks = max(len(ids) for _, ids in docs) // spec("bf16").block_size + 3  # + the sink's one-token forward
+    ref = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", pool_bytes=spec("bf16").bytes_per_block * blocks)
+    schemes = all_schemes()
+    runs = [(s, s.engine(cfg, weights, info.fingerprint, calibration, pool_bytes=spec("fp8").bytes_per_block * blocks))
+            for s in schemes]
     del weights
-    k_mean = calibrate_k_mean(ref, calib_ids)
-    schemes = [default_scheme(), fixed_scale_scheme(1.0), k_centred_scheme(k_mean), k_centred_scheme(k_mean, exact_sink=True)]
+    for scheme, engine in runs:
+        if scheme.fixed_scale is None and engine.scale_scheme != scheme.name:
+            raise RuntimeError(f"scheme {scheme.name} ran as {engine.scale_scheme}")  # a mislabelled row
 
     per_text = []
     for text, ids in docs:
-        per_text += compare_to_reference(ref, fp8, ids, schemes, text.name)
+        per_text += compare_to_reference(ref, runs, ids, text.name)
     compute = str(ref.dtype).removeprefix("torch.")
-    del ref, fp8
+    del ref, runs
     retrieval_tokens = getattr(args, "retrieval_tokens", DEFAULT_DOC_TOKENS)
     retrieval = None
     if retrieval_tokens > 0:
@@ -254,9 +242,9 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
         "reference_pool": "bf16",
         "chunk_tokens": SCORE_CHUNK_TOKENS,
         "texts": [{"name": t.name, "sha256": t.sha256, "tokens": len(ids)} for t, ids in docs],
-        "calibration": {"text": calib_text.name, "sha256": calib_text.sha256, "tokens": len(calib_ids),
-                        "k_mean_sha256": hashlib.sha256(k_mean.numpy().tobytes()).hexdigest(),
-                        "k_mean_abs_max": round(k_mean.abs().max().item(), 3)},
+        "calibration": {"source": calibration.source, "digest": calibration.digest,
+                        "k_mean_abs_max": round(calibration.k_mean.abs().max().item(), 3)},
+        "default_scheme": schemes[0].name,
         "goal_ppl_delta_pct": GOAL_PPL_DELTA_PCT,
         "results": [r.as_dict() for r in per_text + (pooled if len(docs) > 1 else [])],
         "retrieval": retrieval,
@@ -266,8 +254,8 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
 def format_report(res: dict) -> str:
     """Human-readable table of a :func:`run_fidelity` result."""
     head = (f"kvchat bench fidelity: {res['model']}, {res['compute_dtype']} compute, teacher-forced against the "
-            f"{res['reference_pool']} pool, {res['chunk_tokens']}-token chunks; K centring calibrated on "
-            f"{res['calibration']['tokens']} tokens of {res['calibration']['text']}")
+            f"{res['reference_pool']} pool, {res['chunk_tokens']}-token chunks; default scheme "
+            f"{res['default_scheme']}; K centring calibrated on {res['calibration']['source']}")
     rows = [("text", "scheme", "positions", "ppl bf16", "ppl", "Δppl %", "mean KL", "top-1")]
     for r in res["results"]:
         rows.append((r["text"], r["scheme"], str(r["positions"]), f"{r['ppl_bf16']:.3f}", f"{r['ppl']:.3f}",

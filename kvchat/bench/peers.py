@@ -145,15 +145,19 @@ def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[d
     from kvchat.bench.engine import WARMUP_TOKENS, kvchat_runner
     from kvchat.engine import Engine
     from kvchat.kv_cache import KVCacheSpec
+    from transformers import AutoTokenizer
+
+    from kvchat.kv_calibration import ensure_calibration
     from kvchat.model_registry import load_weights
 
     cfg = info.config
     weights = load_weights(info)
+    calibration = ensure_calibration(info, weights, AutoTokenizer.from_pretrained(str(info.path)))
     runners = {}
     for kv in ("fp8", "bf16"):
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
-        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, name=info.name,
-                        pool_bytes=spec.bytes_per_block * ((len(ids) + args.decode_tokens) // spec.block_size + 2))
+        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, name=info.name, calibration=calibration,
+                        pool_bytes=spec.bytes_per_block * ((len(ids) + args.decode_tokens) // spec.block_size + 3))
         runners[f"kvchat-{kv}"] = kvchat_runner(engine)
     del weights
     llama = LlamaCpp(gguf, len(ids) + args.decode_tokens + 16, threads)

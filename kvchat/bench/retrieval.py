@@ -153,6 +153,7 @@ def run_retrieval(info, tokenizer, filler: BenchText, doc_tokens: int = DEFAULT_
     """
     from kvchat.engine import Engine
     from kvchat.kv_cache import KVCacheSpec
+    from kvchat.kv_calibration import ensure_calibration
     from kvchat.loader import Runtime
     from kvchat.model_registry import load_weights
     from kvchat.session import DEFAULT_SYSTEM_PROMPT
@@ -165,11 +166,12 @@ def run_retrieval(info, tokenizer, filler: BenchText, doc_tokens: int = DEFAULT_
     probes = [build_probe(fmt, tokenizer, paragraphs, d, DEFAULT_SYSTEM_PROMPT) for d in (None, *depths)]
     longest = max(len(p.ids) for p in probes)
     weights = load_weights(info)
+    calibration = ensure_calibration(info, weights, tokenizer) if "fp8" in pools else None
     scores: dict[str, list[dict]] = {}
     for kv in pools:
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
-        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, name=info.name,
-                        pool_bytes=spec.bytes_per_block * (longest // spec.block_size + 2))
+        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, name=info.name, calibration=calibration,
+                        pool_bytes=spec.bytes_per_block * (longest // spec.block_size + 3))
         engine.check_fits(longest)
         scores[kv] = [score_value(engine, p) for p in probes]
         del engine

@@ -11,6 +11,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 
 from kvchat.cache_id import cache_fingerprint
+from kvchat.kv_cache import fp8_scheme_name
 from kvchat.tui.backend import CacheState
 
 KV_DTYPES = ("fp8", "bf16", "fp16")
@@ -42,12 +43,15 @@ def state(in_memory: bool, disk: int) -> CacheState:
     return "memory" if in_memory else "disk" if disk else "none"
 
 
-def _scale_scheme(kv_dtype: str) -> str:
+def _fingerprints(model_fingerprint: str, kv_dtype: str, block_size: int) -> set[str]:
+    """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant)."""
     if kv_dtype != "fp8":
-        return "none"
-    from kvchat.kernels import SCALE_SCHEME
+        return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size)}
+    from kvchat.kv_calibration import stored_digest
 
-    return SCALE_SCHEME
+    digest = stored_digest(model_fingerprint)
+    return {cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(kc, sink), block_size, digest if kc else "")
+            for kc in ({False, True} if digest else {False}) for sink in (False, True)}
 
 
 def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerprint: str, kv_dtype: str,
@@ -69,6 +73,6 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
     if fingerprint in stored:
         return "its snapshot chain stops early (chunks evicted or dropped as corrupt)"
     for other in KV_DTYPES:
-        if other != kv_dtype and cache_fingerprint(model_fingerprint, other, _scale_scheme(other), block_size) in stored:
+        if other != kv_dtype and _fingerprints(model_fingerprint, other, block_size) & stored:
             return f"its KV was saved as {other}; this run uses {kv_dtype} (caches never cross KV dtypes)"
     return "its KV was saved under another cache fingerprint (another model, scale scheme or kvchat version)"

@@ -1,0 +1,174 @@
+"""K centring for the fp8 pool: a per-layer, per-KV-head mean of post-RoPE K, calibrated once per model.
+
+Softmax is invariant to adding one constant to all scores of a query, so
+subtracting a fixed vector ``m`` from every stored K changes each score of
+query ``q`` by the same ``q · m`` and leaves attention unchanged, while fp8
+(e4m3) keeps a fixed *relative* precision: removing K's large, steady
+per-channel offsets (the outlier channels that led KIVI, Liu et al. 2024, to
+quantize K per channel) shrinks every element's rounding error. The mean is
+taken with a bf16 pool over text the fidelity benchmark never evaluates on
+(standard-library docstrings, :data:`kvchat.bench.texts.CALIBRATION_MODULES`),
+leaving out position 0 (the attention sink, an outlier the engine keeps exact
+anyway).
+
+Stored once per model fingerprint as ``models_dir()/.calibration/<fingerprint>.safetensors``;
+its digest is part of the cache fingerprint, so a different calibration never
+restores K/V stored under another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvchat.paths import models_dir
+
+CALIBRATION_TOKENS = 1024
+CALIBRATION_VERSION = 1
+CALIBRATION_DIR = ".calibration"
+
+
+@dataclass(slots=True, frozen=True)
+class KVCalibration:
+    """A model's K-centring vector.
+
+    Attributes:
+        k_mean: float32 ``[num_layers, num_kv_heads, head_dim]``, subtracted from post-RoPE K before it is stored.
+        digest: hex sha256 of the version and ``k_mean``'s bytes (enters the cache fingerprint).
+        source: the calibration text's name and token count.
+    """
+
+    k_mean: torch.Tensor
+    digest: str
+    source: str
+
+
+def calibration_path(model_fingerprint: str) -> Path:
+    """Where a model's calibration lives (the models dir, so checkpoints used in place get one too)."""
+    return models_dir() / CALIBRATION_DIR / f"{model_fingerprint}.safetensors"
+
+
+def _digest(k_mean: torch.Tensor) -> str:
+    blob = k_mean.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return hashlib.sha256(f"kvchat-k-mean-v{CALIBRATION_VERSION}:".encode() + blob).hexdigest()
+
+
+def make_calibration(k_mean: torch.Tensor, source: str) -> KVCalibration:
+    """Wrap a ``k_mean`` ``[num_layers, num_kv_heads, head_dim]`` with its digest (moved to CPU float32)."""
+    k_mean = k_mean.detach().to("cpu", torch.float32).contiguous()
+    return KVCalibration(k_mean, _digest(k_mean), source)
+
+
+@torch.inference_mode()
+def calibrate_k_mean(engine, token_ids: Sequence[int]) -> torch.Tensor:
+    """Mean post-RoPE K per layer and KV head over positions 1.., read back from ``engine``'s pool.
+
+    Args:
+        engine: a :class:`kvchat.engine.Engine` with a 16-bit pool (bf16 or fp16)
+            and no calibration of its own, so the mean is not shaped by fp8 rounding.
+        token_ids: calibration text, ids (never the evaluation text).
+    Returns:
+        float32 ``[num_layers, num_kv_heads, head_dim]``.
+    Raises:
+        ValueError: the engine's pool is fp8, or fewer than 2 tokens.
+    """
+    from kvchat.block_manager import SeqBlocks
+
+    if engine.spec.kv_dtype == "fp8":
+        raise ValueError("calibrate K on a 16-bit pool, not fp8")
+    if len(token_ids) < 2:
+        raise ValueError("calibration needs at least 2 tokens")
+    seq = SeqBlocks()
+    engine.prefill(seq, list(token_ids))
+    blocks = torch.tensor(seq.block_table, device=engine.pool.k.device)
+    k = engine.pool.k[:, blocks].flatten(1, 2)[:, 1 : len(token_ids)]  # [L, T-1, Hkv, D]
+    mean = k.float().mean(dim=1)
+    engine.release(seq)
+    return mean
+
+
+def load_calibration(model_fingerprint: str, shape: tuple[int, int, int]) -> KVCalibration | None:
+    """The stored calibration of a model, or None if absent, unreadable or of another shape/version."""
+    from safetensors import SafetensorError, safe_open
+
+    path = calibration_path(model_fingerprint)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            k_mean = f.get_tensor("k_mean")
+    except (OSError, SafetensorError):
+        return None
+    if meta.get("version") != str(CALIBRATION_VERSION) or tuple(k_mean.shape) != shape or not k_mean.isfinite().all():
+        return None
+    return make_calibration(k_mean, meta.get("source", "?"))
+
+
+def stored_digest(model_fingerprint: str) -> str | None:
+    """The digest recorded in a model's stored calibration file, or None (no file, unreadable)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(calibration_path(model_fingerprint)), framework="pt") as f:
+            return (f.metadata() or {}).get("digest")
+    except (OSError, SafetensorError):
+        return None
+
+
+def save_calibration(model_fingerprint: str, cal: KVCalibration) -> Path:
+    """Write ``cal`` atomically (temp file, fsync, rename); directory 0700, file 0600. Returns the path.
+
+    Raises:
+        OSError: the models dir is not writable.
+    """
+    from safetensors.torch import save_file
+
+    path = calibration_path(model_fingerprint)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({"k_mean": cal.k_mean}, str(tmp),
+              metadata={"version": str(CALIBRATION_VERSION), "source": cal.source, "digest": cal.digest})
+    os.chmod(tmp, 0o600)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def ensure_calibration(info, weights: dict[str, torch.Tensor], tokenizer, device=None) -> KVCalibration:
+    """The model's calibration: loaded if stored, else computed once (a few seconds) and stored.
+
+    Args:
+        info: :class:`kvchat.model_registry.ModelInfo`.
+        weights: its Hugging Face-named tensors (a temporary bf16-pool engine is built from them).
+        tokenizer: its tokenizer (encodes the calibration text).
+    Raises:
+        kvchat.bench.texts.TextSourceError: the standard library has no sources to read text from.
+    """
+    from kvchat.bench.texts import CALIBRATION_MODULES, stdlib_text
+    from kvchat.engine import Engine
+    from kvchat.kv_cache import KVCacheSpec
+
+    cfg = info.config
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    cal = load_calibration(info.fingerprint, shape)
+    if cal is not None:
+        return cal
+    print(f"kvchat: calibrating fp8 K centring for {info.name} (once per model) …", file=sys.stderr, flush=True)
+    text = stdlib_text(CALIBRATION_MODULES)
+    ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bf16")
+    engine = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", device=device, dense_kv=False,
+                    pool_bytes=spec.bytes_per_block * (len(ids) // spec.block_size + 2))
+    cal = make_calibration(calibrate_k_mean(engine, ids), f"{text.name} ({len(ids)} tokens, sha256 {text.sha256[:12]})")
+    del engine
+    try:
+        save_calibration(info.fingerprint, cal)
+    except OSError as exc:  # a read-only models dir: use it for this run, compute again next time
+        print(f"kvchat: calibration not saved: {exc}", file=sys.stderr)
+    return cal
