@@ -165,8 +165,12 @@ def read_slots(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Ten
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_start: int, sm_scale: float) -> torch.Tensor:
     """Causal GQA attention over one sequence's contiguous, dequantized K/V.
 
-    The CPU read path (``kvchat.dense_kv``): K/V copied once out of the pool,
-    so a decode step reads ``L`` tokens without gathering or dequantizing them.
+    The attention of both CPU read paths: over the contiguous copy of
+    ``kvchat.dense_kv`` (a decode step reads ``L`` tokens without gathering
+    or dequantizing them) and, per sequence, over the K/V that
+    :func:`decode_attention` and :func:`extend_attention` gather. Its result
+    does not depend on the strides of ``key``/``value``, so both paths give
+    bit-identical outputs and a chunk's K/V do not depend on which path ran it.
     Query heads are grouped under their KV head (``h = kv_head * group + g``,
     as in Hugging Face's GQA), so K/V are never repeated.
 
@@ -190,22 +194,6 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask = torch.arange(length, device=query.device)[None, :] <= pos[:, None]
     out = F.scaled_dot_product_attention(q, key[None], value[None], attn_mask=mask, scale=sm_scale)
     return out[0].view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, h, d).to(query.dtype)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, sm_scale: float) -> torch.Tensor:
-    """Causal GQA attention of ``q`` ``[T, H, D]`` (positions ``q_start..``) over ``k``/``v`` ``[L, Hkv, D]``.
-
-    fp32 throughout, through torch's fused SDPA; returns fp32 ``[T, H, D]``.
-    """
-    t, length = q.shape[0], k.shape[0]
-    mask = None
-    if q_start + t < length or t > 1:
-        mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(diagonal=q_start)
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, scale=sm_scale, enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
 
 
 def _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table, length: int, sink, i: int):
@@ -246,7 +234,7 @@ def decode_attention(
     for i in range(query.shape[0]):
         length = int(seq_lens[i])
         k, v = _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table[i], length, sink, i)
-        out[i] = _attend(query[i : i + 1], k, v, length - 1, sm_scale)[0].to(query.dtype)
+        out[i] = dense_attention(query[i : i + 1], k.transpose(0, 1), v.transpose(0, 1), length - 1, sm_scale)[0]
     return out
 
 
@@ -287,5 +275,5 @@ def extend_attention(
             continue
         length = int(seq_lens[i])
         k, v = _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table[i], length, sink, i)
-        out[a:b] = _attend(query[a:b], k, v, length - (b - a), sm_scale).to(query.dtype)
+        out[a:b] = dense_attention(query[a:b], k.transpose(0, 1), v.transpose(0, 1), length - (b - a), sm_scale)
     return out
