@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 
 from kvchat.store.chunk_index import gc, list_chunks, totals, verify_chunks
+from kvchat.progress import print_prefill_progress
 from kvchat.store.db import get_db, write_transaction
 
 
@@ -81,14 +81,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def _explain(db, chat_id: str, kv_dtype: str) -> int:
     """Print the chat's chunk chain and where (and why) it stops."""
-    from kvchat.cache_id import cache_fingerprint
-    from kvchat.kernels import SCALE_SCHEME
-    from kvchat.kv_cache import BLOCK_SIZE
+    from kvchat.engine import expected_cache_fingerprint
     from kvchat.kv_persist import CHUNK_TOKENS, find_chain
     from kvchat.store.conversations import get_conversation
 
     conv = get_conversation(db, chat_id)
-    fp = cache_fingerprint(conv.model_fingerprint or "", kv_dtype, SCALE_SCHEME if kv_dtype == "fp8" else "none", BLOCK_SIZE)
+    fp = expected_cache_fingerprint(conv.model_fingerprint or "", kv_dtype)
     rows = find_chain(db, fp, conv.token_ids)
     print(f"chat {conv.id}: {len(conv.token_ids)} tokens, cache fingerprint {fp[:12]} ({kv_dtype})")
     start = 0
@@ -154,11 +152,7 @@ def _doc_add(db, args: argparse.Namespace) -> int:
     session = Session.new(rt.engine, rt.chat_format(new_settings([doc.title])), system, [(doc.title, doc.text)], persist)
     rt.engine.check_fits(len(session.token_ids) + 1)
 
-    def progress(done: int, total: int) -> None:
-        print(f"\rprefill {done}/{total} tokens", end="", file=sys.stderr, flush=True)
-
-    stats = session.prefill_prefix(progress)
-    print(file=sys.stderr)
+    stats = session.prefill_prefix(print_prefill_progress)
     did = doc_id(doc.text)
     with write_transaction(db):
         db.execute(

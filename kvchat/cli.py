@@ -14,6 +14,7 @@ import sys
 import threading
 
 from kvchat import __version__
+from kvchat.progress import print_prefill_progress
 
 EXIT_USAGE = 2
 PROGRESS_MIN_TOKENS = 1024  # show prefill progress on stderr for prompts at least this long
@@ -269,8 +270,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if cancel.is_set():  # Ctrl-C during prefill: nothing generated yet, so drop the turn
             raise KeyboardInterrupt
         if not args.json and total >= PROGRESS_MIN_TOKENS:
-            end = "\n" if done == total else ""
-            print(f"\rprefill {done}/{total} tokens", end=end, file=sys.stderr, flush=True)
+            print_prefill_progress(done, total)
 
     old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     try:

@@ -67,6 +67,24 @@ def compute_dtype(device: torch.device, num_params: int) -> torch.dtype:
     return torch.float32
 
 
+def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device: torch.device | str | None = None) -> str:
+    """The cache fingerprint :func:`kvchat.loader.load_runtime`'s engine gets, without loading the model.
+
+    For fp8: K centring when the model's calibration is stored, the exact
+    sink where attention runs on the PyTorch path (as :class:`Engine` decides).
+    """
+    from kvchat.kernels import FP8_DTYPE
+    from kvchat.kv_cache import BLOCK_SIZE
+    from kvchat.kv_calibration import stored_digest
+
+    if kv_dtype != "fp8":
+        return cache_fingerprint(model_fingerprint, kv_dtype, "none", BLOCK_SIZE)
+    digest = stored_digest(model_fingerprint)
+    dev = torch.device(device) if device is not None else pick_device()
+    sink = kernels.backend_for(torch.empty(0, dtype=FP8_DTYPE, device=dev)) == "torch"
+    return cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(digest is not None, sink), BLOCK_SIZE, digest or "")
+
+
 def chunk_plan(start: int, end: int, boundaries: Sequence[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> list[tuple[int, int]]:
     """Split tokens ``[start, end)`` into prefill chunks.
 

@@ -84,6 +84,14 @@ def test_document_prefix_is_stored_once_and_reused_in_full(tmp_path, smol_info, 
     shared = list(db.query("SELECT key FROM chunk_refs GROUP BY key HAVING count(*) = 2"))
     assert len(shared) == prefix_tokens // CHUNK_TOKENS + 1, "both chats reference the same prefix chunks"
 
+    # `cache explain` finds the chain under the fingerprint the engine uses (scheme, calibration and all)
+    env = {**os.environ, "KVCHAT_HOME": str(kvchat_home), "KVCHAT_MODELS": str(models)}
+    r = subprocess.run([sys.executable, "-m", "kvchat.cli", "cache", "explain", b["chat_id"]],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    restorable = int(r.stdout.split("restorable from disk: ")[1].split()[0])
+    assert restorable >= prefix_tokens, r.stdout
+
 
 def _user_turn_tokens(text: str) -> int:
     rt = _user_turn_tokens.rt = getattr(_user_turn_tokens, "rt", None) or load_runtime(None, "fp8")

@@ -98,7 +98,7 @@ def run_all(out: Path, settings: dict[str, argparse.Namespace], quick: bool) -> 
     A failing benchmark's JSON holds ``{"benchmark", "run", "error", "traceback"}``.
     Returns name -> the result written.
     """
-    from kvchat.bench.run_info import run_info
+    from kvchat.bench.run_info import run_info, write_json
 
     out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -113,7 +113,7 @@ def run_all(out: Path, settings: dict[str, argparse.Namespace], quick: bool) -> 
                    "traceback": traceback.format_exc()}
             print(f"kvchat bench {name} failed: {res['error']}", file=sys.stderr, flush=True)
         res["wall_s"] = round(time.perf_counter() - t0, 2)
-        (out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_json(out / f"{name}.json", res)
         results[name] = res
     return results
 

@@ -11,7 +11,10 @@ every backend:
   engine's compute dtype, with a ``DynamicCache``: one forward over the ``L``
   tokens computing only the last position's logits (``logits_to_keep=1``, as
   ``generate()`` does), then one forward per greedy token. No ``generate()``,
-  so neither side pays for sampling machinery the other skips.
+  so neither side pays for sampling machinery the other skips;
+- the same loop with transformers' ``QuantizedCache(backend="fp8")`` when the
+  installed transformers has it (``transformers-fp8-cache``): fp8 K/V with one
+  per-tensor scale, dequantized in full at every step.
 
 Repeats are interleaved (every backend once per repeat, in turn), so slow
 phases of a shared machine hit all backends; ratios are taken per repeat and
@@ -24,18 +27,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
-import json
 import platform
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from kvchat.bench.ceiling import matmul_ceiling
-from kvchat.bench.run_info import run_info
+from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import Spread, format_table, ratios
 from kvchat.bench.texts import BenchText, stdlib_text
 
@@ -51,6 +52,14 @@ TARGET_VS_TRANSFORMERS = 1.5
 TARGET_FP8_VS_BF16_DECODE = 0.8
 TARGET_LOAD_S = 3.0
 WARMUP_TOKENS = 64
+TRANSFORMERS_FP8 = "transformers-fp8-cache"  # QuantizedCache(backend="fp8"), where transformers has it
+
+
+def has_fp8_quantized_cache() -> bool:
+    """True when this transformers' ``QuantizedCache`` has an ``fp8`` backend (no extra package needed)."""
+    from transformers import cache_utils
+
+    return hasattr(cache_utils, "Fp8QuantizedLayer")
 
 
 class BenchConfigError(ValueError):
@@ -90,16 +99,21 @@ def kvchat_runner(engine) -> RunFn:
     return run
 
 
-def transformers_runner(model) -> RunFn:
-    """transformers' forward loop with a fresh ``DynamicCache`` (see module docstring)."""
-    from transformers import DynamicCache
+def transformers_runner(model, fp8_cache: bool = False) -> RunFn:
+    """transformers' forward loop with a fresh ``DynamicCache`` (see module docstring).
+
+    ``fp8_cache``: its ``QuantizedCache(backend="fp8")`` instead (per-tensor
+    scale fixed at the first update; needs a transformers that has it).
+    """
+    from transformers import DynamicCache, QuantizedCache
 
     params = inspect.signature(model.forward).parameters
     cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+    new_cache = (lambda: QuantizedCache("fp8", model.config)) if fp8_cache else DynamicCache
 
     @torch.inference_mode()
     def run(ids: list[int], decode_tokens: int) -> tuple[float, float]:
-        cache = DynamicCache()
+        cache = new_cache()
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{cache_kw: cache})
         next_id = out.logits[0, -1].argmax()
@@ -199,6 +213,8 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
         engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, pool_bytes=pool_bytes, name=info.name,
                         calibration=calibration)
         runners[f"kvchat-{kv}"] = kvchat_runner(engine)
+        if kv == "fp8":
+            scale_scheme = engine.scale_scheme
     compute_dtype = engine.dtype
     ceiling = matmul_ceiling(engine.model, repeats=max(3, args.repeats))
     del weights, engine
@@ -214,6 +230,8 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
             hf_load.append(time.perf_counter() - t0)
         load["transformers_load_s"] = Spread.of(hf_load)
         runners["transformers"] = transformers_runner(hf)
+        if has_fp8_quantized_cache():
+            runners[TRANSFORMERS_FP8] = transformers_runner(hf, fp8_cache=True)
 
     for run in runners.values():  # first-call overheads (allocator, kernels) stay out of the figures
         run(ids[:WARMUP_TOKENS], 2)
@@ -238,7 +256,7 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
         "model_fingerprint": info.fingerprint,
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "scale_scheme": specs["fp8"].scale_scheme,
+        "scale_scheme": scale_scheme,
         "prompt": {"name": text.name, "sha256": text.sha256, "tokens": len(ids)},
         "repeats": args.repeats,
         "decode_tokens": args.decode_tokens,
@@ -260,6 +278,7 @@ def _ratios(samples: dict, lengths: list[int], backends: list[str]) -> list[dict
     ours = [b for b in backends if b.startswith("kvchat-")]
     for n in lengths:
         pairs = [(b, "transformers") for b in ours if "transformers" in backends]
+        pairs += [("kvchat-fp8", TRANSFORMERS_FP8)] if TRANSFORMERS_FP8 in backends else []
         pairs += [("kvchat-fp8", "kvchat-bf16")]
         for num, den in pairs:
             a, b = samples[num, n], samples[den, n]
@@ -338,5 +357,5 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     res = run_benchmark(args)
     print(format_report(res))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, res)
     return 0

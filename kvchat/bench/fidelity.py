@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import torch
 
 from kvchat.bench.kv_schemes import KVScheme, all_schemes
 from kvchat.bench.retrieval import DEFAULT_DEPTHS, DEFAULT_DOC_TOKENS, format_retrieval, run_retrieval
-from kvchat.bench.run_info import run_info
+from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import format_table
 from kvchat.bench.texts import EVAL_MODULES, BenchText, stdlib_text
 
@@ -275,5 +274,5 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     res = run_fidelity(args)
     print(format_report(res))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, res)
     return 0

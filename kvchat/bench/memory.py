@@ -19,13 +19,11 @@ measured from the real objects:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
-from pathlib import Path
 
 from kvchat.bench.paged_waste import DEFAULT_MIX_CHATS, measure_paged_waste
-from kvchat.bench.run_info import run_info
+from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import format_table
 
 KV_DTYPES = ("fp8", "bf16", "fp16")
@@ -166,5 +164,5 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     res = run_memory(args)
     print(format_report(res))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, res)
     return 0

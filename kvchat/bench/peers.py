@@ -305,10 +305,10 @@ def format_report(res: dict) -> str:
 
 def cmd_bench_peers(args: argparse.Namespace) -> int:
     """``kvchat bench peers``: print the tables; write JSON to ``args.json`` if set. Returns 0."""
-    import json
+    from kvchat.bench.run_info import write_json
 
     res = run_peers(args)
     print(format_report(res))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, res)
     return 0

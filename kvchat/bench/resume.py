@@ -191,7 +191,7 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
         "snapshot_files": len(rows), "ttft_in_memory_ms": session.last_turn.stats.ttft_ms,
         "question_tokens": session.last_turn.stats.prompt_tokens - n_tokens,
         "f16_bytes": f16.bytes_per_token * n_tokens, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
-        "scale_scheme": rt.engine.spec.scale_scheme, "device": str(rt.engine.device),
+        "scale_scheme": rt.engine.scale_scheme, "device": str(rt.engine.device),
         "threads": torch.get_num_threads(),
     })
     return out

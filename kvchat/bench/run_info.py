@@ -99,3 +99,14 @@ def run_info(*, threads: int | None = None, quick: bool = False) -> dict:
         "git": git_commit(),
         "packages": package_versions(),
     }
+
+
+def write_json(path: str | Path, result: dict) -> None:
+    """Write a benchmark result as indented UTF-8 JSON with a final newline.
+
+    Raises:
+        OSError: ``path`` cannot be written.
+    """
+    import json
+
+    Path(path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
