@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,7 +31,7 @@ from kvchat.block_manager import SeqBlocks
 from kvchat.disk_budget import enforce as enforce_budget
 from kvchat.engine import Engine
 from kvchat.kv_cache import KVPool
-from kvchat.store.chunk_index import ChunkRow, add_chunk, get_chunk, load_chunk, ref_chunks, touch, unref_chunks
+from kvchat.store.chunk_index import ChunkRow, add_chunk, delete_chunk, get_chunk, read_row, ref_chunks, touch, unref_chunks
 from kvchat.store.db import get_db, write_transaction
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
@@ -38,6 +39,7 @@ from kvchat.store.snapshot import ChunkData, ChunkLayout
 
 CHUNK_TOKENS = 256
 DEFAULT_READ_BYTES_PER_S = 500e6
+READ_THREADS = 4  # chunk files read at once by a restore
 
 
 @dataclass(slots=True)
@@ -162,15 +164,19 @@ class KVPersist:
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
         loaded = []
-        db = get_db()
-        for a, b, row in todo:
-            try:
-                loaded.append((a, b, load_chunk(db, row, self.layout, touch_row=False)))
-            except CorruptChunkError as exc:
-                res.miss_reason = f"{exc.kind} chunk dropped and recomputed"
-                break
-            res.bytes_read += row.bytes
-            res.keys.append(row.key)
+        with ThreadPoolExecutor(READ_THREADS) as ex:  # several files in flight: reads overlap checksums and faults
+            futures = [ex.submit(read_row, row, self.layout) for _, _, row in todo]
+            for (a, b, row), fut in zip(todo, futures):
+                try:
+                    loaded.append((a, b, fut.result()))
+                except CorruptChunkError as exc:
+                    for f in futures:
+                        f.cancel()
+                    delete_chunk(get_db(), row.key)
+                    res.miss_reason = f"{exc.kind} chunk dropped and recomputed"
+                    break
+                res.bytes_read += row.bytes
+                res.keys.append(row.key)
         if not loaded:
             return res
         first, last = max(loaded[0][0], have), loaded[-1][1]

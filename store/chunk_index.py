@@ -125,14 +125,23 @@ def load_chunk(db: Database, row: ChunkRow, layout: ChunkLayout, *, out: torch.T
         CorruptChunkError: the file is missing/corrupt; the row and file have been deleted.
     """
     try:
-        data = read_chunk(row.path, layout, key=row.key, parent_key=row.parent_key, fingerprint=row.fingerprint,
-                          token_count=row.token_count, checksum=row.checksum, out=out)
+        data = read_row(row, layout, out=out)
     except CorruptChunkError:
         delete_chunk(db, row.key)
         raise
     if touch_row:
         touch(db, [row.key])
     return data
+
+
+def read_row(row: ChunkRow, layout: ChunkLayout, *, out: torch.Tensor | None = None) -> ChunkData:
+    """Read and verify ``row``'s file, touching no database (safe in any thread).
+
+    Raises:
+        CorruptChunkError: the file is missing/corrupt (the caller drops the row, see :func:`load_chunk`).
+    """
+    return read_chunk(row.path, layout, key=row.key, parent_key=row.parent_key, fingerprint=row.fingerprint,
+                      token_count=row.token_count, checksum=row.checksum, out=out)
 
 
 def _delete_locked(db: Database, rows: Iterable[ChunkRow]) -> None:
