@@ -81,8 +81,14 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device: to
         return cache_fingerprint(model_fingerprint, kv_dtype, "none", BLOCK_SIZE)
     digest = stored_digest(model_fingerprint)
     dev = torch.device(device) if device is not None else pick_device()
-    sink = kernels.backend_for(torch.empty(0, dtype=FP8_DTYPE, device=dev)) == "torch"
+    sink = sink_supported(torch.empty(0, dtype=FP8_DTYPE, device=dev))
     return cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(digest is not None, sink), BLOCK_SIZE, digest or "")
+
+
+def sink_supported(pool_tensor: torch.Tensor) -> bool:
+    """Whether attention over a pool like ``pool_tensor`` can read an exact sink (the PyTorch kernels can;
+    the Triton kernels cannot yet)."""
+    return kernels.backend_for(pool_tensor) == "torch"
 
 
 def chunk_plan(start: int, end: int, boundaries: Sequence[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> list[tuple[int, int]]:
@@ -148,7 +154,7 @@ class Engine:
         if self.calibration is not None:
             for layer, shift in zip(model.layers, self.calibration.k_mean):
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
-        self.exact_sink = fp8 and exact_sink and kernels.backend_for(self.pool.k) == "torch"
+        self.exact_sink = fp8 and exact_sink and sink_supported(self.pool.k)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scale_scheme = fp8_scheme_name(self.calibration is not None, self.exact_sink) if fp8 else self.spec.scale_scheme
         self.cache_fingerprint = cache_fingerprint(model_fingerprint, kv_dtype, self.scale_scheme, self.spec.block_size,

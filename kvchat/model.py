@@ -157,18 +157,17 @@ class Attention(nn.Module):
         q, k = qk[:, :heads], qk[:, heads:]
         if self.k_shift is not None:
             k = k - self.k_shift
-        sink = None
-        if meta.sink is not None:
-            if meta.capture_sink:
-                meta.sink[0][self.layer_id], meta.sink[1][self.layer_id] = k[0], v[0]
-            sink = (meta.sink[0][self.layer_id][None], meta.sink[1][self.layer_id][None])
+        if meta.capture_sink:
+            meta.sink[0][self.layer_id], meta.sink[1][self.layer_id] = k[0], v[0]
         k_cache, v_cache, k_scale, v_scale = pool.layer(self.layer_id)
         kernels.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
         args = (k_cache, v_cache, k_scale, v_scale, meta.block_table, meta.seq_lens)
-        if meta.dense is not None:
+        if meta.dense is not None:  # the dense copy holds the sink in row 0 already
             key, value = meta.dense.append(self.layer_id, meta.slot_mapping, meta.q_start)
             out = kernels.dense_attention(q, key, value, meta.q_start, self.sm_scale)
-        elif meta.is_decode:
+            return self.o_proj(out.reshape(t, self.q_size))
+        sink = None if meta.sink is None else (meta.sink[0][self.layer_id][None], meta.sink[1][self.layer_id][None])
+        if meta.is_decode:
             out = kernels.decode_attention(q, *args, self.sm_scale, sink)
         else:
             out = kernels.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale, sink)

@@ -25,11 +25,11 @@ BENCHES = ("memory", "engine", "fidelity", "resume", "startup", "peers")
 # Settings of --quick, on top of each sub-command's defaults.
 QUICK: dict[str, dict] = {
     "memory": {},
-    "engine": {"lengths": [256, 768], "decode_tokens": 8, "repeats": 1},
+    "engine": {"lengths": [256, 512], "decode_tokens": 8, "repeats": 1},
     "fidelity": {"tokens": 384, "retrieval_tokens": 768},
-    "resume": {"tokens": [256, 1024], "repeats": 1, "cold_repeats": 1},
+    "resume": {"tokens": [256, 768], "repeats": 1, "cold_repeats": 1},
     "startup": {"repeats": 1},
-    "peers": {"context": 512, "decode_tokens": 8, "repeats": 1, "resume_tokens": 1024},
+    "peers": {"context": 512, "decode_tokens": 8, "repeats": 1, "resume_tokens": 512},
 }
 
 

@@ -1,6 +1,6 @@
 """``kvchat bench resume``: reopening an N-token chat from its disk snapshot vs prefilling it cold.
 
-For each N (default 512, 2048, 4096, 8000 tokens) on the default model:
+For each N (default 256, 512, 2048, 4096, 8000 tokens) on the default model:
 
 1. A *build* process (fresh) makes a multi-turn conversation of exactly N
    tokens from real text (docstrings of standard-library modules, see
@@ -47,7 +47,7 @@ from pathlib import Path
 from kvchat.bench.page_cache import drop_file_cache, read_file, resident_fraction, write_random_file
 from kvchat.bench.stats import Spread, format_table, ratios
 
-DEFAULT_TOKENS = (512, 2048, 4096, 8000)
+DEFAULT_TOKENS = (256, 512, 2048, 4096, 8000)
 QUESTION = "What is this conversation about?"
 DOC_FRACTION = 0.4
 LAST_TURN_MIN_TOKENS = 128
@@ -73,7 +73,7 @@ class BenchResumeError(RuntimeError):
 def add_resume_args(p: argparse.ArgumentParser) -> None:
     """The ``kvchat bench resume`` options (the CLI adds ``--model``/``--kv-dtype``/``--threads`` itself)."""
     p.add_argument("--tokens", type=int, action="append", metavar="N",
-                   help="conversation length in tokens (repeatable; default 512 2048 4096 8000)")
+                   help="conversation length in tokens (repeatable; default 256 512 2048 4096 8000)")
     p.add_argument("--repeats", type=int, default=3, help="fresh resume processes per mode and length (default 3)")
     p.add_argument("--cold-repeats", type=int, default=1,
                    help="fresh cold-prefill processes per length (default 1: minutes each on a CPU)")
