@@ -228,6 +228,7 @@ def _is_user_error(exc: Exception) -> bool:
 
 def cmd_ask(args: argparse.Namespace) -> int:
     """``kvchat ask``: validate everything, answer (streamed or as JSON), store the turn."""
+    from kvchat.cache_miss import why_not_restored
     from kvchat.documents import read_document
     from kvchat.phase_trace import mark
     from kvchat.sampling import SamplingParams
@@ -284,6 +285,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, old)
     mark("generated")
     db = get_db()
+    stats, spec = session.last_turn.stats, rt.engine.spec
+    if conv is not None and stats.miss_reason is None and stats.reused_tokens + spec.block_size < stored_len - 1:
+        # A block or more of the stored history was recomputed: say why (before this turn's snapshot adds refs)
+        stats.miss_reason = why_not_restored(db, conv.id, session.persist.fingerprint, rt.info.fingerprint,
+                                             spec.kv_dtype, spec.block_size)
     chat_id = conv.id if conv else save_new_chat(db, rt, session, system, settings, args.prompt)
     if conv is not None:
         save_turn(db, conv.id, session, args.prompt, stored_len)
@@ -298,7 +304,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         s = turn.stats
         print(json.dumps({
             "text": turn.text, "chat_id": chat_id, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
-            "scale_scheme": rt.engine.spec.scale_scheme, "prompt_tokens": s.prompt_tokens,
+            "scale_scheme": rt.engine.scale_scheme, "prompt_tokens": s.prompt_tokens,
             "reused_tokens": s.reused_tokens, "from_memory": s.from_memory, "from_disk": s.from_disk,
             "restore_ms": round(s.restore_ms, 2), "bytes_read": s.bytes_read, "miss_reason": s.miss_reason,
             "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens,

@@ -232,7 +232,7 @@ class KVPersist:
                 if item[0] == "touch":
                     touch(get_db(), item[1])
                 elif item[0] == "refs":
-                    _set_refs(get_db(), item[1], item[2])
+                    _set_refs(get_db(), item[1], item[2], self.fingerprint)
                     enforce_budget(get_db())
                 else:
                     link, data = item
@@ -298,12 +298,16 @@ def _write_tokens(pool: KVPool, blocks, seq: SeqBlocks, data: ChunkData, offset:
         rows_dst[:, slots] = rows_src.to(dst.device)
 
 
-def _set_refs(db, owner: str | None, keys: list[str]) -> None:
-    """Make ``owner`` reference exactly ``keys`` (ref new ones, release dropped ones)."""
+def _set_refs(db, owner: str | None, keys: list[str], fingerprint: str) -> None:
+    """Make ``owner`` reference exactly ``keys`` among its chunks of ``fingerprint`` (ref new ones,
+    release dropped ones). Its chunks under other fingerprints (another KV dtype or scheme, used
+    for a turn or two) keep their references, so switching back still restores from disk."""
     if owner is None:
         return
     with write_transaction(db):
-        old = {r["key"] for r in db.query("SELECT key FROM chunk_refs WHERE owner = ?", [owner])}
+        old = {r["key"] for r in db.query(
+            "SELECT r.key FROM chunk_refs r LEFT JOIN kv_chunks k ON k.key = r.key"
+            " WHERE r.owner = ? AND (k.fingerprint = ? OR k.key IS NULL)", [owner, fingerprint])}
         present = {r["key"] for r in db.query(
             f"SELECT key FROM kv_chunks WHERE key IN ({','.join('?' * len(keys))})", keys)} if keys else set()
         new = [k for k in keys if k in present and k not in old]

@@ -248,7 +248,7 @@ def test_verify_drops_corrupt_chunk_and_resume_recomputes_it(base, home, keys, t
     runs = [cli(["ask", QUESTIONS[2], "--chat", chat1], d, base["models"]) for d in (corrupt, deleted)]
     with_corrupt, with_missing = [finish(p) for p in runs]
     assert "checksum" in with_corrupt["miss_reason"] and "recomputed" in with_corrupt["miss_reason"]
-    assert with_missing["miss_reason"] is None, "an absent chunk is a plain miss"
+    assert "stops early" in with_missing["miss_reason"], "an absent chunk is a plain miss, named as such"
     for r in (with_corrupt, with_missing):
         assert r["from_disk"] == 256, "c0 restores, the chain stops at c1"
     assert with_corrupt["prefilled_tokens"] == with_missing["prefilled_tokens"]
@@ -377,3 +377,16 @@ def test_writer_survives_a_failing_save_and_flush_returns(base, home, rt, monkey
         persist.close()  # not in `finally`: after a failure above it could block on a dead writer
     finally:
         rt.engine.release(seq)
+
+
+def test_a_turn_under_another_kv_dtype_says_why_and_keeps_the_fp8_snapshot(base, home, smol_info):
+    """``ask --chat`` with bf16 on an fp8 chat: a full miss that names the cause, and afterwards the
+    chat's fp8 chain is still referenced, so an fp8 ask restores it again (refs are per fingerprint)."""
+    models, chat = smol_info.path.parent, base["chat2"]["chat_id"]
+    fp8_keys = refs(get_db(), chat)
+    out = finish(cli(["ask", "Anything else?", "--chat", chat, "--kv-dtype", "bf16"], home, models))
+    assert out["from_disk"] == 0 and "saved as fp8; this run uses bf16" in out["miss_reason"]
+    assert fp8_keys <= refs(get_db(), chat), "the bf16 turn released the chat's fp8 chunks"
+    back = finish(cli(["ask", "And the ink?", "--chat", chat], home, models))
+    assert back["from_disk"] >= base["chat2"]["context_tokens"] - 16, back  # the fp8 chain, up to the bf16 turn
+    assert "another KV dtype" in back["miss_reason"], back  # the bf16 turn itself was recomputed

@@ -16,7 +16,8 @@ from textual.widgets import Input, ListView
 
 from kvchat.cache_id import cache_fingerprint
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.cache_state import all_in_memory, disk_bytes, why_not_restored
+from kvchat.cache_miss import why_not_restored
+from kvchat.tui.cache_state import all_in_memory, disk_bytes
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.status_bar import StatusBar
 from kvchat.turn import SamplingParams

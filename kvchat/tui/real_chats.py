@@ -27,7 +27,7 @@ from kvchat.tui.backend import (
     ResumeInfo,
     Status,
 )
-from kvchat.tui.cache_state import why_not_restored
+from kvchat.cache_miss import why_not_restored
 from kvchat.tui.events import Emit, TurnDone
 from kvchat.tui.real_store import register_documents
 from kvchat.tui.rewind import carry_over, rewind_store, truncate_session, turn_spans
