@@ -48,3 +48,18 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
         if other != kv_dtype and _fingerprints(model_fingerprint, other, block_size) & stored:
             return f"its KV was saved as {other}; this run uses {kv_dtype} (caches never cross KV dtypes)"
     return "its KV was saved under another cache fingerprint (another model, scale scheme or kvchat version)"
+
+
+def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_tokens: int, fingerprint: str,
+                     model_fingerprint: str, kv_dtype: str, block_size: int) -> str | None:
+    """Why reopening ``owner`` recomputed stored history, or None when it did not.
+
+    A resume always recomputes the last token and the few end-of-turn ids
+    the last answer never ran through the model; a shortfall of a block or
+    more (``history_tokens - 1 - reused_tokens >= block_size``) means stored
+    KV was missing or unusable, and :func:`why_not_restored` names why.
+    Call it before the new turn's snapshot adds references.
+    """
+    if history_tokens - 1 - reused_tokens < block_size:
+        return None
+    return why_not_restored(db, owner, fingerprint, model_fingerprint, kv_dtype, block_size)

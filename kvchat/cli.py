@@ -228,7 +228,7 @@ def _is_user_error(exc: Exception) -> bool:
 
 def cmd_ask(args: argparse.Namespace) -> int:
     """``kvchat ask``: validate everything, answer (streamed or as JSON), store the turn."""
-    from kvchat.cache_miss import why_not_restored
+    from kvchat.cache_miss import shortfall_reason
     from kvchat.documents import read_document
     from kvchat.phase_trace import mark
     from kvchat.sampling import SamplingParams
@@ -286,10 +286,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     mark("generated")
     db = get_db()
     stats, spec = session.last_turn.stats, rt.engine.spec
-    if conv is not None and stats.miss_reason is None and stats.reused_tokens + spec.block_size < stored_len - 1:
-        # A block or more of the stored history was recomputed: say why (before this turn's snapshot adds refs)
-        stats.miss_reason = why_not_restored(db, conv.id, session.persist.fingerprint, rt.info.fingerprint,
-                                             spec.kv_dtype, spec.block_size)
+    if conv is not None and stats.miss_reason is None:
+        stats.miss_reason = shortfall_reason(db, conv.id, stored_len, stats.reused_tokens, session.persist.fingerprint,
+                                             rt.info.fingerprint, spec.kv_dtype, spec.block_size)
     chat_id = conv.id if conv else save_new_chat(db, rt, session, system, settings, args.prompt)
     if conv is not None:
         save_turn(db, conv.id, session, args.prompt, stored_len)

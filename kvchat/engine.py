@@ -78,11 +78,19 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device: to
     from kvchat.kv_calibration import stored_digest
 
     if kv_dtype != "fp8":
-        return cache_fingerprint(model_fingerprint, kv_dtype, "none", BLOCK_SIZE)
-    digest = stored_digest(model_fingerprint)
+        return cache_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE)[1]
     dev = torch.device(device) if device is not None else pick_device()
     sink = sink_supported(torch.empty(0, dtype=FP8_DTYPE, device=dev))
-    return cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(digest is not None, sink), BLOCK_SIZE, digest or "")
+    return cache_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), sink, BLOCK_SIZE)[1]
+
+
+def cache_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: str | None, exact_sink: bool,
+                   block_size: int) -> tuple[str, str]:
+    """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only."""
+    if kv_dtype != "fp8":
+        return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size)
+    scheme = fp8_scheme_name(calibration_digest is not None, exact_sink)
+    return scheme, cache_fingerprint(model_fingerprint, kv_dtype, scheme, block_size, calibration_digest or "")
 
 
 def sink_supported(pool_tensor: torch.Tensor) -> bool:
@@ -156,9 +164,9 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink and sink_supported(self.pool.k)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.scale_scheme = fp8_scheme_name(self.calibration is not None, self.exact_sink) if fp8 else self.spec.scale_scheme
-        self.cache_fingerprint = cache_fingerprint(model_fingerprint, kv_dtype, self.scale_scheme, self.spec.block_size,
-                                                   self.calibration.digest if self.calibration else "")
+        self.scale_scheme, self.cache_fingerprint = cache_identity(
+            model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
+            self.spec.block_size)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"

@@ -27,7 +27,7 @@ from kvchat.tui.backend import (
     ResumeInfo,
     Status,
 )
-from kvchat.cache_miss import why_not_restored
+from kvchat.cache_miss import shortfall_reason, why_not_restored
 from kvchat.tui.events import Emit, TurnDone
 from kvchat.tui.real_store import register_documents
 from kvchat.tui.rewind import carry_over, rewind_store, truncate_session, turn_spans
@@ -160,14 +160,11 @@ class OpenChats:
         stats, t0 = TurnStats(prompt_tokens=len(session.token_ids)), time.perf_counter()
         session.attach_cached_prefix(stats)
         ms = (time.perf_counter() - t0) * 1e3
-        # Besides the last token, the few end-of-turn tokens the last answer never ran through the model are
-        # always recomputed; a shortfall of a block or more means stored KV was missing or unusable.
-        prefill = max(0, len(session.token_ids) - 1 - stats.reused_tokens)
-        if prefill < self.block_size:
-            prefill = 0
-        elif not stats.miss_reason:
-            stats.miss_reason = ("the rest of its snapshot chain is not on disk (evicted or never written)"
-                                 if stats.from_disk else self.explain_miss(get_db(), conv.id))
+        e = self.rt.engine
+        shortfall = shortfall_reason(get_db(), conv.id, len(session.token_ids), stats.reused_tokens,
+                                     self.persist.fingerprint, self.rt.info.fingerprint, e.spec.kv_dtype, e.spec.block_size)
+        prefill = 0 if shortfall is None else len(session.token_ids) - 1 - stats.reused_tokens
+        stats.miss_reason = stats.miss_reason or shortfall
         resume = _resume(stats, ms, prefill)
         messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s) for m in conv.messages]
         chat = _Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings, messages, resume)
