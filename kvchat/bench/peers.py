@@ -33,7 +33,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from kvchat.bench.page_cache import drop_file_cache, read_file
+from kvchat.bench.page_cache import drop_file_cache, kept_pages_warning, read_file
 from kvchat.bench.stats import Spread, format_table, ratios
 
 LLAMA_BACKEND = "llama.cpp (Q4_1 weights, f16 KV)"
@@ -192,11 +192,11 @@ def _llama_resume(args, gguf: Path, ids: list[int], question: list[int], threads
             llama.save_state(state, ids)
     out = {"cold_prefill_ms": Spread.of(cold).as_dict(1), "state_bytes": state.stat().st_size}
     for mode in ("dropped", "warm"):
-        restore, ttft = [], []
+        restore, ttft, kept = [], [], []
         for _ in range(args.repeats):
             llama.clear()
             if mode == "dropped":
-                drop_file_cache(state)
+                kept.append(drop_file_cache(state))
             else:
                 read_file(state)
             t0 = time.perf_counter()
@@ -210,6 +210,8 @@ def _llama_resume(args, gguf: Path, ids: list[int], question: list[int], threads
             restore.append((t1 - t0) * 1e3)
             ttft.append((t2 - t0) * 1e3)
         out[mode] = {"restore_ms": Spread.of(restore).as_dict(2), "ttft_ms": Spread.of(ttft).as_dict(2)}
+        if mode == "dropped":
+            out["resident_after_drop"] = kept
     return out
 
 
@@ -234,6 +236,7 @@ def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
         rows.append({"who": f"kvchat fp8 snapshot, {label}", **{k: kv[mode][k] for k in ("restore_ms", "ttft_ms")}})
         rows.append({"who": f"llama.cpp state file, {label}", **ll[mode]})
     return {"tokens": n, "question": QUESTION, "question_tokens": len(question), "rows": rows,
+            "resident_after_drop": ll["resident_after_drop"] + kv["dropped"]["resident_before"],
             "snapshot_bytes": kv["snapshot_bytes"], "state_bytes": ll["state_bytes"],
             "snapshot_vs_state": kv["snapshot_bytes"] / ll["state_bytes"],
             "ttft_ratio_dropped": kv["dropped"]["ttft_ms"]["median"] / ll["dropped"]["ttft_ms"]["median"],
@@ -300,6 +303,8 @@ def format_report(res: dict) -> str:
                   f"bytes on disk: kvchat snapshot {r['snapshot_bytes'] / 1e6:.1f} MB, llama.cpp state {r['state_bytes'] / 1e6:.1f} MB "
                   f"({r['snapshot_vs_state']:.2f}x); TTFT kvchat / llama.cpp: {r['ttft_ratio_warm']:.2f} warm, "
                   f"{r['ttft_ratio_dropped']:.2f} dropped (above 1: kvchat is slower)"]
+        warning = kept_pages_warning(r["resident_after_drop"])
+        parts += [warning] if warning else []
     return "\n\n".join(parts)
 
 
