@@ -5,6 +5,7 @@ The fake obeys the same contract as the real engine (tests/test_tui_backend_cont
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -178,6 +179,47 @@ async def test_search_filters_the_sidebar(harness):
         await pilot.click("#chats")
         await pilot.press("enter")
         await until(pilot, lambda: [b.text for b in h.blocks("user")] == ["tell me about zebras"])
+
+
+async def test_a_sidebar_refresh_keeps_the_row_the_user_moved_to(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "tell me about zebras")
+        await pilot.press("ctrl+n")
+        await h.send(pilot, "tell me about owls")
+        await until(pilot, lambda: len(h.sidebar_titles()) == 2)
+        chats = h.screen.query_one("#chats", ListView)
+        open_id = h.backend.current().id
+        assert chats.highlighted_child.name == open_id, "unfocused, the highlight follows the open chat"
+        chats.index = 1 - chats.index  # moved before the list has focus: a refresh landing now must keep it
+        moved = chats.highlighted_child.name
+        h.screen.refresh_lists()
+        chats.focus()
+        await until(pilot, lambda: not h.screen.workers)
+        await pilot.pause()
+        assert chats.highlighted_child.name == moved
+        await pilot.press("down" if chats.index == 0 else "up")
+        await pilot.press("down" if chats.index == 0 else "up")  # away and back by keyboard
+        assert moved != open_id and chats.highlighted_child.name == moved
+        h.screen.refresh_lists()
+        await pilot.pause(0.2)
+        await until(pilot, lambda: not h.screen.workers)
+        # Two refreshes landing at once (two list workers' results) that both rebuild the rows (a new order):
+        # their clear/extend must not interleave.
+        lists = h.backend.list_chats()[::-1], h.backend.list_documents(), open_id
+        await asyncio.gather(h.screen._set_lists(*lists), h.screen._set_lists(*lists))
+        assert len(h.sidebar_titles()) == 2
+        h.screen.refresh_lists()
+        await pilot.pause(0.2)
+        await until(pilot, lambda: not h.screen.workers)
+        assert chats.highlighted_child.name == moved, "a refresh moved the user's highlight"
+        await pilot.press("enter")
+        await until(pilot, lambda: h.backend.current().id == moved)
+        await pilot.click(ChatInput)
+        await pilot.press("ctrl+n")
+        h.screen.refresh_lists()
+        await until(pilot, lambda: not h.screen.workers and chats.index is None)  # no open chat: no highlight
 
 
 async def test_export_writes_markdown_in_the_current_dir(harness, tmp_path, monkeypatch):

@@ -81,6 +81,7 @@ async def choose_chat(pilot, screen, chat_id: str) -> None:
     ids = list(rows(screen, "#chats"))
     chats = screen.query_one("#chats", ListView)
     chats.focus()
+    await until(pilot, lambda: chats.has_focus)  # focus() lands later: an earlier Enter goes to the chat input
     chats.index = ids.index(chat_id)
     await pilot.press("enter")
     await until(pilot, lambda: screen.backend.current() is not None and screen.backend.current().id == chat_id
@@ -110,7 +111,7 @@ async def test_real_sidebar_states_and_why_missed_for_a_chat_opened_after_anothe
         await pilot.press("ctrl+o")
         app.screen.query_one(Input).value = str(doc)
         await pilot.press("enter")
-        await until(pilot, lambda: len(rows(screen, "#documents")) == 1)
+        await until(pilot, lambda: len(rows(screen, "#documents")) == 1 and "".join(rows(screen, "#documents").values()))
         assert "● cached in memory" in next(iter(rows(screen, "#documents").values()))
         await send(pilot, screen, "Where does the heron nest?")
         chat_a = backend.current().id
@@ -136,13 +137,13 @@ async def test_real_sidebar_states_and_why_missed_for_a_chat_opened_after_anothe
         screen = app.screen_stack[0]
         await until(pilot, lambda: screen.ready, timeout=120)
         await until(pilot, lambda: "◐ cached on disk" in "".join(rows(screen, "#documents").values()))
-        chats = rows(screen, "#chats")
-        assert "◐ disk" in chats[chat_a] and "◐ disk" in chats[chat_b]  # nothing in memory in a new process
+        # nothing in memory in a new process (waited for: a second sidebar refresh may be redrawing the rows)
+        await until(pilot, lambda: all("◐ disk" in rows(screen, "#chats").get(c, "") for c in (chat_a, chat_b)))
         await choose_chat(pilot, screen, chat_a)
         status = str(screen.query_one(StatusBar).render())
         assert "from disk" in status and "prefill skipped" in status
-        await until(pilot, lambda: "● mem" in rows(screen, "#chats")[chat_a])
-        assert "● mem" not in rows(screen, "#chats")[chat_b]  # sharing the system prompt's block is not enough
+        await until(pilot, lambda: "● mem" in rows(screen, "#chats")[chat_a] and rows(screen, "#chats")[chat_b])
+        assert "◐ disk" in rows(screen, "#chats")[chat_b]  # sharing the system prompt's block is not enough
         await choose_chat(pilot, screen, chat_b)  # a chat opened after another one
         status = str(screen.query_one(StatusBar).render()).split("\n")[1]
         resume = backend.status().resume

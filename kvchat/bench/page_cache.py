@@ -2,19 +2,22 @@
 
 Dropping uses ``fsync`` then ``posix_fadvise(POSIX_FADV_DONTNEED)``: clean
 pages of a file nobody maps are evicted, without root (unlike writing to
-``/proc/sys/vm/drop_caches``). Residency is probed with ``preadv2(RWF_NOWAIT)``,
-which fails with EAGAIN instead of reading from the device when a page is not
-cached (and, since Linux 5.9, without starting readahead), so probing does not
-change what it measures.
+``/proc/sys/vm/drop_caches``). Residency comes from ``mincore(2)`` on a
+mapping of the file, which reads nothing, so probing does not change what it
+measures. (A ``preadv2(RWF_NOWAIT)`` probe does: on Linux 6.18 a miss still
+starts readahead, and with an 8 MiB readahead window one probe per MiB
+brought a dropped 64 MiB file wholly back within 0.2 s.)
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import os
 import time
 from pathlib import Path
 
-PROBE_STRIDE = 1 << 20
 READ_PIECE = 8 << 20
 
 
@@ -42,27 +45,44 @@ def drop_file_cache(path: Path) -> float | None:
 
 
 def resident_fraction(path: Path) -> float | None:
-    """Fraction of probed 4 KiB pages (one per MiB, and the first) that are in the page cache.
+    """Fraction of ``path``'s pages (of ``mmap.PAGESIZE`` bytes) that are in the page cache.
 
-    Returns None where ``RWF_NOWAIT`` reads are not supported (old kernel or file system).
+    From ``mincore(2)`` on a private read mapping that is never touched, so
+    nothing is read or prefetched. An empty file counts as fully resident.
+
+    Returns:
+        0.0 … 1.0, or None where ``mincore`` is not available (no C library
+        found, or the call fails on this file system).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    size = os.path.getsize(path)
+    if size == 0:
+        return 1.0
+    mincore = _mincore()
+    if mincore is None:
+        return None
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
+        start = ctypes.c_char.from_buffer(mapping)  # ACCESS_COPY: a writable buffer, so ctypes can take its address
+        try:
+            rc = mincore(ctypes.addressof(start), size, vec)
+        finally:
+            del start  # the mapping cannot close while ctypes holds a pointer into it
+    if rc != 0:
+        return None
+    return sum(v & 1 for v in vec) / pages
+
+
+@functools.cache
+def _mincore():
+    """The C library's ``mincore(addr, length, vec)``, or None where there is none."""
     try:
-        size = os.fstat(fd).st_size
-        offsets = list(range(0, size, PROBE_STRIDE)) or [0]
-        buf = bytearray(4096)
-        hits = 0
-        for off in offsets:
-            try:
-                os.preadv(fd, [buf], off, os.RWF_NOWAIT)
-                hits += 1
-            except BlockingIOError:
-                pass
-            except OSError:
-                return None
-        return hits / len(offsets)
-    finally:
-        os.close(fd)
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def kept_pages_warning(fractions: list[float | None]) -> str | None:

@@ -15,7 +15,7 @@ For each N (default 256, 512, 2048, 4096, 8000 tokens) on the default model:
    same token list with the snapshot store attached and ask a one-line
    question; per repeat one with the snapshot files' pages dropped from the
    page cache (``fsync`` + ``posix_fadvise(DONTNEED)``, residency checked with
-   ``RWF_NOWAIT`` probes) and one with them hot. Reported: ``restore_ms``
+   ``mincore``, which reads nothing) and one with them hot. Reported: ``restore_ms``
    (lookup + read + checksum + copy into the pool), TTFT (request to first
    token: restore + prefill of the question + sampling), bytes read.
 3. The disk-read floor: snapshot bytes ÷ sequential read bandwidth of the
@@ -209,8 +209,8 @@ def _child_resume(rt, spec_path: Path, mode: str) -> dict:
     persist = KVPersist(rt.engine)
     session = _session(rt, spec, persist)
     files = [row.path for row in persist.find(spec["ids"])]
-    for f in files:
-        if mode != "dropped":
+    if mode != "dropped":
+        for f in files:
             read_file(f)
     resident = [drop_file_cache(f) if mode == "dropped" else resident_fraction(f) for f in files]
     "".join(session.send(QUESTION, SamplingParams(max_tokens=1)))

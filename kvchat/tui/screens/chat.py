@@ -8,6 +8,7 @@ user actions (dialogs) are in :class:`kvchat.tui.screens.chat_actions.ChatAction
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any, Callable
 
@@ -55,6 +56,7 @@ class ChatScreen(ChatActions, Screen):
         self.editing = False
         self.cancel_event = threading.Event()
         self._answer: MessageBlock | None = None
+        self._lists_lock = asyncio.Lock()  # two refreshes' clear/extend awaits must not interleave
 
     def compose(self):
         with Horizontal():
@@ -123,8 +125,9 @@ class ChatScreen(ChatActions, Screen):
 
     async def _set_lists(self, chats, docs, current_id) -> None:
         sidebar = self.query_one(Sidebar)
-        await sidebar.set_chats(chats, current_id)
-        await sidebar.set_documents(docs)
+        async with self._lists_lock:
+            await sidebar.set_chats(chats, current_id)
+            await sidebar.set_documents(docs)
 
     def run_engine(self, fn: Callable[..., Any], *args: Any, then: Callable[[Any], Any] | None = None) -> None:
         """Run ``fn(*args)`` on a worker thread (not while an answer streams); ``then(result)`` on the UI thread."""

@@ -45,6 +45,8 @@ class Sidebar(Vertical):
             super().__init__()
             self.query = query
 
+    _current_id: str | None = None  # the open chat when the rows were last set
+
     def compose(self):
         yield Input(placeholder="Search chats (Ctrl+F)", id="search")
         yield ListView(id="chats")
@@ -56,16 +58,23 @@ class Sidebar(Vertical):
         return self.query_one("#search", Input).value
 
     async def set_chats(self, chats: list[ChatSummary], current_id: str | None) -> None:
+        """Show ``chats``; the highlight follows the open chat ``current_id`` when it changes.
+
+        While the open chat stays the same, the highlight stays on the row the
+        user moved to (when it is still listed): a background refresh must not
+        move it between the user's key presses.
+        """
         view = self.query_one("#chats", ListView)
-        await view.clear()
-        await view.extend(ListItem(Label(Content(chat_row(c))), name=c.id) for c in chats)
+        moved = view.highlighted_child.name if view.highlighted_child is not None else None
+        keep = moved if current_id == self._current_id else current_id
+        self._current_id = current_id
+        await _set_rows(view, [(c.id, chat_row(c)) for c in chats])
         ids = [c.id for c in chats]
-        view.index = ids.index(current_id) if current_id in ids else None
+        keep = keep if keep in ids else current_id
+        view.index = ids.index(keep) if keep in ids else None
 
     async def set_documents(self, docs: list[DocumentSummary]) -> None:
-        view = self.query_one("#documents", ListView)
-        await view.clear()
-        await view.extend(ListItem(Label(Content(document_row(d))), name=d.path) for d in docs)
+        await _set_rows(self.query_one("#documents", ListView), [(d.path, document_row(d)) for d in docs])
 
     @on(Input.Changed, "#search")
     def _search(self, event: Input.Changed) -> None:
@@ -81,3 +90,18 @@ class Sidebar(Vertical):
     def _document(self, event: ListView.Selected) -> None:
         event.stop()
         self.post_message(self.DocumentChosen(event.item.name))
+
+
+async def _set_rows(view: ListView, rows: list[tuple[str, str]]) -> None:
+    """Show ``(name, text)`` rows in ``view``.
+
+    When the names are unchanged (a refresh of the same chats) the labels are
+    updated in place: no flicker, and the highlight and an Enter pressed
+    meanwhile keep their row. Otherwise the rows are rebuilt.
+    """
+    if [item.name for item in view.children] == [name for name, _ in rows]:
+        for item, (_, text) in zip(view.children, rows):
+            item.query_one(Label).update(Content(text))
+        return
+    await view.clear()
+    await view.extend(ListItem(Label(Content(text)), name=name) for name, text in rows)
