@@ -143,7 +143,7 @@ class KVPersist:
         (``PoolFullError`` before any read); :data:`READ_THREADS` workers then
         each read, verify and copy one file at a time into those blocks through
         one reused staging buffer (a fresh buffer per file paid a first-touch
-        page fault per 4 KiB: about 45 ms per 100 MB here). A corrupt or missing
+        page fault per 4 KiB: about 40 ms per 100 MB here). A corrupt or missing
         chunk ends the chain there: it is dropped from the index, and only the
         tokens before it are committed; the rest stay reserved, uncommitted, for
         the prefill that recomputes them. Skipped entirely when reading would
@@ -171,7 +171,7 @@ class KVPersist:
         pool.copy_blocks(blocks.reserve(seq, end))
         pool.mark_written(seq.block_table[first // blocks.block_size : (end - 1) // blocks.block_size + 1])
         staging = threading.local()
-        capacity = max(r.bytes for _, _, r in todo)
+        capacity = self.layout.data_bytes(max(r.token_count for _, _, r in todo))  # read_chunk checks the counts
 
         def load(a: int, b: int, row: ChunkRow) -> None:
             if not hasattr(staging, "buf"):

@@ -18,6 +18,7 @@ place and the directory fsynced. Reading lives in :mod:`kvchat.store.snapshot_re
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -54,6 +55,10 @@ class ChunkLayout:
             scale = [self.num_layers, num_tokens, self.num_kv_heads]
             out += [("k_scale", torch.float32, scale), ("v_scale", torch.float32, scale)]
         return sorted(out, key=lambda s: (-s[1].itemsize, s[0]))
+
+    def data_bytes(self, num_tokens: int) -> int:
+        """Bytes of a ``num_tokens`` chunk's tensor data (the file without its header)."""
+        return sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in self.specs(num_tokens))
 
 
 @dataclass(slots=True)

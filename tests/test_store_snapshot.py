@@ -77,8 +77,9 @@ def test_round_trip_bit_exact(layers, tokens, heads, dim, dtype, seed, parent):
         a, b = getattr(data, name), getattr(back, name)
         assert (a is None and b is None) or same_bits(a, b), name
     assert staged.nbytes == staged.final_path.stat().st_size
-    assert verify_chunk_file(staged.final_path, key=key, checksum=staged.checksum) == staged.nbytes - 8 - struct.unpack(
-        "<Q", staged.final_path.read_bytes()[:8])[0]
+    data_bytes = staged.nbytes - 8 - struct.unpack("<Q", staged.final_path.read_bytes()[:8])[0]
+    assert verify_chunk_file(staged.final_path, key=key, checksum=staged.checksum) == data_bytes
+    assert layout.data_bytes(tokens) == data_bytes, "a restore sizes its staging buffer from the layout"
 
 
 def test_read_into_reused_staging_buffer():
