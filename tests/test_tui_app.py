@@ -166,14 +166,19 @@ async def test_new_chat_rename_and_delete_with_confirmation(harness):
         await until(pilot, lambda: h.blocks() == [] and h.backend.current().id is None)
 
 
+async def two_chats(pilot, h: Harness) -> None:
+    """Once ready, write a chat about zebras, then one about owls (left open)."""
+    await ready(pilot, h)
+    await h.send(pilot, "tell me about zebras")
+    await pilot.press("ctrl+n")
+    await h.send(pilot, "tell me about owls")
+    await until(pilot, lambda: len(h.sidebar_titles()) == 2)
+
+
 async def test_search_filters_the_sidebar(harness):
     h = harness
     async with h.app.run_test(size=SIZE) as pilot:
-        await ready(pilot, h)
-        await h.send(pilot, "tell me about zebras")
-        await pilot.press("ctrl+n")
-        await h.send(pilot, "tell me about owls")
-        await until(pilot, lambda: len(h.sidebar_titles()) == 2)
+        await two_chats(pilot, h)
         await pilot.press("ctrl+f", *"zebr")
         await until(pilot, lambda: h.sidebar_titles() == ["tell me about zebras"])
         await pilot.click("#chats")
@@ -184,11 +189,7 @@ async def test_search_filters_the_sidebar(harness):
 async def test_a_sidebar_refresh_keeps_the_row_the_user_moved_to(harness):
     h = harness
     async with h.app.run_test(size=SIZE) as pilot:
-        await ready(pilot, h)
-        await h.send(pilot, "tell me about zebras")
-        await pilot.press("ctrl+n")
-        await h.send(pilot, "tell me about owls")
-        await until(pilot, lambda: len(h.sidebar_titles()) == 2)
+        await two_chats(pilot, h)
         chats = h.screen.query_one("#chats", ListView)
         open_id = h.backend.current().id
         assert chats.highlighted_child.name == open_id, "unfocused, the highlight follows the open chat"
