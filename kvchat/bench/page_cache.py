@@ -29,8 +29,8 @@ def drop_file_cache(path: Path) -> float | None:
     took effect, so a benchmark can label a "dropped" figure that is not one.
 
     Returns:
-        :func:`resident_fraction` after the drop: 0.0 when every probed page
-        left the cache, None where residency cannot be probed.
+        :func:`resident_fraction` after the drop: 0.0 when every page left
+        the cache, None where residency cannot be probed.
 
     Raises:
         OSError: the file cannot be opened or advised.
@@ -62,12 +62,15 @@ def resident_fraction(path: Path) -> float | None:
         return None
     pages = -(-size // mmap.PAGESIZE)
     vec = (ctypes.c_ubyte * pages)()
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
-        start = ctypes.c_char.from_buffer(mapping)  # ACCESS_COPY: a writable buffer, so ctypes can take its address
-        try:
-            rc = mincore(ctypes.addressof(start), size, vec)
-        finally:
-            del start  # the mapping cannot close while ctypes holds a pointer into it
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
+            start = ctypes.c_char.from_buffer(mapping)  # ACCESS_COPY: writable, so ctypes can take its address
+            try:
+                rc = mincore(ctypes.addressof(start), size, vec)
+            finally:
+                del start  # the mapping cannot close while ctypes holds a pointer into it
+    except OSError:  # a file system that cannot map files
+        return None
     if rc != 0:
         return None
     return sum(v & 1 for v in vec) / pages
