@@ -209,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, sqlite3.DatabaseError):
             from kvchat.paths import db_path
 
-            print(f"kvchat: error: the database {db_path()} cannot be used ({exc}); backups of it are in its backups/ folder",
-                  file=sys.stderr)
+            backups = db_path().parent / "backups"
+            hint = f"; backups of it are in {backups}" if backups.is_dir() and any(backups.iterdir()) else ""
+            print(f"kvchat: error: the database {db_path()} cannot be used ({exc}){hint}", file=sys.stderr)
             return EXIT_USAGE
         if _is_user_error(exc):
             print(f"kvchat: error: {exc}", file=sys.stderr)

@@ -27,6 +27,7 @@ from sqlite_utils import Database
 
 from kvchat.paths import db_path
 
+from .errors import TruncatedDatabaseError
 from .migrations import migrate
 
 BUSY_TIMEOUT_MS = 10_000
@@ -41,9 +42,12 @@ def connect(path: Path | None = None) -> Database:
     ``<db dir>/backups``.
 
     Raises:
+        TruncatedDatabaseError: the file is empty but ``<db dir>/kv`` holds chunk
+            files (a fresh schema would orphan them, and ``cache gc`` delete them).
         SchemaTooNewError, MigrationError: see :func:`kvchat.store.migrations.migrate`.
     """
     path = Path(path) if path is not None else db_path()
+    _refuse_truncated(path)
     os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=True)
     db = Database(conn, execute_plugins=False)
@@ -57,6 +61,23 @@ def connect(path: Path | None = None) -> Database:
         db.close()
         raise
     return db
+
+
+def _refuse_truncated(path: Path) -> None:
+    """Raise :class:`TruncatedDatabaseError` for an empty ``path`` beside stored chunk files.
+
+    kvchat writes its schema before any chunk, so an empty file next to chunks
+    is a database that lost its contents, never a new one.
+    """
+    try:
+        empty = path.stat().st_size == 0
+    except FileNotFoundError:
+        return
+    kv = path.parent / "kv"
+    if empty and kv.is_dir() and next(kv.rglob("*.safetensors"), None) is not None:
+        raise TruncatedDatabaseError(
+            f"the database {path} is empty (0 bytes) but KV chunk files exist in {kv}: it was truncated; "
+            f"restore it from {path.parent / 'backups'} if one is there, or move it away to start a new index")
 
 
 def get_db() -> Database:

@@ -14,6 +14,10 @@ class MigrationError(StoreError):
     """A schema migration failed; the database was left as it was before."""
 
 
+class TruncatedDatabaseError(StoreError):
+    """The database file is empty while KV chunk files exist beside it: it was truncated, not new."""
+
+
 class SchemaTooNewError(StoreError):
     """The database carries migrations this version of kvchat does not know."""
 

@@ -16,7 +16,7 @@ from sqlite_utils.migrations import Migrations
 from kvchat.paths import db_path
 from kvchat.store import migrations as mig
 from kvchat.store.db import close_thread_dbs, connect, get_db, write_transaction
-from kvchat.store.errors import MigrationError, SchemaTooNewError
+from kvchat.store.errors import MigrationError, SchemaTooNewError, TruncatedDatabaseError
 
 COLUMNS = {
     "models": {"fingerprint", "name", "source", "config", "created"},
@@ -160,3 +160,18 @@ def test_write_transaction_is_immediate_and_rolls_back(tmp_path):
         with write_transaction(a):  # nested: a savepoint
             a["models"].insert({"fingerprint": "f", "name": "m", "created": 1.0})
     assert b["models"].count == 1
+
+
+def test_an_empty_file_is_a_new_database_unless_chunks_exist(tmp_path):
+    path = tmp_path / "kvchat.db"
+    path.write_bytes(b"")  # e.g. a crash right after creating the file: nothing else exists yet
+    connect(path).close()
+    assert "kv_chunks" in Database(sqlite3.connect(path)).table_names()
+    other = tmp_path / "other"
+    (other / "kv" / "00").mkdir(parents=True)
+    (other / "kv" / "00" / ("0" * 32 + ".safetensors")).write_bytes(b"x")
+    (other / "kvchat.db").write_bytes(b"")
+    with pytest.raises(TruncatedDatabaseError, match="truncated"):
+        connect(other / "kvchat.db")
+    assert (other / "kvchat.db").stat().st_size == 0
+

@@ -84,7 +84,19 @@ def test_damaged_database_through_the_kvchat_command(kvchat_home):
     before = garbage_db(kvchat_home)
     proc = run_kvchat(kvchat_home)
     assert_one_error_line(proc, "kvchat.db", "file is not a database")
+    assert "backups" not in proc.stderr, "no backup exists, so none is offered"
     assert tree(kvchat_home) == before
+
+
+def test_truncated_database_beside_chunks_is_refused_not_replaced(kvchat_home):
+    chunk = kvchat_home / "kv" / "ab" / ("ab" * 16 + ".safetensors")
+    chunk.parent.mkdir(parents=True)
+    chunk.write_bytes(b"chunk bytes")
+    (kvchat_home / "kvchat.db").write_bytes(b"")
+    before = tree(kvchat_home)
+    proc = run_kvchat(kvchat_home)
+    assert_one_error_line(proc, "kvchat.db", "is empty (0 bytes)", "truncated")
+    assert tree(kvchat_home) == before, "a fresh schema would orphan the chunks (and cache gc would delete them)"
 
 
 def test_read_only_empty_data_dir(tmp_path):

@@ -165,7 +165,7 @@ def _cli(home: Path, cfg: ScriptConfig, *args: str) -> str:
     env = {**os.environ, "KVCHAT_HOME": str(home)}
     if cfg.models is not None:
         env["KVCHAT_MODELS"] = str(cfg.models)
-    r = subprocess.run([sys.executable, "-m", "kvchat.cli", *args], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-P", "-m", "kvchat.cli", *args], capture_output=True, text=True, env=env,
                        timeout=600, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"kvchat {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")

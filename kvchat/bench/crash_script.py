@@ -110,7 +110,7 @@ def start_ask(cfg: ScriptConfig, home: Path, turn: int, chat_id: str | None, doc
     if not 0 <= turn < len(QUESTIONS):
         raise ValueError(f"turn {turn} is outside the script's {len(QUESTIONS)} questions")
     where = ["--chat", chat_id] if chat_id else ["--doc", str(doc)]
-    argv = [sys.executable, "-m", "kvchat.cli", "ask", QUESTIONS[turn], *where, "--json",
+    argv = [sys.executable, "-P", "-m", "kvchat.cli", "ask", QUESTIONS[turn], *where, "--json",
             "--max-tokens", str(cfg.max_tokens), "--threads", str(cfg.threads)]
     env = {**os.environ, "KVCHAT_HOME": str(home), TRACE_ENV: str(trace)}
     if cfg.models is not None:

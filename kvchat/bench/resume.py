@@ -239,7 +239,7 @@ def child_main(argv: list[str]) -> int:
 
 def _run_child(home: Path, role: str, spec: Path, n: int, mode: str, args: argparse.Namespace) -> dict:
     env = {**os.environ, "KVCHAT_HOME": str(home)}
-    argv = [sys.executable, "-m", "kvchat.bench.resume", role, str(spec), str(n), mode, args.model or "",
+    argv = [sys.executable, "-P", "-m", "kvchat.bench.resume", role, str(spec), str(n), mode, args.model or "",
             args.kv_dtype, str(args.threads or 0)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:

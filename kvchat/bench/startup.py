@@ -72,7 +72,7 @@ def run_once(fake: bool, model: str | None, kv_dtype: str, threads: int | None) 
     """
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as home:
         env = {**os.environ, "KVCHAT_HOME": home}
-        argv = [sys.executable, "-c", CHILD, "fake" if fake else "real", model or "", kv_dtype, str(threads or 0)]
+        argv = [sys.executable, "-P", "-c", CHILD, "fake" if fake else "real", model or "", kv_dtype, str(threads or 0)]
         t0 = time.time()
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
