@@ -314,6 +314,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         }))
     else:
         print()
+        if turn.stats.miss_reason:  # stored history recomputed, or a corrupt chunk dropped: say why
+            print(f"kvchat: note: {turn.stats.miss_reason}", file=sys.stderr)
         print(f"[chat {chat_id}] continue with: kvchat ask --chat {chat_id} \"...\"", file=sys.stderr)
     return 0
 

@@ -20,7 +20,13 @@ APP_NAME = "kvchat"
 
 
 def _ensure(path: Path) -> Path:
-    """Create ``path`` (mode 0700) if missing and return it."""
+    """Create ``path`` (mode 0700) if missing and return it.
+
+    Raises:
+        NotADirectoryError: ``path`` exists and is not a directory (the message names it and the variables).
+    """
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory (check KVCHAT_HOME and KVCHAT_MODELS)")
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 

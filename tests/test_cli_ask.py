@@ -66,6 +66,16 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(tmp_path, models, kvch
         assert len(lines) == 1 and lines[0].startswith("kvchat: error:") and needle in lines[0], (args, r.stderr)
         assert r.stdout == ""
     assert tree(kvchat_home) == before
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    r = run_cli(["ask", "hi"], a_file, models)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"kvchat: error: {a_file} is not a directory (check KVCHAT_HOME and KVCHAT_MODELS)")
+    # a plain (not --json) resume says why the stored history was recomputed
+    chat_id = json.loads(ok.stdout)["chat_id"]
+    r = run_cli(["ask", "Again.", "--chat", chat_id, "--kv-dtype", "bf16", "--max-tokens", "2"], kvchat_home, models)
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("kvchat: note: ") and "this run uses bf16" in line for line in r.stderr.splitlines()), r.stderr
 
 
 def test_context_overflow_names_both_lengths(tmp_path, models, kvchat_home):

@@ -99,6 +99,14 @@ def test_truncated_database_beside_chunks_is_refused_not_replaced(kvchat_home):
     assert tree(kvchat_home) == before, "a fresh schema would orphan the chunks (and cache gc would delete them)"
 
 
+def test_data_dir_that_is_a_file(tmp_path):
+    home = tmp_path / "a-file"
+    home.write_text("mine")
+    proc = run_kvchat(home)
+    assert_one_error_line(proc, f"{home} is not a directory")
+    assert "dir  " not in proc.stderr and home.read_text() == "mine"
+
+
 def test_read_only_empty_data_dir(tmp_path):
     home = tmp_path / "ro-home"
     home.mkdir()

@@ -28,7 +28,8 @@ def open_store() -> None:
     try:
         path = db_path()
     except OSError as exc:
-        raise StoreUnavailableError(f"the data dir {exc.filename or ''} cannot be created ({exc.strerror or exc}); "
+        where = f" {exc.filename}" if exc.filename else ""
+        raise StoreUnavailableError(f"the data dir{where} cannot be created ({exc.strerror or exc}); "
                                     "set KVCHAT_HOME to a writable folder") from exc
     try:
         get_db()
