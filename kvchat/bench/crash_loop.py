@@ -42,6 +42,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvchat.bench import PYTHON
 from kvchat.bench.crash_checks import check_store
 from kvchat.bench.crash_script import (
     AskRun,
@@ -165,7 +166,7 @@ def _cli(home: Path, cfg: ScriptConfig, *args: str) -> str:
     env = {**os.environ, "KVCHAT_HOME": str(home)}
     if cfg.models is not None:
         env["KVCHAT_MODELS"] = str(cfg.models)
-    r = subprocess.run([sys.executable, "-P", "-m", "kvchat.cli", *args], capture_output=True, text=True, env=env,
+    r = subprocess.run([*PYTHON, "-m", "kvchat.cli", *args], capture_output=True, text=True, env=env,
                        timeout=600, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"kvchat {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")

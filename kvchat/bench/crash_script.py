@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvchat.bench import PYTHON
 from kvchat.phase_trace import TRACE_ENV, read_trace
 
 DOC_CHARS = 1500
@@ -110,7 +110,7 @@ def start_ask(cfg: ScriptConfig, home: Path, turn: int, chat_id: str | None, doc
     if not 0 <= turn < len(QUESTIONS):
         raise ValueError(f"turn {turn} is outside the script's {len(QUESTIONS)} questions")
     where = ["--chat", chat_id] if chat_id else ["--doc", str(doc)]
-    argv = [sys.executable, "-P", "-m", "kvchat.cli", "ask", QUESTIONS[turn], *where, "--json",
+    argv = [*PYTHON, "-m", "kvchat.cli", "ask", QUESTIONS[turn], *where, "--json",
             "--max-tokens", str(cfg.max_tokens), "--threads", str(cfg.threads)]
     env = {**os.environ, "KVCHAT_HOME": str(home), TRACE_ENV: str(trace)}
     if cfg.models is not None:

@@ -44,6 +44,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvchat.bench import PYTHON
 from kvchat.bench.page_cache import (drop_file_cache, kept_pages_warning, read_file, resident_fraction,
                                      write_random_file)
 from kvchat.bench.stats import Spread, format_table, ratios
@@ -239,7 +240,7 @@ def child_main(argv: list[str]) -> int:
 
 def _run_child(home: Path, role: str, spec: Path, n: int, mode: str, args: argparse.Namespace) -> dict:
     env = {**os.environ, "KVCHAT_HOME": str(home)}
-    argv = [sys.executable, "-P", "-m", "kvchat.bench.resume", role, str(spec), str(n), mode, args.model or "",
+    argv = [*PYTHON, "-m", "kvchat.bench.resume", role, str(spec), str(n), mode, args.model or "",
             args.kv_dtype, str(args.threads or 0)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:

@@ -18,9 +18,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+
+from kvchat.bench import PYTHON
 
 CHILD = r"""
 import json, sys, time
@@ -72,7 +73,7 @@ def run_once(fake: bool, model: str | None, kv_dtype: str, threads: int | None) 
     """
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as home:
         env = {**os.environ, "KVCHAT_HOME": home}
-        argv = [sys.executable, "-P", "-c", CHILD, "fake" if fake else "real", model or "", kv_dtype, str(threads or 0)]
+        argv = [*PYTHON, "-c", CHILD, "fake" if fake else "real", model or "", kv_dtype, str(threads or 0)]
         t0 = time.time()
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
