@@ -12,6 +12,13 @@ Locking, documented once here (issue: reliability, "two processes on one data di
   transactions, so every transaction boundary is in this code.
 - A connection belongs to one thread (``check_same_thread``); use
   :func:`get_db` to get the calling thread's own connection.
+- Nothing in kvchat opens a descriptor of its own on ``kvchat.db``, ``-wal``
+  or ``-shm``: on POSIX, closing any descriptor of a file drops all of the
+  process's advisory locks on it, including the shared lock each open WAL
+  connection holds; another process would then checkpoint and delete the WAL
+  under this one (SQLite, "How To Corrupt An SQLite Database File", §2.2).
+  Only SQLite opens them; permissions are set with ``chmod``, sizes read with
+  ``stat``, copies made with ``VACUUM INTO``.
 """
 
 from __future__ import annotations
@@ -48,8 +55,13 @@ def connect(path: Path | None = None) -> Database:
     """
     path = Path(path) if path is not None else db_path()
     _refuse_truncated(path)
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    created = not path.exists()
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=True)
+    if created:
+        # chmod, never open(): closing any descriptor of the file would drop every POSIX lock this
+        # process's other connections hold on it (module docstring). The -wal and -shm files SQLite
+        # creates later copy the database file's mode.
+        os.chmod(path, 0o600)
     db = Database(conn, execute_plugins=False)
     db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     db.enable_wal()

@@ -1,0 +1,71 @@
+"""The TUI and CLI processes on one data dir (issue 12 §1, the fresh-user trial that lost a chat).
+
+TUI sends → ``kvchat cache stats`` → TUI sends → ``kvchat ask`` → quit: the
+database passes ``integrity_check`` and holds both chats, every message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvchat.store.conversations import get_conversation, list_conversations
+from kvchat.store.db import close_thread_dbs, get_db
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.widgets.chat_input import ChatInput
+from kvchat.tui.widgets.message_view import MessageView
+from kvchat.turn import SamplingParams
+
+from test_tui_app import SIZE, until
+
+pytestmark = pytest.mark.asyncio
+
+
+def _kvchat(*args: str) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh process on the test's data dir and models dir."""
+    return subprocess.run([sys.executable, "-m", "kvchat.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+async def _send(pilot, screen, text: str, n_blocks: int) -> None:
+    view = screen.query_one(MessageView)
+    await pilot.click(ChatInput)
+    screen.query_one(ChatInput).text = text
+    await pilot.press("enter")
+    await until(pilot, lambda: not screen.generating and len(view.blocks()) == n_blocks, timeout=180)
+
+
+async def test_tui_and_cli_processes_share_a_data_dir_without_loss(smol_info):
+    import torch
+
+    from kvchat.tui.real_backend import RealBackend
+
+    torch.set_num_threads(1)
+    backend = RealBackend(str(smol_info.path), "fp8", pool_bytes=12 * 2**20, threads=1)
+    app = KvchatApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen_stack[0]
+        await until(pilot, lambda: screen.ready, timeout=120)
+        screen.settings = SamplingParams(max_tokens=5)
+        await _send(pilot, screen, "Name a fruit.", 2)
+        stats = await asyncio.to_thread(_kvchat, "cache", "stats")
+        assert stats.returncode == 0, stats.stderr
+        await _send(pilot, screen, "And a colour?", 4)
+        tui_chat = backend.current().id
+        ask = await asyncio.to_thread(_kvchat, "ask", "CLI chat", "--max-tokens", "5", "--threads", "1", "--json")
+        assert ask.returncode == 0, ask.stderr
+        await _send(pilot, screen, "And a number?", 6)  # the TUI still writes after the CLI closed
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: app._shut_down, timeout=60)
+    close_thread_dbs()
+    db = get_db()
+    assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    cli_chat = json.loads(ask.stdout)["chat_id"]
+    assert {c.id for c in list_conversations(db)} == {tui_chat, cli_chat}
+    assert [m.role for m in get_conversation(db, tui_chat).messages] == ["user", "assistant"] * 3
+    assert [m.text for m in get_conversation(db, cli_chat).messages][0] == "CLI chat"
