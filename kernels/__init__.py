@@ -18,7 +18,9 @@ Backend choice per call:
 - ``KVCHAT_ATTENTION=triton``: always Triton; CPU tensors then run under the
   Triton interpreter, which needs ``TRITON_INTERPRET=1`` in the environment
   before Triton is first imported (Triton reads it when ``@triton.jit``
-  decorates its own library functions and kvchat's kernels).
+  decorates its own library functions and kvchat's kernels). Where Triton
+  cannot run (not installed, or CPU tensors without the interpreter) the
+  first dispatch raises :class:`kvchat.settings.SettingError`.
 - unset: Triton for CUDA tensors, the reference otherwise. FP8 pools on a
   GPU below compute capability 8.9 (where Triton has no float8e4nv) and CUDA
   without an importable Triton fall back to the reference with a one-time
@@ -31,10 +33,12 @@ import functools
 import importlib
 import importlib.util
 import logging
-import os
 from types import ModuleType
 
 import torch
+
+from kvchat import settings
+from kvchat.settings import SettingError
 
 from . import reference
 from .reference import (
@@ -64,14 +68,14 @@ __all__ = [
     "write_kv",
 ]
 
-ENV_VAR = "KVCHAT_ATTENTION"
+ENV_VAR = settings.ATTENTION
 FP8_MIN_CAPABILITY = (8, 9)
 _log = logging.getLogger(__name__)
 _noticed: set[str] = set()
 
 
 class KernelBackendError(RuntimeError):
-    """The requested attention backend cannot run here (bad ``KVCHAT_ATTENTION``, no interpreter, no Triton)."""
+    """The Triton kernels cannot serve this call (an exact attention sink)."""
 
 
 def _notice_once(message: str) -> None:
@@ -94,11 +98,12 @@ def backend_for(cache: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"`` for a call on this pool (see module doc).
 
     Raises:
-        KernelBackendError: ``KVCHAT_ATTENTION`` is neither unset, ``torch`` nor ``triton``.
+        SettingError: ``KVCHAT_ATTENTION`` is neither unset, ``torch`` nor ``triton``, or it is
+            ``triton`` and Triton cannot run on ``cache`` (see :func:`_triton_module`).
     """
-    choice = os.environ.get(ENV_VAR, "").strip().lower()
-    if choice not in ("", "torch", "triton"):
-        raise KernelBackendError(f"{ENV_VAR}={choice!r}: expected 'torch' or 'triton'")
+    choice = settings.attention()
+    if choice == "triton":
+        _triton_module("triton_write", cache)  # fail on the first dispatch, not in the middle of a forward
     if choice:
         return choice
     if not cache.is_cuda:
@@ -117,15 +122,14 @@ def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
     """Import ``kvchat.kernels.<name>``; CPU tensors need it built for the interpreter.
 
     Raises:
-        KernelBackendError: Triton is not installed, or CPU tensors meet compiled kernels.
+        SettingError: Triton is not installed, or CPU tensors meet compiled kernels.
     """
     if not _triton_importable():
-        raise KernelBackendError(f"{ENV_VAR}=triton but Triton is not installed")
+        raise SettingError(f"{ENV_VAR} is 'triton' but Triton is not installed; use torch or unset it")
     module = importlib.import_module(f"{__name__}.{name}")
     if not cache.is_cuda and not module.INTERPRETED:
-        raise KernelBackendError(
-            f"{ENV_VAR}=triton with CPU tensors needs TRITON_INTERPRET=1 set before Triton is first imported"
-        )
+        raise SettingError(f"{ENV_VAR} is 'triton' but Triton cannot run on the CPU without TRITON_INTERPRET=1"
+                           " set before Triton is first imported; use torch, a CUDA device, or unset it")
     return module
 
 
@@ -141,7 +145,7 @@ def write_kv(
     """Write new tokens' K/V into the paged pools; see :func:`reference.write_kv` for shapes.
 
     Raises:
-        KernelBackendError: see :func:`backend_for` and the module doc.
+        SettingError: see :func:`backend_for` and the module doc.
     """
     if backend_for(k_cache) == "triton":
         fn = _triton_module("triton_write", k_cache).write_kv
@@ -164,7 +168,8 @@ def decode_attention(
     """Paged decode attention, ``[num_seqs, num_heads, head_dim]``; see :func:`reference.decode_attention`.
 
     Raises:
-        KernelBackendError: see :func:`backend_for` and the module doc; ``sink`` on the Triton backend.
+        SettingError: see :func:`backend_for` and the module doc.
+        KernelBackendError: ``sink`` on the Triton backend.
     """
     if backend_for(k_cache) == "triton":
         _no_sink_on_triton(sink)
@@ -188,7 +193,8 @@ def extend_attention(
     """Prefix-extend attention, ``[total_q, num_heads, head_dim]``; see :func:`reference.extend_attention`.
 
     Raises:
-        KernelBackendError: see :func:`backend_for` and the module doc; ``sink`` on the Triton backend.
+        SettingError: see :func:`backend_for` and the module doc.
+        KernelBackendError: ``sink`` on the Triton backend.
     """
     args = (query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale)
     if backend_for(k_cache) == "triton":

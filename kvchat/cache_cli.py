@@ -9,6 +9,8 @@ from kvchat.store.chunk_index import gc, list_chunks, totals, verify_chunks
 from kvchat.progress import print_prefill_progress
 from kvchat.store.db import get_db, write_transaction
 
+EXIT_DAMAGED = 1  # `cache verify` found (and dropped) corrupt chunks, as fsck and `git fsck` exit non-zero
+
 
 def printable(text: str) -> str:
     """``text`` with control characters (terminal escape sequences) shown as ``\\x1b``-style escapes."""
@@ -27,11 +29,32 @@ def human(n: float) -> str:
 def _owners(db) -> list[dict]:
     return list(db.query(
         "SELECT r.owner, coalesce(c.title, d.title, '') AS title, count(*) AS chunks, coalesce(sum(k.bytes), 0) AS bytes,"
-        " sum(k.token_count) AS tokens, coalesce(c.pinned, d.pinned, 0) AS pinned"
+        " sum(k.token_count) AS tokens, coalesce(c.pinned, d.pinned, 0) AS pinned, c.token_ids"
         " FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
         " LEFT JOIN conversations c ON c.id = r.owner LEFT JOIN documents d ON d.id = r.owner"
         " GROUP BY r.owner ORDER BY bytes DESC"
     ))
+
+
+def _tokens(db, owner: dict) -> int:
+    """``cache ls`` TOKENS: of a chat, what a resume restores from disk; of a document, its chunks' tokens
+    (a document references exactly its prefix's chain)."""
+    from kvchat.kv_persist import restorable_tokens
+    from kvchat.store.conversations import decode_token_ids
+
+    if owner["token_ids"] is None:
+        return owner["tokens"]
+    return restorable_tokens(db, owner["owner"], decode_token_ids(owner["token_ids"]))
+
+
+def say_eviction(evicted) -> None:
+    """Print :func:`kvchat.disk_budget.eviction_note` on stderr when the budget evicted more than a few chunks."""
+    import sys
+
+    from kvchat.disk_budget import eviction_note
+
+    if note := eviction_note(evicted):
+        print(f"kvchat: note: {note}", file=sys.stderr)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -43,20 +66,27 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if sub == "ls":
         print(f"{'OWNER':10} {'TOKENS':>7} {'CHUNKS':>6} {'SIZE':>9}  PIN  TITLE")
         for o in _owners(db):
-            print(f"{o['owner']:10} {o['tokens']:>7} {o['chunks']:>6} {human(o['bytes']):>9}  {'yes' if o['pinned'] else '   '}  {printable(o['title'][:50])}")
+            print(f"{o['owner']:10} {_tokens(db, o):>7} {o['chunks']:>6} {human(o['bytes']):>9}  {'yes' if o['pinned'] else '   '}  {printable(o['title'][:50])}")
     elif sub == "stats":
         t = totals(db)
         print(f"chunks {t.count}, {human(t.bytes)} of a {human(budget_bytes(db))} budget; pinned {t.pinned_count} ({human(t.pinned_bytes)})")
-    elif sub == "verify":
+    elif sub == "verify":  # like fsck: exit 1 when anything was damaged
+        from kvchat.paths import db_path
+        from kvchat.store.db import check_database
+
+        check_database(db, db_path(), full=True)
         bad = verify_chunks(db, drop=True)
         for exc in bad:
             print(f"dropped: {exc}")
-        print(f"verified {totals(db).count} chunks; {len(bad)} corrupt chunk(s) dropped (their tokens will be recomputed)")
+        print(f"database ok (integrity_check); verified {totals(db).count} chunks; {len(bad)} corrupt chunk(s) "
+              "dropped (their tokens will be recomputed)")
+        return EXIT_DAMAGED if bad else 0
     elif sub == "gc":
         r = gc(db)
         evicted = enforce(db)
         print(f"removed {r.files_removed} stray file(s) ({human(r.bytes_freed)}), {r.rows_removed} row(s) without a file, "
-              f"evicted {len(evicted)} chunk(s) over budget")
+              f"evicted {evicted.chunks} chunk(s) over budget")
+        say_eviction(evicted)
     elif sub in ("pin", "unpin"):
         table = "conversations" if args.owner.startswith("c_") else "documents"
         with write_transaction(db):
@@ -82,7 +112,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def _explain(db, chat_id: str, kv_dtype: str) -> int:
     """Print the chat's chunk chain and where (and why) it stops."""
     from kvchat.engine import expected_cache_fingerprint
-    from kvchat.kv_persist import CHUNK_TOKENS, find_chain
+    from kvchat.kv_persist import CHUNK_TOKENS, find_chain, restorable_tokens
     from kvchat.store.conversations import get_conversation
 
     conv = get_conversation(db, chat_id)
@@ -94,7 +124,7 @@ def _explain(db, chat_id: str, kv_dtype: str) -> int:
         kind = "tail" if row.token_count < CHUNK_TOKENS else "chunk"
         print(f"  [{start:>6}, {start + row.token_count:>6})  {kind:5} {row.key[:12]}  {human(row.bytes):>9}  on disk")
         start += row.token_count
-    print(f"restorable from disk: {start} of {len(conv.token_ids)} tokens "
+    print(f"restorable from disk: {restorable_tokens(db, conv.id, conv.token_ids, fp)} of {len(conv.token_ids)} tokens "
           f"(a resume always recomputes the last token and what the previous answer never ran through the model)")
     if start + CHUNK_TOKENS <= len(conv.token_ids) - 1 or not rows:
         print(f"chain stops at token {start}: the next chunk is not on disk (never written, evicted LRU, or dropped as corrupt)")
@@ -144,7 +174,11 @@ def _doc_add(db, args: argparse.Namespace) -> int:
     from kvchat.loader import load_runtime, set_threads
     from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
 
+    from kvchat.paths import db_path
+    from kvchat.store.db import require_writable
+
     doc = read_document(args.path)
+    require_writable(db_path())  # before the model loads and the document is prefilled
     set_threads(args.threads)
     rt = load_runtime(args.model, args.kv_dtype)
     system = DEFAULT_SYSTEM_PROMPT if args.system is None else args.system
@@ -162,6 +196,7 @@ def _doc_add(db, args: argparse.Namespace) -> int:
         )
     session.save_snapshot(did)
     persist.close()
+    say_eviction(persist.evicted)
     print(f"{did}  {printable(doc.title)}: {len(session.token_ids)} tokens, {stats.reused_tokens} reused, "
           f"{stats.prefilled_tokens} prefilled in {stats.prefill_ms / 1e3:.1f} s; cached for new chats")
     return 0

@@ -2,7 +2,7 @@
 
 Bad input prints one ``kvchat: error: ...`` line on stderr and exits with 2,
 before anything in the data dir changes; usage errors (unknown option, missing
-argument, bad value) too.
+argument, bad value) and bad ``KVCHAT_*`` variables (:mod:`kvchat.settings`) too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from kvchat import __version__
 from kvchat.progress import print_prefill_progress
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
 PROGRESS_MIN_TOKENS = 1024  # show prefill progress on stderr for prompts at least this long
 
 
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser("cache", help="the KV snapshot store on disk")
     csub = cache.add_subparsers(dest="cache_command", required=True)
-    csub.add_parser("ls", help="disk use per chat and document")
+    csub.add_parser("ls", help="disk use per chat and document (TOKENS: what a resume restores from disk)")
     csub.add_parser("stats", help="totals against the budget")
     csub.add_parser("verify", help="check every chunk file against its checksum (corrupt ones are dropped)")
     csub.add_parser("gc", help="remove stray files and rows, evict over budget")
@@ -159,10 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvchat`` script; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
+        from kvchat.settings import check
+
+        check()  # a bad KVCHAT_* value is one line and exit 2, before any work
         if args.command is None:
+            from kvchat.cpu_threads import checked_threads
             from kvchat.tui.app import run_app
 
-            return run_app(model=args.model, kv_dtype=args.kv_dtype, threads=args.threads)
+            return run_app(model=args.model, kv_dtype=args.kv_dtype, threads=checked_threads(args.threads))
         if args.command == "ask":
             return cmd_ask(args)
         if args.command == "model":
@@ -203,15 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvchat: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as on SIGPIPE
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # noqa: BLE001 - the known user errors below become one line
         import sqlite3
 
-        if isinstance(exc, sqlite3.DatabaseError):
+        if isinstance(exc, sqlite3.Error):
             from kvchat.paths import db_path
+            from kvchat.store.db import database_error_line
 
-            backups = db_path().parent / "backups"
-            hint = f"; backups of it are in {backups}" if backups.is_dir() and any(backups.iterdir()) else ""
-            print(f"kvchat: error: the database {db_path()} cannot be used ({exc}){hint}", file=sys.stderr)
+            print(f"kvchat: error: {database_error_line(exc, db_path())}", file=sys.stderr)
             return EXIT_USAGE
         if _is_user_error(exc):
             print(f"kvchat: error: {exc}", file=sys.stderr)
@@ -228,8 +237,25 @@ def _is_user_error(exc: Exception) -> bool:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    """``kvchat ask``: validate everything, answer (streamed or as JSON), store the turn."""
+    """``kvchat ask``: validate everything, answer (streamed or as JSON), store the turn.
+
+    Ctrl-C only sets a flag from here on (a ``KeyboardInterrupt`` raised inside
+    a finalizer would be swallowed by Python and the turn carried on): before
+    the first token the turn is dropped (exit 130), during decode the partial
+    answer is kept and stored.
+    """
+    cancel = threading.Event()
+    old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
+    try:
+        return _ask(args, cancel)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
+    """:func:`cmd_ask` with its Ctrl-C flag ``cancel``."""
     from kvchat.cache_miss import shortfall_reason
+    from kvchat.cpu_threads import checked_threads
     from kvchat.documents import read_document
     from kvchat.phase_trace import mark
     from kvchat.sampling import SamplingParams
@@ -239,20 +265,25 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise EmptyPromptError("the prompt is empty")
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.max_tokens)
     params.validate()
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if args.chat and (args.doc or args.system is not None):
+    threads = checked_threads(args.threads)
+    if args.chat is not None and (args.doc or args.system is not None):
         raise ValueError("--doc and --system set up a new chat; they cannot be used with --chat")
     docs = [read_document(p) for p in args.doc]
-    conv = _find_chat(args.chat) if args.chat else None
+    conv = _find_chat(args.chat) if args.chat is not None else None
+    from kvchat.paths import data_dir, db_path
+    from kvchat.store.db import require_writable
+
+    require_writable(db_path())  # the turn is stored: say so now, not after the answer
 
     from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
+    from kvchat.free_space import check_turn_space
+    from kvchat.cache_cli import say_eviction
     from kvchat.kv_persist import KVPersist
     from kvchat.loader import load_runtime, set_threads
     from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
     from kvchat.store.db import get_db
 
-    set_threads(args.threads)
+    set_threads(threads)
     rt = load_runtime(args.model or (conv.model_name if conv else None), args.kv_dtype)
     if conv is not None:
         session = session_from_store(rt, conv)
@@ -262,11 +293,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
         system = DEFAULT_SYSTEM_PROMPT if args.system is None else args.system
         session = Session.new(rt.engine, rt.chat_format(settings), system, [(d.title, d.text) for d in docs])
     stored_len = len(session.token_ids)
-    session.check_turn_fits(args.prompt)
+    check_turn_space(data_dir(), session, len(session.check_turn_fits(args.prompt)), args.max_tokens)
     session.persist = KVPersist(rt.engine)
     mark("loaded")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
-
-    cancel = threading.Event()
 
     def progress(done: int, total: int) -> None:
         if cancel.is_set():  # Ctrl-C during prefill: nothing generated yet, so drop the turn
@@ -274,31 +303,34 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if not args.json and total >= PROGRESS_MIN_TOKENS:
             print_prefill_progress(done, total)
 
-    old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
-    try:
-        for i, piece in enumerate(session.send(args.prompt, params, cancel, progress)):
-            if i == 0:
-                mark("decoding")
-            if not args.json:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-    finally:
-        signal.signal(signal.SIGINT, old)
+    if cancel.is_set():  # Ctrl-C while loading: nothing generated yet
+        raise KeyboardInterrupt
+    for i, piece in enumerate(session.send(args.prompt, params, cancel, progress)):
+        if i == 0:
+            mark("decoding")
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    if not args.json:
+        print()  # end the answer's line before any note or error
     mark("generated")
     db = get_db()
     stats, spec = session.last_turn.stats, rt.engine.spec
     if conv is not None and stats.miss_reason is None:
         stats.miss_reason = shortfall_reason(db, conv.id, stored_len, stats.reused_tokens, session.persist.fingerprint,
                                              rt.info.fingerprint, spec.kv_dtype, spec.block_size)
-    chat_id = conv.id if conv else save_new_chat(db, rt, session, system, settings, args.prompt)
-    if conv is not None:
-        save_turn(db, conv.id, session, args.prompt, stored_len)
+    if conv is None:
+        chat_id = save_new_chat(db, rt, session, system, settings, args.prompt).id
+    else:  # only onto the history this answer saw (another kvchat may have added a turn meanwhile)
+        chat_id = conv.id
+        save_turn(db, conv.id, session, args.prompt, stored_len, conv.token_ids_version)
     mark("committed")
     session.save_snapshot(chat_id)
     session.persist.close()
     mark("flushed")
     for err in session.persist.errors[:1]:
         print(f"kvchat: warning: {err}", file=sys.stderr)
+    say_eviction(session.persist.evicted)
     turn = session.last_turn
     if args.json:
         s = turn.stats
@@ -313,7 +345,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
             "context_tokens": len(session.token_ids), "context_limit": rt.engine.max_context,
         }))
     else:
-        print()
         if turn.stats.miss_reason:  # stored history recomputed, or a corrupt chunk dropped: say why
             print(f"kvchat: note: {turn.stats.miss_reason}", file=sys.stderr)
         print(f"[chat {chat_id}] continue with: kvchat ask --chat {chat_id} \"...\"", file=sys.stderr)

@@ -9,14 +9,13 @@ the same computations; :meth:`Engine.decode` runs one token.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from kvchat import kernels
+from kvchat import kernels, settings
 from kvchat.block_manager import BlockManager, SeqBlocks
 from kvchat.cache_id import cache_fingerprint
 from kvchat.config import ModelConfig
@@ -51,14 +50,6 @@ class PrefillResult:
     prefill_ms: float
 
 
-def pick_device() -> torch.device:
-    """CUDA if available, else CPU (``KVCHAT_DEVICE`` overrides)."""
-    name = os.environ.get("KVCHAT_DEVICE")
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def compute_dtype(device: torch.device, num_params: int) -> torch.dtype:
     """bf16 on GPU; on CPU fp32 for small models (CPUs without bf16 units are
     several times slower in bf16), bf16 for large ones (never an fp32 blow-up)."""
@@ -72,6 +63,9 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device: to
 
     For fp8: K centring when the model's calibration is stored, the exact
     sink where attention runs on the PyTorch path (as :class:`Engine` decides).
+
+    Raises:
+        kvchat.settings.SettingError: ``device`` is None and ``KVCHAT_DEVICE`` is bad, or ``KVCHAT_ATTENTION`` is.
     """
     from kvchat.kernels import FP8_DTYPE
     from kvchat.kv_cache import BLOCK_SIZE
@@ -79,7 +73,7 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device: to
 
     if kv_dtype != "fp8":
         return cache_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE)[1]
-    dev = torch.device(device) if device is not None else pick_device()
+    dev = torch.device(device) if device is not None else settings.device()
     sink = sink_supported(torch.empty(0, dtype=FP8_DTYPE, device=dev))
     return cache_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), sink, BLOCK_SIZE)[1]
 
@@ -128,7 +122,12 @@ def last_cut(num_tokens: int, boundaries: Sequence[int], chunk_tokens: int = PRE
 
 
 class Engine:
-    """Weights + paged KV pool + block manager for one model on one device."""
+    """Weights + paged KV pool + block manager for one model on one device.
+
+    Raises:
+        kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (used when ``device`` is None),
+            ``KVCHAT_KV_BUDGET_MB`` (when ``pool_bytes`` is None) or ``KVCHAT_ATTENTION``.
+    """
 
     def __init__(
         self,
@@ -146,7 +145,7 @@ class Engine:
     ):
         self.cfg = cfg
         self.name = name
-        self.device = torch.device(device) if device is not None else pick_device()
+        self.device = torch.device(device) if device is not None else settings.device()
         num_params = sum(t.numel() for t in weights.values())
         self.dtype = compute_dtype(self.device, num_params)
         t0 = time.perf_counter()
@@ -175,9 +174,9 @@ class Engine:
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
 
     def _default_pool_bytes(self) -> int:
-        env = os.environ.get("KVCHAT_KV_BUDGET_MB")
-        if env:
-            return int(float(env) * 2**20)
+        mb = settings.kv_budget_mb()
+        if mb is not None:
+            return int(mb * 2**20)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * GPU_POOL_FRACTION)

@@ -28,10 +28,13 @@ from typing import Sequence
 import torch
 
 from kvchat.block_manager import SeqBlocks
+from kvchat.disk_budget import Eviction
 from kvchat.disk_budget import enforce as enforce_budget
 from kvchat.engine import Engine
 from kvchat.kv_cache import KVPool
-from kvchat.store.chunk_index import ChunkRow, add_chunk, delete_chunk, get_chunk, read_row, ref_chunks, touch, unref_chunks
+from kvchat.store.chunk_index import (
+    ChunkRow, add_chunk, delete_chunk, get_chunk, owner_fingerprints, read_row, ref_chunks, touch, unref_chunks,
+)
 from kvchat.store.db import get_db, write_transaction
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
@@ -115,6 +118,19 @@ def find_chain(db, fingerprint: str, token_ids: Sequence[int]) -> list[ChunkRow]
     return rows
 
 
+def restorable_tokens(db, owner: str, token_ids: Sequence[int], fingerprint: str | None = None) -> int:
+    """Tokens of ``owner``'s history ``token_ids`` a resume restores from disk.
+
+    The longest stored chain prefixing them (:func:`find_chain`) under
+    ``fingerprint`` (None: under whichever of the owner's own cache
+    fingerprints covers most, when the resuming engine is not known), never
+    the last token: a resume always recomputes it (:meth:`KVPersist.restore`).
+    """
+    fingerprints = [fingerprint] if fingerprint is not None else owner_fingerprints(db, owner)
+    stored = max((sum(r.token_count for r in find_chain(db, fp, token_ids)) for fp in fingerprints), default=0)
+    return min(stored, max(len(token_ids) - 1, 0))
+
+
 class KVPersist:
     """Saves and restores sequences of one engine; owns the background writer thread."""
 
@@ -125,6 +141,7 @@ class KVPersist:
         self.layout = ChunkLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.pool.k.dtype)
         self.read_bytes_per_s = DEFAULT_READ_BYTES_PER_S
         self.errors: list[str] = []
+        self.evicted = Eviction()  # summed over the budget enforcements after each save (writer thread)
         self._queue: queue.Queue = queue.Queue()
         get_db()  # open the index now (~25 ms: plugin discovery, migration check), not inside the first restore
         self._thread = threading.Thread(target=self._writer, name="kvchat-snapshot-writer", daemon=True)
@@ -244,7 +261,7 @@ class KVPersist:
                     touch(get_db(), item[1])
                 elif item[0] == "refs":
                     _set_refs(get_db(), item[1], item[2], self.fingerprint)
-                    enforce_budget(get_db())
+                    self.evicted = self.evicted.then(enforce_budget(get_db()))
                 else:
                     link, data = item
                     add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key, fingerprint=self.fingerprint)

@@ -7,10 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvchat import kernels
 from kvchat.chat_format import ChatFormat, ChatTemplateError
+from kvchat.cpu_threads import checked_threads
 from kvchat.engine import Engine
 from kvchat.kv_calibration import ensure_calibration
 from kvchat.model_registry import ModelInfo, load_weights, resolve_model
+from kvchat.settings import device as env_device
 
 
 @dataclass(slots=True)
@@ -55,19 +58,23 @@ def load_runtime(
 
     Raises:
         kvchat.model_registry.ModelNotFoundError, kvchat.config.UnsupportedModelError,
-        kvchat.model_import.ModelImportError, kvchat.kv_cache.KVDtypeError.
+        kvchat.model_import.ModelImportError, kvchat.kv_cache.KVDtypeError,
+        kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (``device`` None), ``KVCHAT_ATTENTION``
+            or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None); the first two before the weights load.
     """
     from transformers import AutoTokenizer
 
     from kvchat.kv_cache import kv_torch_dtype
 
     kv_torch_dtype(kv_dtype)
+    dev = torch.device(device) if device is not None else env_device()
+    kernels.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
     info = resolve_model(model)
     weights = load_weights(info)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
-    calibration = ensure_calibration(info, weights, tokenizer, device) if kv_dtype == "fp8" else None
+    calibration = ensure_calibration(info, weights, tokenizer, dev) if kv_dtype == "fp8" else None
     engine = Engine(info.config, weights, info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
-                    device=device, name=info.name, calibration=calibration)
+                    device=dev, name=info.name, calibration=calibration)
     del weights
     runtime = Runtime(info, engine, tokenizer)
     if engine.exact_sink:  # every chat starts with the template's first token: its sink now, not in the first TTFT
@@ -79,12 +86,12 @@ def load_runtime(
 
 
 def set_threads(n: int | None) -> None:
-    """Use ``n`` CPU threads for torch (None: torch's default, one per core).
+    """Use ``n`` CPU threads for torch (None: torch's default, one per core), at most the usable cores
+    (:func:`kvchat.cpu_threads.checked_threads`, which says so on stderr).
 
     Raises:
         ValueError: ``n`` < 1.
     """
-    if n is not None and n < 1:
-        raise ValueError(f"--threads must be >= 1, got {n}")
+    n = checked_threads(n)
     if n:
         torch.set_num_threads(n)

@@ -3,20 +3,17 @@
 Two roots, each with its own override, so that tests can give every case a
 fresh data dir while sharing one imported model:
 
-- data dir (conversations, SQLite index, KV snapshots): ``$KVCHAT_HOME`` or
-  platformdirs' user data dir for "kvchat".
-- models dir (imported models): ``$KVCHAT_MODELS`` or platformdirs' user
-  cache dir for "kvchat" + ``/models``.
+- data dir (conversations, SQLite index, KV snapshots): ``$KVCHAT_HOME``
+  (:func:`kvchat.settings.home`, which has the default).
+- models dir (imported models): ``$KVCHAT_MODELS``
+  (:func:`kvchat.settings.models`).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import platformdirs
-
-APP_NAME = "kvchat"
+from kvchat import settings
 
 
 def _ensure(path: Path) -> Path:
@@ -33,14 +30,12 @@ def _ensure(path: Path) -> Path:
 
 def data_dir() -> Path:
     """Directory for conversations, the SQLite index and KV snapshots."""
-    env = os.environ.get("KVCHAT_HOME")
-    return _ensure(Path(env) if env else Path(platformdirs.user_data_dir(APP_NAME)))
+    return _ensure(settings.home())
 
 
 def models_dir() -> Path:
     """Directory for imported models (independent of :func:`data_dir`)."""
-    env = os.environ.get("KVCHAT_MODELS")
-    return _ensure(Path(env) if env else Path(platformdirs.user_cache_dir(APP_NAME)) / "models")
+    return _ensure(settings.models())
 
 
 def db_path() -> Path:

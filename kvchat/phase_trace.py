@@ -13,7 +13,9 @@ import os
 import time
 from pathlib import Path
 
-TRACE_ENV = "KVCHAT_PHASE_TRACE"
+from kvchat import settings
+
+TRACE_ENV = settings.PHASE_TRACE
 
 
 def mark(phase: str) -> None:
@@ -24,8 +26,8 @@ def mark(phase: str) -> None:
     """
     if not phase or phase.split() != [phase]:
         raise ValueError(f"a phase name is one word, got {phase!r}")
-    path = os.environ.get(TRACE_ENV)
-    if not path:
+    path = settings.phase_trace()
+    if path is None:
         return
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:

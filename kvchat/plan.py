@@ -1,7 +1,7 @@
 """``kvchat plan``: how many chats of a given length fit on a GPU, per KV dtype.
 
-The arithmetic of the seed article's 40 GB example (a 7B model in fp16 on
-an A100 40 GB holds 12 concurrent 4096-token chats):
+The arithmetic of the 40 GB example in the article :data:`ARTICLE` (a 7B
+model in fp16 on an A100 40 GB holds 12 concurrent 4096-token chats):
 
 - KV bytes per token = 2 (K and V) × layers × KV heads × (head_dim × bytes
   per value + scale bytes), with kvchat's fp8 pools storing one fp32 scale
@@ -24,6 +24,7 @@ from pathlib import Path
 from kvchat.config import ModelConfig
 from kvchat.kv_cache import BLOCK_SIZE, KVCacheSpec
 
+ARTICLE = '"KV Cache Optimization: Efficient Context Storage"'
 GIB = 2**30
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PLAN_KV_DTYPES = ("fp16", "bf16", "fp8")
@@ -161,7 +162,8 @@ def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
     if plan.kv_budget_bytes <= 0:
         lines.append("the weights alone do not fit on this GPU")
     if plan.reserve_bytes == 0:
-        lines.append("activations are not counted (as in the article); set --reserve-gb to hold memory back for them")
+        lines.append(f"activations are not counted (as in the 40 GB example of the article {ARTICLE}); "
+                     "set --reserve-gb to hold memory back for them")
     return "\n".join(lines)
 
 

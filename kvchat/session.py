@@ -227,6 +227,23 @@ class Session:
             self.segments.pop()
         self.engine.release(self.seq)
 
+    def truncate(self, num_tokens: int) -> None:
+        """Cut the conversation to its first ``num_tokens`` tokens, keeping their KV.
+
+        Used to roll back a turn that was not stored and by regenerate/edit.
+        The block manager forks the sequence at ``num_tokens`` (the kept
+        blocks' ref counts go up), then the old sequence is released, so only
+        the cut-off tail returns to the pool; a shared or cached block is
+        copied on write when the next turn appends into it. Segments are cut
+        at ``num_tokens``; :attr:`last_turn` is cleared.
+        """
+        child = self.engine.blocks.fork(self.seq, num_tokens)
+        self.engine.release(self.seq)
+        self.seq = child
+        del self.token_ids[num_tokens:]
+        self.segments = [Segment(s.kind, s.start, min(s.end, num_tokens)) for s in self.segments if s.start < num_tokens]
+        self.last_turn = None
+
     def close(self) -> None:
         """Release the conversation's blocks (they stay in the prefix cache)."""
         self.engine.release(self.seq)

@@ -208,6 +208,13 @@ def unref_chunks(db: Database, keys: Iterable[str]) -> list[str]:
     return deleted
 
 
+def owner_fingerprints(db: Database, owner: str) -> list[str]:
+    """The cache fingerprints of the chunks ``owner`` (a chat or document id) references."""
+    return [r["fp"] for r in db.query(
+        "SELECT DISTINCT k.fingerprint AS fp FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key WHERE r.owner = ?",
+        [owner])]
+
+
 def totals(db: Database) -> ChunkTotals:
     """Count and bytes of all chunks and of pinned ones."""
     r = next(db.query(

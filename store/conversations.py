@@ -200,10 +200,7 @@ def append_turn(
         if not rows:
             raise ConversationNotFoundError(f"no conversation with id {conv_id!r}")
         r = rows[0]
-        if expected_version is not None and r["token_ids_version"] != expected_version:
-            raise ConversationConflictError(
-                f"conversation {conv_id} is at version {r['token_ids_version']}, expected {expected_version}; reload it"
-            )
+        check_version(conv_id, r["token_ids_version"], expected_version)
         base = len(r["token_ids"]) // 4
         now = time.time()
         for i, m in enumerate(messages):
@@ -221,6 +218,48 @@ def append_turn(
         db.execute(
             "UPDATE conversations SET token_ids = ?, token_ids_version = ?, segments = ?, updated = ? WHERE id = ?",
             [r["token_ids"] + delta, version, json.dumps(segments), now, conv_id],
+        )
+    return version
+
+
+def check_version(conv_id: str, stored: int, expected: int | None) -> None:
+    """Refuse a write computed on another version of the conversation's history.
+
+    Raises:
+        ConversationConflictError: ``expected`` is given and differs from ``stored``.
+    """
+    if expected is not None and stored != expected:
+        raise ConversationConflictError(
+            f"chat {conv_id} was changed by another kvchat while this turn was computed (stored version {stored}, "
+            f"this turn saw version {expected}); nothing was stored: reopen the chat and ask again"
+        )
+
+
+def rewind_conversation(db: Database, conv_id: str, num_tokens: int, num_messages: int,
+                        expected_version: int | None = None) -> int:
+    """Cut a stored chat to its first ``num_tokens`` token ids and first ``num_messages`` messages.
+
+    Runs in one write transaction (a savepoint when the caller holds one, so
+    rewind and the replacing turn commit together). Returns the new
+    ``token_ids_version``.
+
+    Raises:
+        ConversationNotFoundError: unknown ``conv_id``.
+        ConversationConflictError: ``expected_version`` given and the stored version differs.
+    """
+    with write_transaction(db):
+        rows = list(db.query("SELECT token_ids, token_ids_version, segments FROM conversations WHERE id = ?",
+                             [conv_id]))
+        if not rows:
+            raise ConversationNotFoundError(f"no conversation with id {conv_id!r}")
+        r = rows[0]
+        check_version(conv_id, r["token_ids_version"], expected_version)
+        db.execute("DELETE FROM messages WHERE conversation_id = ? AND idx >= ?", [conv_id, num_messages])
+        segments = [[s, min(e, num_tokens), k] for s, e, k in json.loads(r["segments"]) if s < num_tokens]
+        version = r["token_ids_version"] + 1
+        db.execute(
+            "UPDATE conversations SET token_ids = ?, token_ids_version = ?, segments = ?, updated = ? WHERE id = ?",
+            [r["token_ids"][: 4 * num_tokens], version, json.dumps(segments), time.time(), conv_id],
         )
     return version
 

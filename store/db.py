@@ -34,27 +34,64 @@ from sqlite_utils import Database
 
 from kvchat.paths import db_path
 
-from .errors import TruncatedDatabaseError
-from .migrations import migrate
+from .errors import DamagedDatabaseError, ReadOnlyStoreError, TruncatedDatabaseError
+from .migrations import check_schema, migrate
 
 BUSY_TIMEOUT_MS = 10_000
 
 _local = threading.local()
+_checked: set[str] = set()  # databases this process has run quick_check on
+_checked_lock = threading.Lock()
+
+
+def backups_dir(path: Path) -> Path:
+    """Where :func:`kvchat.store.migrations.migrate` keeps backups of the database at ``path``."""
+    return path.parent / "backups"
+
+
+def _backups_hint(path: Path) -> str:
+    """``"; backups of it are in DIR"`` when that folder holds any, else ``""``."""
+    backups = backups_dir(path)
+    return f"; backups of it are in {backups}" if backups.is_dir() and any(backups.iterdir()) else ""
+
+
+def writable(path: Path) -> bool:
+    """Whether the folder holding the database at ``path`` can take new files (the -wal, -shm, chunks)."""
+    return os.access(path.parent, os.W_OK | os.X_OK)
+
+
+def require_writable(path: Path) -> None:
+    """Refuse, before any work, a command that will store something in a read-only data dir.
+
+    Raises:
+        ReadOnlyStoreError: the folder holding the database at ``path`` cannot be written.
+    """
+    if not writable(path):
+        raise ReadOnlyStoreError(f"the data dir {path.parent} is read-only; this command stores its result in "
+                                 f"{path}; make the folder writable or set KVCHAT_HOME; nothing was changed")
 
 
 def connect(path: Path | None = None) -> Database:
     """Open a new connection (default: :func:`kvchat.paths.db_path`) and migrate the schema.
 
     The file is created with mode 0600. Backups made before migrations go to
-    ``<db dir>/backups``.
+    :func:`backups_dir`. In a data dir that cannot be written, an existing
+    database opens read-only (``immutable`` when it has no -wal: no writer of
+    this user can exist where no -wal can be created), so read-only commands still work; a write then
+    raises ``sqlite3.OperationalError`` (see :func:`database_error_line`).
 
     Raises:
         TruncatedDatabaseError: the file is empty but ``<db dir>/kv`` holds chunk
             files (a fresh schema would orphan them, and ``cache gc`` delete them).
+        ReadOnlyStoreError: the data dir is read-only and the database is missing or needs a migration.
+        DamagedDatabaseError: the first connection of this process finds the file damaged
+            (:func:`check_database`, run before any migration or backup).
         SchemaTooNewError, MigrationError: see :func:`kvchat.store.migrations.migrate`.
     """
     path = Path(path) if path is not None else db_path()
     _refuse_truncated(path)
+    if not writable(path):
+        return _connect_read_only(path)
     created = not path.exists()
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=True)
     if created:
@@ -63,16 +100,90 @@ def connect(path: Path | None = None) -> Database:
         # creates later copy the database file's mode.
         os.chmod(path, 0o600)
     db = Database(conn, execute_plugins=False)
-    db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    db.enable_wal()
-    db.execute("PRAGMA synchronous = FULL")
-    db.execute("PRAGMA foreign_keys = ON")
     try:
-        migrate(db, path.parent / "backups")
+        db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        _check_once(db, path)  # before anything writes to the file (journal mode, migrations, backups)
+        db.enable_wal()
+        db.execute("PRAGMA synchronous = FULL")
+        db.execute("PRAGMA foreign_keys = ON")
+        migrate(db, backups_dir(path))
     except BaseException:
         db.close()
         raise
     return db
+
+
+def _check_once(db: Database, path: Path) -> None:
+    """:func:`check_database` on the first connection this process opens to ``path`` (before any migration)."""
+    key = str(path.resolve())
+    with _checked_lock:
+        if key not in _checked:
+            check_database(db, path)
+            _checked.add(key)
+
+
+def _connect_read_only(path: Path) -> Database:
+    """A read-only connection to an existing, current database in a read-only data dir."""
+    if not path.is_file():
+        raise ReadOnlyStoreError(f"the data dir {path.parent} is read-only and holds no database yet; "
+                                 "make it writable or set KVCHAT_HOME to a writable folder")
+    # immutable only where no -wal holds committed turns (it would be ignored); else plain mode=ro,
+    # which reads the -wal through an existing -shm
+    wal = path.with_name(path.name + "-wal")
+    uri = f"{path.resolve().as_uri()}?mode=ro" + ("" if wal.exists() else "&immutable=1")
+    db = Database(sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=True), execute_plugins=False)
+    try:
+        _check_once(db, path)
+        pending = check_schema(db)
+    except BaseException:
+        db.close()
+        raise
+    if pending:
+        db.close()
+        raise ReadOnlyStoreError(f"the database {path} needs a schema upgrade but its data dir {path.parent} is "
+                                 "read-only; make it writable once")
+    return db
+
+
+def check_database(db: Database, path: Path, full: bool = False) -> None:
+    """Run SQLite's ``quick_check`` (``integrity_check`` when ``full``) and raise if it finds damage.
+
+    ``quick_check`` reads every page but skips index-content checks: a few ms
+    per MB, so commands run it once per process before any work
+    (:func:`get_db`); ``kvchat cache verify`` runs the full check.
+
+    Raises:
+        DamagedDatabaseError: the first problem SQLite reports, and where backups are.
+    """
+    pragma = "integrity_check" if full else "quick_check"
+    try:
+        rows = [r[0] for r in db.execute(f"PRAGMA {pragma}(5)").fetchall()]
+    except sqlite3.DatabaseError as exc:  # too damaged to walk: "malformed", "not a database"
+        if isinstance(exc, sqlite3.OperationalError):  # locked, I/O: not damage
+            raise
+        rows = [str(exc)]
+    if rows != ["ok"]:
+        raise DamagedDatabaseError(f"the database {path} is damaged ({pragma}: {' '.join(rows[0].split())}); "
+                                   f"nothing was changed{_backups_hint(path)}")
+
+
+def database_error_line(exc: sqlite3.Error, path: Path) -> str:
+    """One line naming the cause of an SQLite error on the database at ``path``, for the CLI and the TUI.
+
+    A full disk names the free space left; a read-only data dir names the folder.
+    """
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary result code of an extended one
+    if code == sqlite3.SQLITE_FULL:
+        import shutil
+
+        free = shutil.disk_usage(path.parent).free
+        return (f"no space left for the database {path} ({free / 1e6:.1f} MB free on its disk); nothing was "
+                "stored: free some space (or run 'kvchat cache purge') and try again")
+    if not writable(path):
+        return f"the data dir {path.parent} is read-only; this needs to write to {path}; nothing was changed"
+    if code == sqlite3.SQLITE_READONLY:
+        return f"the database file {path} is read-only; this needs to write to it; nothing was changed"
+    return f"the database {path} cannot be used ({' '.join(str(exc).split())}){_backups_hint(path)}"
 
 
 def _refuse_truncated(path: Path) -> None:
@@ -89,13 +200,16 @@ def _refuse_truncated(path: Path) -> None:
     if empty and kv.is_dir() and next(kv.rglob("*.safetensors"), None) is not None:
         raise TruncatedDatabaseError(
             f"the database {path} is empty (0 bytes) but KV chunk files exist in {kv}: it was truncated; "
-            f"restore it from {path.parent / 'backups'} if one is there, or move it away to start a new index")
+            f"restore it from {backups_dir(path)} if one is there, or move it away to start a new index")
 
 
 def get_db() -> Database:
     """The calling thread's connection to :func:`kvchat.paths.db_path`, opened on first use.
 
     Keyed by the resolved path, so changing ``$KVCHAT_HOME`` (tests) opens a new one.
+
+    Raises:
+        the errors of :func:`connect`.
     """
     conns: dict[str, Database] = _local.__dict__.setdefault("conns", {})
     key = str(db_path().resolve())

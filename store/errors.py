@@ -18,6 +18,14 @@ class TruncatedDatabaseError(StoreError):
     """The database file is empty while KV chunk files exist beside it: it was truncated, not new."""
 
 
+class DamagedDatabaseError(StoreError):
+    """SQLite's ``quick_check`` or ``integrity_check`` found the database damaged."""
+
+
+class ReadOnlyStoreError(StoreError):
+    """The data dir cannot be written, and the command needs to write (or the schema needs a migration)."""
+
+
 class SchemaTooNewError(StoreError):
     """The database carries migrations this version of kvchat does not know."""
 

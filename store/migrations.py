@@ -124,6 +124,19 @@ def schema_names() -> list[str]:
     return [m.name for m in MIGRATIONS.pending(Database(memory=True))]
 
 
+def check_schema(db: Database) -> list:
+    """The migrations ``db`` still needs (sqlite-utils ``Migration`` objects, oldest first).
+
+    Raises:
+        SchemaTooNewError: the database has migrations this kvchat does not know.
+    """
+    known = set(schema_names())
+    unknown = [m.name for m in MIGRATIONS.applied(db) if m.name not in known]
+    if unknown:
+        raise SchemaTooNewError(f"database has migrations unknown to this kvchat ({', '.join(unknown)}); upgrade kvchat")
+    return MIGRATIONS.pending(db)
+
+
 def migrate(db: Database, backup_dir: Path) -> Path | None:
     """Apply pending migrations to ``db``; return the backup path, or None if none was made.
 
@@ -136,11 +149,7 @@ def migrate(db: Database, backup_dir: Path) -> Path | None:
         SchemaTooNewError: the database has migrations this kvchat does not know.
         MigrationError: a migration raised; nothing was changed, the backup remains.
     """
-    known = set(schema_names())
-    unknown = [m.name for m in MIGRATIONS.applied(db) if m.name not in known]
-    if unknown:
-        raise SchemaTooNewError(f"database has migrations unknown to this kvchat ({', '.join(unknown)}); upgrade kvchat")
-    pending = MIGRATIONS.pending(db)
+    pending = check_schema(db)
     if not pending:
         return None
     backup = None

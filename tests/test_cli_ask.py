@@ -48,6 +48,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["ask", "hi", "--doc", str(empty)], "empty"),
         (["ask", "   "], "prompt is empty"),
         (["ask", "hi", "--chat", "c_nope00"], "no conversation"),
+        (["ask", "hi", "--chat", ""], "no conversation with id ''"),  # an empty $ID never starts a new chat
         (["ask", "hi", "--model", "no-such-model"], "unknown model"),
         (["ask", "hi", "--temperature", "-1"], "temperature"),
     ]
@@ -115,3 +116,36 @@ def test_ask_about_a_document_then_continue_the_chat(models, kvchat_home):
     kinds = [k for _, _, k in conv.segments]
     assert kinds == ["prefix", "user", "assistant", "user", "assistant"]
     assert conv.segments[-1][1] == len(conv.token_ids)
+
+
+def test_threads_beyond_the_usable_cores_are_capped_with_a_note(models, kvchat_home, monkeypatch, capsys):
+    from kvchat.cpu_threads import checked_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert checked_threads(2) == 2 and checked_threads(None) is None and capsys.readouterr().err == ""
+    assert checked_threads(999) == 2
+    assert capsys.readouterr().err == "kvchat: note: --threads 999 capped at 2 usable cores\n"
+    with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
+        checked_threads(0)
+    monkeypatch.undo()
+    cores = len(os.sched_getaffinity(0))
+    r = run_cli(["ask", "Say hi.", "--threads", "999", "--max-tokens", "2", "--json"], kvchat_home, models)
+    assert r.returncode == 0, r.stderr
+    note = f"kvchat: note: --threads 999 capped at {cores} usable core{'s' if cores > 1 else ''}"
+    assert note in r.stderr.splitlines(), r.stderr
+    assert json.loads(r.stdout)["text"] is not None
+
+
+def test_a_closed_stdout_stops_quietly_and_keeps_a_stored_turn(models, kvchat_home):
+    """``kvchat ask … --json | head -c 5``: the reader goes away before the JSON is written."""
+    env = {**os.environ, "KVCHAT_HOME": str(kvchat_home), "KVCHAT_MODELS": str(models)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvchat.cli", "ask", "Say hi.", "--json", "--max-tokens", "3",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc.stdout.close()  # nobody reads: the final write gets EPIPE
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 141, err  # as a shell reports SIGPIPE
+    assert "error" not in err and "Traceback" not in err
+    from kvchat.store.conversations import list_conversations
+    from kvchat.store.db import get_db
+
+    assert [c.num_messages for c in list_conversations(get_db())] == [2], "the turn was stored before the write"

@@ -35,6 +35,7 @@ if DEVICE.type == "cpu" and "triton" not in sys.modules:
 
 import kvchat.kernels as kernels  # noqa: E402
 from kvchat.kernels import reference, triton_decode, triton_extend, triton_write  # noqa: E402
+from kvchat.settings import SettingError  # noqa: E402
 
 if DEVICE.type == "cpu" and not (triton_write.INTERPRETED and triton_decode.INTERPRETED and triton_extend.INTERPRETED):
     pytest.skip("Triton was imported earlier in this process without TRITON_INTERPRET=1", allow_module_level=True)
@@ -299,12 +300,12 @@ def test_dispatch_default_uses_reference_on_cpu_and_triton_on_request(monkeypatc
 def test_dispatch_errors(monkeypatch):
     pool = make_pool([4], 1, 64, POOLS[0])
     monkeypatch.setenv("KVCHAT_ATTENTION", "cuda")
-    with pytest.raises(kernels.KernelBackendError, match="expected 'torch' or 'triton'"):
+    with pytest.raises(SettingError, match="^KVCHAT_ATTENTION must be torch or triton .*, got 'cuda'$"):
         kernels.decode_attention(torch.randn(1, 1, 64, device=DEVICE), *pool, 0.125)
     if DEVICE.type == "cpu":
         monkeypatch.setenv("KVCHAT_ATTENTION", "triton")
         monkeypatch.setattr(triton_decode, "INTERPRETED", False)  # as if imported without TRITON_INTERPRET=1
-        with pytest.raises(kernels.KernelBackendError, match="TRITON_INTERPRET=1"):
+        with pytest.raises(SettingError, match="TRITON_INTERPRET=1"):
             kernels.decode_attention(torch.randn(1, 1, 64), *pool, 0.125)
 
 

@@ -79,4 +79,6 @@ def test_cmd_plan_reads_a_config_file(tmp_path, capsys):
     assert {r["kv_dtype"]: r["chats"] for r in out["rows"]} == {"fp16": 12, "bf16": 12, "fp8": 23}
     args.json = False
     assert cmd_plan(args) == 0
-    assert "fp16" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fp16" in out
+    assert 'as in the 40 GB example of the article "KV Cache Optimization: Efficient Context Storage"' in out

@@ -65,7 +65,7 @@ def test_conflict_and_bad_span_write_nothing():
     db = get_db()
     cid = create_conversation(db).id
     append_turn(db, cid, [1], [])
-    with pytest.raises(ConversationConflictError, match="version 1, expected 0"):
+    with pytest.raises(ConversationConflictError, match="stored version 1, this turn saw version 0"):
         append_turn(db, cid, [2], [NewMessage("user", "x", 0, 1)], expected_version=0)
     with pytest.raises(ValueError, match="outside"):
         append_turn(db, cid, [2], [NewMessage("user", "x", 0, 2)])

@@ -230,10 +230,12 @@ def test_verify_drops_corrupt_chunk_and_resume_recomputes_it(base, home, keys, t
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x40]))
 
+    run("cache", "verify")  # clean: exit 0
+    assert "0 corrupt chunk(s)" in capsys.readouterr().out
     flip(row.path)
-    run("cache", "verify")
+    assert main(["cache", "verify"]) == 1, "damage found: exit non-zero, as fsck does"
     out = capsys.readouterr().out
-    assert "1 corrupt chunk(s) dropped" in out and "checksum" in out
+    assert "1 corrupt chunk(s) dropped" in out and "checksum" in out and "database ok" in out
     assert get_chunk(get_db(), keys["c1"]) is None and not row.path.exists()
     assert chunk_files(home) == (keys["chat1"] | keys["chat2"]) - {keys["c1"]}
 
@@ -366,7 +368,7 @@ def test_writer_survives_a_failing_save_and_flush_returns(base, home, rt, monkey
         flusher.start()
         flusher.join(timeout=60)
         assert not flusher.is_alive(), "flush() hung: the writer thread died on the error"
-        assert persist.errors == ["KV snapshot not saved: KVCHAT_CACHE_BUDGET_GB must be a number of gigabytes >= 0, got 'lots'"]
+        assert persist.errors == ["KV snapshot not saved: KVCHAT_CACHE_BUDGET_GB must be a positive number of GB, got 'lots'"]
         monkeypatch.delenv("KVCHAT_CACHE_BUDGET_GB")
         saved = persist.save(seq, ids, [], owner="c_other")
         persist.flush()

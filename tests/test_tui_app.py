@@ -19,7 +19,7 @@ from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.screens.chat import ChatScreen
 from kvchat.tui.screens.confirm import ConfirmScreen
 from kvchat.tui.screens.help import HelpScreen
-from kvchat.tui.screens.prompt import PromptScreen
+from kvchat.tui.screens.prompt import PromptScreen, split_paths
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message_view import PAGE, MessageView
 from kvchat.tui.widgets.status_bar import StatusBar
@@ -223,6 +223,75 @@ async def test_a_sidebar_refresh_keeps_the_row_the_user_moved_to(harness):
         await until(pilot, lambda: not h.screen.workers and chats.index is None)  # no open chat: no highlight
 
 
+async def test_enter_opens_the_highlighted_or_else_the_first_chat(harness):
+    """Tab to the list and Enter opens a chat though none is highlighted; so does Enter in the search box."""
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await two_chats(pilot, h)
+        await pilot.press("ctrl+n")
+        chats = h.screen.query_one("#chats", ListView)
+        await until(pilot, lambda: h.backend.current().id is None and not h.screen.workers and chats.index is None)
+        first = h.backend.list_chats()[0].id
+        while not chats.has_focus:
+            await pilot.press("tab")
+        chats.index = None  # as when the rows arrive after the list got focus
+        await pilot.press("enter")
+        await until(pilot, lambda: h.backend.current().id == first and len(h.blocks("user")) == 1)
+        await pilot.press("ctrl+f", *"zebr", "enter")
+        await until(pilot, lambda: [b.text for b in h.blocks("user")] == ["tell me about zebras"])
+        await pilot.press("f1")
+        table = h.app.screen.query_one(DataTable)
+        assert any("open a stored chat" in str(table.get_row_at(i)[2]).lower() for i in range(table.row_count))
+
+
+async def test_the_resume_line_lasts_until_the_next_turn_finishes(harness):
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await two_chats(pilot, h)
+        status = h.screen.query_one(StatusBar)
+        zebras = next(c.id for c in h.backend.list_chats() if "zebras" in c.title)
+        chats = h.screen.query_one("#chats", ListView)
+        chats.focus()
+        await until(pilot, lambda: chats.has_focus)
+        chats.index = [c.id for c in h.backend.list_chats()].index(zebras)
+        await pilot.press("enter")
+        await until(pilot, lambda: h.backend.current().id == zebras and "resumed" in shown(status))
+        await h.send(pilot, "and their stripes?")
+        assert "resumed" not in shown(status) and "TTFT 12 ms" in shown(status)
+        assert h.backend.status().resume is not None, "the backend still knows how the chat was opened"
+
+
+class SlowSearch(FakeBackend):
+    """``list_chats(hold)`` waits for ``gate`` (a slow SQLite search); every query is recorded."""
+
+    def __init__(self, hold: str, **kwargs):
+        super().__init__(**kwargs)
+        self.hold, self.gate, self.queries = hold, threading.Event(), []
+
+    def list_chats(self, query: str = ""):
+        self.queries.append(query)
+        if query == self.hold:
+            self.gate.wait(timeout=10)
+        return super().list_chats(query)
+
+
+async def test_typing_a_search_never_waits_and_a_stale_result_never_lands():
+    h = Harness(SlowSearch("a", answers=["Zebras run.", "Owls hoot."]))
+    async with h.app.run_test(size=SIZE) as pilot:
+        await two_chats(pilot, h)
+        search = h.screen.query_one("#search", Input)
+        await pilot.press("ctrl+f", "a")
+        await until(pilot, lambda: "a" in h.backend.queries)  # the search for "a" (both chats) now hangs
+        await pilot.press(*"bout z")
+        assert search.value == "about z", "typing waited for the search"
+        await until(pilot, lambda: h.sidebar_titles() == ["tell me about zebras"])
+        h.backend.gate.set()  # the stale search finishes last
+        await pilot.pause(0.5)
+        assert h.sidebar_titles() == ["tell me about zebras"], "a stale search result replaced the last one"
+        typed = [q for q in h.backend.queries if q not in ("", "a")]
+        assert len(typed) < len("bout z"), f"one search per keystroke: {typed}"
+
+
 async def test_export_writes_markdown_in_the_current_dir(harness, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     h = harness
@@ -284,6 +353,24 @@ async def test_bad_document_path_is_a_notice_not_a_crash(harness, tmp_path):
         await until(pilot, lambda: h.blocks("notice"))
         assert h.blocks("notice")[0].text == "Documents (cached prefix): notes.txt"
         await until(pilot, lambda: len(h.screen.query_one("#documents", ListView).children) == 1)
+
+
+async def test_attach_takes_any_real_file_path_even_with_a_semicolon(harness, tmp_path):
+    odd, plain = tmp_path / "notes;v2.txt", tmp_path / "plain.txt"
+    odd.write_text("The heron nests by the mill.")
+    plain.write_text("The mill stands by the river.")
+    assert split_paths(str(odd)) == [str(odd)]
+    assert split_paths(f" {odd} ;{plain};") == [str(odd), str(plain)]
+    assert split_paths("missing.txt; other.txt") == ["missing.txt", "other.txt"]
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await pilot.press("ctrl+o")
+        assert "contains ;" in shown(h.app.screen.query_one(".question")), "the prompt says how ; is read"
+        h.app.screen.query_one(Input).value = str(odd)
+        await pilot.press("enter")
+        await until(pilot, lambda: h.blocks("notice"))
+        assert h.blocks("notice")[0].text == "Documents (cached prefix): notes;v2.txt"
 
 
 async def test_markup_and_escape_sequences_are_shown_literally():

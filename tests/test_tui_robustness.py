@@ -24,7 +24,7 @@ SIZE = (100, 30)
 HEADLESS = {"TEXTUAL_DRIVER": "textual.drivers.headless_driver:HeadlessDriver"}
 CAPS_WITHOUT_OVERRIDE = (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
 PR_CAPBSET_DROP = 24
-RUN_KVCHAT = "import sys; from kvchat.cli import main; sys.exit(main([]))"
+RUN_KVCHAT = "import sys; from kvchat.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -47,11 +47,12 @@ def _drop_root_override() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-def run_kvchat(home: Path, timeout: float = 90) -> subprocess.CompletedProcess:
-    """``kvchat`` (the TUI) headless in a fresh process on data dir ``home``; root runs without DAC override."""
+def run_kvchat(home: Path, *argv: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    """``kvchat ARGV`` (no ARGV: the TUI, headless) in a fresh process on data dir ``home``; root runs without
+    DAC override."""
     env = {**os.environ, **HEADLESS, "KVCHAT_HOME": str(home)}
     pre = _drop_root_override if os.geteuid() == 0 else None
-    return subprocess.run([sys.executable, "-c", RUN_KVCHAT], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", RUN_KVCHAT, *argv], env=env, capture_output=True, text=True,
                           timeout=timeout, preexec_fn=pre, check=False)
 
 

@@ -1,6 +1,6 @@
 """The built wheel ships the stylesheet: install it into a fresh venv and start the app headless from there.
 
-The venv sees the global site-packages (torch, textual, …) but the test runs
+The venv sees the test interpreter's site-packages (torch, textual, …) but the test runs
 from a directory outside the checkout and checks that ``kvchat`` came from the
 venv's own site-packages, so a stylesheet missing from the wheel fails here
 even though the checkout has it.
@@ -9,6 +9,7 @@ even though the checkout has it.
 from __future__ import annotations
 
 import json
+import site
 import subprocess
 import sys
 import venv
@@ -39,14 +40,29 @@ asyncio.run(main())
 """
 
 
+def _see_this_interpreters_packages(python: Path) -> None:
+    """Let the child venv import torch, textual, … from the interpreter running the tests.
+
+    ``system_site_packages=True`` would point at the *base* interpreter's
+    packages, which lack them when the tests run in a venv (as a user runs
+    the README's command). A ``.pth`` line adds each directory to the path
+    without running the ``.pth`` files in it, so an editable install of
+    kvchat there is not seen: only the wheel in the child's own site-packages.
+    """
+    child_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                check=True, capture_output=True, text=True).stdout.strip()
+    Path(child_site, "parent-packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+
+
 def test_wheel_ships_the_stylesheet_and_the_app_starts_from_it(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
                     str(REPO)], check=True, capture_output=True, timeout=120)
     [wheel] = dist.glob("kvchat-*.whl")
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    _see_this_interpreters_packages(python)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
                    check=True, capture_output=True, timeout=120)
     elsewhere = tmp_path / "elsewhere"

@@ -34,7 +34,7 @@ ACTIONS = (
     Action("f9", "copy_last", "Copy last answer", "Copy the last answer to the clipboard"),
     Action("ctrl+s", "export", "Export to Markdown", "Write the open chat to a .md file"),
     Action("f5", "cache", "Cache", "Cache use per chat, pin/unpin, totals", show=True),
-    Action("ctrl+f", "search", "Search chats", "Search titles and messages"),
+    Action("ctrl+f", "search", "Search chats", "Search titles and messages; Enter opens the first match"),
     Action("ctrl+t", "app.change_theme", "Theme", "Pick a Textual theme"),
 )
 
@@ -42,6 +42,7 @@ INPUT_KEYS = (
     ("enter", "Send the message"),
     ("ctrl+j", "New line (also shift/alt+enter if the terminal sends them)"),
     ("tab, shift+tab", "Move focus: sidebar, messages, input"),
+    ("tab, ↑ ↓, enter", "Open a stored chat: Tab to the chat list, Enter (the first if none is picked)"),
     ("↑ ↓ pgup pgdn home end", "Scroll the messages (when focused)"),
     ("ctrl+p", "Command palette (every action above)"),
     ("ctrl+q", "Quit (finishes queued cache writes first)"),

@@ -174,7 +174,11 @@ class ChatView:
 
 @dataclass(slots=True)
 class CacheRow:
-    """One chat on the cache screen: KV bytes on disk and in the pool, pin, and why it would miss (if known)."""
+    """One chat on the cache screen: KV bytes on disk and in the pool, pin, and why it would miss (if known).
+
+    ``cached_tokens``: the history tokens a resume reuses, from the pool or from disk, whichever covers
+    more (never the last token, which a resume always recomputes).
+    """
 
     chat_id: str
     title: str

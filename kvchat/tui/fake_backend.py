@@ -274,8 +274,10 @@ class FakeBackend:
         return self.chats[chat_id]
 
     def cache_report(self) -> CacheReport:
-        rows = [CacheRow(s.id, s.title, s.num_tokens, s.cache_state, s.cached_tokens, s.cached_tokens * BYTES_PER_TOKEN,
-                         self.chats[s.id].disk_tokens * BYTES_PER_TOKEN, s.pinned) for s in self.list_chats()]
+        rows = [CacheRow(s.id, s.title, s.num_tokens, s.cache_state,
+                         min(max(s.cached_tokens, self.chats[s.id].disk_tokens), s.num_tokens - 1),
+                         s.cached_tokens * BYTES_PER_TOKEN, self.chats[s.id].disk_tokens * BYTES_PER_TOKEN, s.pinned)
+                for s in self.list_chats()]
         st = self.status()
         disk = sum(r.disk_bytes for r in rows)
         return CacheReport(rows, disk, None, st.pool_bytes, st.pool_blocks_used, st.pool_blocks_total)

@@ -11,13 +11,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
-from kvchat.disk_budget import enforce
+from kvchat.disk_budget import Eviction, enforce, eviction_note
 from kvchat.documents import read_document
 from kvchat.engine import ContextOverflowError
+from kvchat.free_space import check_turn_space
 from kvchat.kv_persist import KVPersist
 from kvchat.loader import Runtime
+from kvchat.paths import data_dir
 from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
-from kvchat.store.conversations import get_conversation
+from kvchat.store.conversations import get_conversation, rewind_conversation
+from kvchat.store.errors import ConversationConflictError
 from kvchat.store.db import get_db, write_transaction
 from kvchat.tui.backend import (
     SYSTEM_PROMPT_FIXED,
@@ -30,7 +33,7 @@ from kvchat.tui.backend import (
 from kvchat.cache_miss import shortfall_reason, why_not_restored
 from kvchat.tui.events import Emit, TurnDone
 from kvchat.tui.real_store import register_documents
-from kvchat.tui.rewind import carry_over, rewind_store, truncate_session, turn_spans
+from kvchat.tui.rewind import carry_over, turn_spans
 from kvchat.tui.streaming import PrefillTimer, TokenBatcher
 from kvchat.turn import SamplingParams, TurnStats
 
@@ -44,9 +47,11 @@ class _Chat:
     settings: dict
     messages: list[ChatMessage] = field(default_factory=list)
     resume: ResumeInfo | None = None
+    version: int = 0  # the stored token_ids_version the session's history matches
 
     @property
     def stored_len(self) -> int:
+        """Tokens of the session before the next turn (during a redo: the cut the new turn replaces from)."""
         return len(self.session.token_ids)
 
 
@@ -67,6 +72,12 @@ class OpenChats:
         self.chat: _Chat | None = None
         self.last: TurnStats | None = None
         self.doc_prefixes: dict[str, list[int]] = {}
+        self._noted = Eviction()  # evictions already shown (see _eviction_note)
+
+    def _eviction_note(self) -> str | None:
+        """The disk budget's evictions since the current turn started, as one line (None below a few chunks)."""
+        now, seen = self.persist.evicted, self._noted
+        return eviction_note(Eviction(now.chunks - seen.chunks, now.bytes - seen.bytes, now.budget_bytes, now.budget_gb))
 
     def close(self) -> None:
         """Flush queued snapshot writes, stop the writer thread, then evict down to the disk budget."""
@@ -102,7 +113,7 @@ class OpenChats:
         e = self.rt.engine
         chat, errors = self.chat, self.persist.errors
         return Status(
-            phase="ready", message=errors[-1] if errors else "ready", model=self.rt.info.name, device=str(e.device),
+            phase="ready", message=errors[-1] if errors else self._eviction_note() or "ready", model=self.rt.info.name, device=str(e.device),
             kv_dtype=e.spec.kv_dtype,
             pool_blocks_used=e.pool.num_blocks - e.blocks.num_free_blocks, pool_blocks_total=e.pool.num_blocks,
             pool_bytes=e.pool.nbytes, context_used=len(chat.session.token_ids) if chat else 0,
@@ -167,7 +178,8 @@ class OpenChats:
         stats.miss_reason = stats.miss_reason or shortfall
         resume = _resume(stats, ms, prefill)
         messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s) for m in conv.messages]
-        chat = _Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings, messages, resume)
+        chat = _Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings, messages, resume,
+                     conv.token_ids_version)
         return self._switch(chat)
 
     def _open(self) -> _Chat:
@@ -190,7 +202,7 @@ class OpenChats:
         if chat.chat_id is None or not turns:
             raise LookupError("this chat has no answer yet")
         cut, kept = turns[-1].start, len(chat.messages) - 2
-        truncate_session(chat.session, cut)
+        chat.session.truncate(cut)
         del chat.messages[kept:]
         try:
             return self._turn(chat, text, gs, cancel, emit, rewind=(cut, kept))
@@ -202,31 +214,53 @@ class OpenChats:
               rewind: tuple[int, int] | None) -> TurnDone:
         session, stored = chat.session, chat.stored_len
         try:
-            session.check_turn_fits(text)
+            user_ids = session.check_turn_fits(text)
         except ContextOverflowError as exc:
             needed = len(session.token_ids) + len(session.fmt.user_turn_ids(text)) + 1
             raise ContextFullError(str(exc), needed, self.rt.engine.max_context) from None
-        batcher = TokenBatcher(emit)
-        for piece in session.send(text, SamplingParams(**asdict(gs)), cancel, PrefillTimer(emit)):
-            batcher.add(piece)
-        batcher.flush()
-        db = get_db()
-        if chat.chat_id is None:
-            chat.chat_id = save_new_chat(db, self.rt, session, chat.system, chat.settings, text)
-            chat.title = get_conversation(db, chat.chat_id).title
-        else:
-            with write_transaction(db):
-                if rewind is not None:
-                    rewind_store(db, chat.chat_id, *rewind)
-                save_turn(db, chat.chat_id, session, text, stored)
-        session.save_snapshot(chat.chat_id)
+        check_turn_space(data_dir(), session, len(user_ids), gs.max_tokens)
+        self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
+        try:
+            batcher = TokenBatcher(emit)
+            for piece in session.send(text, SamplingParams(**asdict(gs)), cancel, PrefillTimer(emit)):
+                batcher.add(piece)
+            batcher.flush()
+            self._store_turn(chat, text, rewind, stored)
+        except ConversationConflictError:  # another process changed the chat: show what is stored now
+            session.truncate(stored)
+            if rewind is None:
+                self.open_chat(chat.chat_id)
+            raise
+        except BaseException:  # not stored: the session goes back to the stored history (ids, blocks, meter)
+            session.truncate(stored)
+            raise
         turn = session.last_turn
         self.last = turn.stats
         chat.messages += [ChatMessage("user", text),
                           ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
+        session.save_snapshot(chat.chat_id)
         done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
         emit(done)
         return done
+
+    def _store_turn(self, chat: _Chat, text: str, rewind: tuple[int, int] | None, stored: int) -> None:
+        """Commit the session's last turn onto the stored version it was computed on (a new chat: create it).
+
+        Raises:
+            ConversationConflictError: another process changed the chat meanwhile; nothing was stored.
+            sqlite3.Error: the database could not take the turn; nothing was stored.
+        """
+        db = get_db()
+        if chat.chat_id is None:
+            saved = save_new_chat(db, self.rt, chat.session, chat.system, chat.settings, text)
+            chat.chat_id, chat.title, chat.version = saved.id, saved.title, saved.version
+            return
+        with write_transaction(db):
+            version = chat.version
+            if rewind is not None:
+                version = rewind_conversation(db, chat.chat_id, *rewind, expected_version=version)
+            version = save_turn(db, chat.chat_id, chat.session, text, stored, version)
+        chat.version = version
 
     def set_system_prompt(self, text: str) -> ChatView:
         chat = self._open()

@@ -16,7 +16,7 @@ from sqlite_utils import Database
 
 from kvchat.cache_cli import doc_id
 from kvchat.disk_budget import budget_bytes, refresh_pins
-from kvchat.kv_persist import release_owner
+from kvchat.kv_persist import release_owner, restorable_tokens
 from kvchat.session import DEFAULT_SYSTEM_PROMPT
 from kvchat.store.conversations import (
     decode_token_ids,
@@ -39,28 +39,27 @@ if TYPE_CHECKING:
     from kvchat.tui.real_chats import OpenChats
 
 
-def cached_tokens(chats: OpenChats | None, db: Database, ids: list[str]) -> dict[str, tuple[int, int]]:
-    """Per chat: (tokens whose KV blocks are in the pool's prefix cache, history tokens); empty before load."""
-    if chats is None or not ids:
+def histories(db: Database, ids: list[str]) -> dict[str, list[int]]:
+    """Per chat: its history's token ids."""
+    if not ids:
         return {}
     marks = ",".join("?" * len(ids))
     rows = db.query(f"SELECT id, token_ids FROM conversations WHERE id IN ({marks})", ids)
-    out = {}
-    for r in rows:
-        token_ids = decode_token_ids(r["token_ids"])
-        out[r["id"]] = (chats.cached_tokens(token_ids), len(token_ids))
-    return out
+    return {r["id"]: decode_token_ids(r["token_ids"]) for r in rows}
 
 
-def _facts(chats: OpenChats | None, db: Database, ids: list[str]):
-    """(cached tokens per chat, memory flag per chat, restorable disk bytes per owner)."""
+def _facts(chats: OpenChats | None, db: Database, history: dict[str, list[int]]):
+    """(tokens in the pool's prefix cache per chat, memory flag per chat, restorable disk bytes per owner).
+
+    ``history``: the chats' token ids (none needed before load: nothing is in the pool then).
+    """
     if chats is not None:
         chats.persist.flush()  # queued snapshot writes count: "disk" as soon as they are indexed
-    pairs = cached_tokens(chats, db, ids)
+    cached = {i: chats.cached_tokens(ids) for i, ids in history.items()} if chats is not None else {}
     bs = chats.block_size if chats is not None else 1
-    memory = {i: all_in_memory(c, n, bs) for i, (c, n) in pairs.items()}
+    memory = {i: all_in_memory(c, len(history[i]), bs) for i, c in cached.items()}
     disk = disk_bytes(db, chats.persist.fingerprint if chats is not None else None)
-    return {i: c for i, (c, _) in pairs.items()}, memory, disk
+    return cached, memory, disk
 
 
 def list_chats(chats: OpenChats | None, query: str) -> list[ChatSummary]:
@@ -70,7 +69,7 @@ def list_chats(chats: OpenChats | None, query: str) -> list[ChatSummary]:
     if query.strip():
         hits = search_conversation_ids(db, query)
         rows = [r for r in rows if r.id in hits]
-    cached, memory, disk = _facts(chats, db, [r.id for r in rows])
+    cached, memory, disk = _facts(chats, db, histories(db, [r.id for r in rows]) if chats is not None else {})
     return [ChatSummary(r.id, r.title, r.updated, r.num_tokens, r.num_messages, r.pinned,
                         state(memory.get(r.id, False), disk.get(r.id, 0)), cached.get(r.id, 0)) for r in rows]
 
@@ -122,7 +121,13 @@ def delete_chat(chats: OpenChats | None, chat_id: str) -> None:
 
 
 def cache_report(chats: OpenChats | None) -> CacheReport:
-    """Per-chat rows (memory bytes = cached tokens × KV bytes per token, all snapshot bytes on disk) and totals.
+    """Per-chat rows and totals.
+
+    ``cached_tokens``: what a resume reuses, the pool's cached prefix or the
+    chain on disk under this engine's cache fingerprint (any, before load;
+    :func:`kvchat.kv_persist.restorable_tokens`), whichever is longer, never
+    the last token; memory bytes = tokens in the pool × KV bytes per token;
+    disk bytes: all the chat's snapshot bytes.
 
     ``miss_reason``: for the open chat, what its opening found; for a chat
     that is neither in memory nor restorable from disk, why (e.g. saved with
@@ -130,15 +135,18 @@ def cache_report(chats: OpenChats | None) -> CacheReport:
     """
     db = get_db()
     rows = list_conversations(db)
-    cached, memory, restorable = _facts(chats, db, [r.id for r in rows])
+    history = histories(db, [r.id for r in rows])
+    cached, memory, restorable = _facts(chats, db, history)
     on_disk = disk_bytes(db)
     per_token = chats.bytes_per_token if chats is not None else 0
+    fingerprint = chats.persist.fingerprint if chats is not None else None
     report = CacheReport()
     for r in rows:
         st = state(memory.get(r.id, False), restorable.get(r.id, 0))
-        report.rows.append(CacheRow(r.id, r.title, r.num_tokens, st, cached.get(r.id, 0),
-                                    cached.get(r.id, 0) * per_token, on_disk.get(r.id, 0), r.pinned,
-                                    _miss(chats, db, r.id, st)))
+        in_pool, ids = cached.get(r.id, 0), history.get(r.id, [])
+        reused = max(min(in_pool, len(ids) - 1), restorable_tokens(db, r.id, ids, fingerprint))
+        report.rows.append(CacheRow(r.id, r.title, r.num_tokens, st, reused, in_pool * per_token,
+                                    on_disk.get(r.id, 0), r.pinned, _miss(chats, db, r.id, st)))
     report.disk_bytes = next(db.query("SELECT coalesce(sum(bytes), 0) AS b FROM kv_chunks"))["b"]
     report.disk_budget_bytes = budget_bytes(db)
     return report

@@ -1,4 +1,7 @@
-"""Cutting a chat back to an earlier turn (regenerate, edit) and carrying its last turns into a new chat.
+"""A chat's turns from its segments (for regenerate and edit) and carrying its last turns into a new chat.
+
+Cutting the session is :meth:`kvchat.session.Session.truncate`; cutting the
+stored chat is :func:`kvchat.store.conversations.rewind_conversation`.
 
 A chat's layout is ``[prefix][user 1][assistant 1]...`` (``kvchat.chat_format``),
 with messages stored as user/assistant pairs, turn ``i`` owning messages
@@ -8,14 +11,11 @@ copied as ids, never re-rendered.
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 
 from sqlite_utils import Database
 
 from kvchat.chat_format import Segment
-from kvchat.session import Session
 from kvchat.store.conversations import (
     Conversation,
     NewMessage,
@@ -23,7 +23,6 @@ from kvchat.store.conversations import (
     create_conversation,
 )
 from kvchat.store.db import write_transaction
-from kvchat.store.errors import ConversationNotFoundError
 
 
 @dataclass(slots=True)
@@ -44,50 +43,6 @@ def turn_spans(segments: list[Segment]) -> list[TurnSpan]:
         elif seg.kind == "assistant" and spans:
             spans[-1].end = seg.end
     return spans
-
-
-def truncate_session(session: Session, num_tokens: int) -> None:
-    """Cut ``session`` to its first ``num_tokens`` tokens, keeping their KV.
-
-    The block manager forks the sequence at ``num_tokens`` (the kept blocks'
-    ref counts go up), then the old sequence is released, so only the cut-off
-    tail returns to the pool; a shared or cached block is copied on write
-    when the next turn appends into it. Segments are cut at ``num_tokens``.
-    """
-    engine = session.engine
-    child = engine.blocks.fork(session.seq, num_tokens)
-    engine.release(session.seq)
-    session.seq = child
-    del session.token_ids[num_tokens:]
-    session.segments = [Segment(s.kind, s.start, min(s.end, num_tokens))
-                        for s in session.segments if s.start < num_tokens]
-    session.last_turn = None
-
-
-def rewind_store(db: Database, conv_id: str, num_tokens: int, num_messages: int) -> int:
-    """Cut a stored chat to its first ``num_tokens`` token ids and first ``num_messages`` messages.
-
-    Runs in one write transaction (a savepoint when the caller holds one, so
-    rewind and the replacing turn commit together). Returns the new
-    ``token_ids_version``.
-
-    Raises:
-        ConversationNotFoundError: unknown ``conv_id``.
-    """
-    with write_transaction(db):
-        rows = list(db.query("SELECT token_ids, token_ids_version, segments FROM conversations WHERE id = ?",
-                             [conv_id]))
-        if not rows:
-            raise ConversationNotFoundError(f"no conversation with id {conv_id!r}")
-        r = rows[0]
-        db.execute("DELETE FROM messages WHERE conversation_id = ? AND idx >= ?", [conv_id, num_messages])
-        segments = [[s, min(e, num_tokens), k] for s, e, k in json.loads(r["segments"]) if s < num_tokens]
-        version = r["token_ids_version"] + 1
-        db.execute(
-            "UPDATE conversations SET token_ids = ?, token_ids_version = ?, segments = ?, updated = ? WHERE id = ?",
-            [r["token_ids"][: 4 * num_tokens], version, json.dumps(segments), time.time(), conv_id],
-        )
-    return version
 
 
 def carry_over(db: Database, conv: Conversation, keep_turns: int, max_tokens: int) -> tuple[str, int]:

@@ -22,8 +22,8 @@ def open_store() -> None:
             than this kvchat.
     """
     from kvchat.paths import db_path
-    from kvchat.store.db import get_db
-    from kvchat.store.errors import StoreError
+    from kvchat.store.db import get_db, require_writable
+    from kvchat.store.errors import DamagedDatabaseError, ReadOnlyStoreError, StoreError
 
     try:
         path = db_path()
@@ -32,10 +32,16 @@ def open_store() -> None:
         raise StoreUnavailableError(f"the data dir{where} cannot be created ({exc.strerror or exc}); "
                                     "set KVCHAT_HOME to a writable folder") from exc
     try:
+        require_writable(path)  # the TUI stores every turn: refuse now, not after the first answer
+    except ReadOnlyStoreError as exc:
+        raise StoreUnavailableError(str(exc)) from exc
+    try:
         get_db()
     except OSError as exc:
         raise StoreUnavailableError(f"the database {path} cannot be opened ({exc.strerror or exc}); "
                                     f"check that {path.parent} is writable; nothing was changed") from exc
+    except DamagedDatabaseError as exc:  # already one line naming the damage and the backups
+        raise StoreUnavailableError(str(exc)) from exc
     except (sqlite3.DatabaseError, StoreError) as exc:
         detail = " ".join(str(exc).split())
         hint = (f"check that {path.parent} is writable" if isinstance(exc, sqlite3.OperationalError)

@@ -9,6 +9,7 @@ user actions (dialogs) are in :class:`kvchat.tui.screens.chat_actions.ChatAction
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from typing import Any, Callable
 
@@ -54,6 +55,7 @@ class ChatScreen(ChatActions, Screen):
         self.ready = False
         self.load_error = ""
         self.editing = False
+        self.show_resume = False  # the status bar's resume line describes an open until the next turn finishes
         self.cancel_event = threading.Event()
         self._answer: MessageBlock | None = None
         self._lists_lock = asyncio.Lock()  # two refreshes' clear/extend awaits must not interleave
@@ -109,25 +111,33 @@ class ChatScreen(ChatActions, Screen):
         self.update_status()
         self.refresh_lists()
 
-    def refresh_lists(self) -> None:
-        """Reload the sidebar's chats (with the search query) and documents, in a worker."""
-        self._fetch_lists(self.query_one(Sidebar).query_text)
+    def refresh_lists(self, open_first: bool = False) -> None:
+        """Reload the sidebar's chats (with the search query) and documents, in a worker.
+
+        ``open_first``: then open the highlighted (else the first) chat listed (Enter in the search box).
+        """
+        self._fetch_lists(self.query_one(Sidebar).query_text, open_first)
 
     @work(thread=True, exclusive=True, group="lists")
-    def _fetch_lists(self, query: str) -> None:
+    def _fetch_lists(self, query: str, open_first: bool) -> None:
         try:
             chats, docs = self.backend.list_chats(query), self.backend.list_documents()
         except Exception as exc:  # noqa: BLE001
             self.notify_error(exc)
             return
         current = self.backend.current()
-        self.app.call_from_thread(self._set_lists, chats, docs, current.id if current else None)
+        self.app.call_from_thread(self._set_lists, chats, docs, current.id if current else None, query, open_first)
 
-    async def _set_lists(self, chats, docs, current_id) -> None:
+    async def _set_lists(self, chats, docs, current_id, query: str = "", open_first: bool = False) -> None:
+        """Show a listing; one for a search the box no longer holds is dropped (the newer one is on its way)."""
         sidebar = self.query_one(Sidebar)
+        if query != sidebar.query_text:
+            return
         async with self._lists_lock:
             await sidebar.set_chats(chats, current_id)
             await sidebar.set_documents(docs)
+        if open_first:
+            sidebar.open_chat()
 
     def run_engine(self, fn: Callable[..., Any], *args: Any, then: Callable[[Any], Any] | None = None) -> None:
         """Run ``fn(*args)`` on a worker thread (not while an answer streams); ``then(result)`` on the UI thread."""
@@ -167,6 +177,11 @@ class ChatScreen(ChatActions, Screen):
             return
         expected = isinstance(exc, (ValueError, LookupError, OSError, StoreError))
         text = one_line(str(exc)) if expected else f"{type(exc).__name__}: {one_line(str(exc))}"
+        if isinstance(exc, sqlite3.Error):  # a full disk, a read-only or damaged database: name the cause
+            from kvchat.paths import db_path
+            from kvchat.store.db import database_error_line
+
+            text = database_error_line(exc, db_path())
         self.app.notify(text, severity="error", markup=False, timeout=8)
 
     @on(CannotRun)
@@ -237,7 +252,7 @@ class ChatScreen(ChatActions, Screen):
         if self._answer is not None:
             await self._answer.finish(done.text, stats_line(done.stats.ttft_ms, done.stats.decode_tokens_per_s,
                                                             done.stats.finish_reason))
-        self._answer, self.generating = None, False
+        self._answer, self.generating, self.show_resume = None, False, False
         self.update_status()
         self.refresh_lists()
         if done.stats.finish_reason == "context":
@@ -269,10 +284,12 @@ class ChatScreen(ChatActions, Screen):
         self.update_status()
 
     def update_status(self, note: str = "") -> None:
-        self.query_one(StatusBar).show(self.backend.status(), note)
+        self.query_one(StatusBar).show(self.backend.status(), note, resume=self.show_resume)
 
     async def opened(self, view: ChatView) -> None:
-        """After new/open/continue: show the chat, refresh the sidebar, focus the input."""
+        """After new/open/continue: show the chat (and how its KV got into the pool), refresh the sidebar, focus
+        the input."""
+        self.show_resume = True
         await self.show_chat(view)
         self.editing = False
         self.refresh_lists()

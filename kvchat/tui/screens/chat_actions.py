@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from textual.timer import Timer
+
 from kvchat.paths import data_dir
 from kvchat.tui.backend import SYSTEM_PROMPT_FIXED
 from kvchat.tui.export import export_chat, export_dir
@@ -17,14 +19,23 @@ from kvchat.tui.text import one_line
 
 KEEP_TURNS = 2
 APPLE_TERMINAL = "Apple_Terminal"
+SEARCH_PAUSE_S = 0.15  # a search runs once typing pauses this long: one query per burst of keys
 
 
 class ChatActions:
     """Mixed into :class:`kvchat.tui.screens.chat.ChatScreen` (uses its ``backend``, ``run_engine``, widgets)."""
 
+    _search_timer: Timer | None = None  # the search waiting for a pause in typing
+
     # --- sidebar (messages up from kvchat.tui.widgets.sidebar.Sidebar) ------------------------------
-    def on_sidebar_search_changed(self) -> None:
-        self.refresh_lists()
+    def on_sidebar_search_changed(self, event) -> None:
+        """Search once typing pauses (:data:`SEARCH_PAUSE_S`); Enter searches now and opens the first match."""
+        if self._search_timer is not None:
+            self._search_timer.stop()
+        if event.submitted:
+            self.refresh_lists(open_first=True)
+        else:
+            self._search_timer = self.set_timer(SEARCH_PAUSE_S, self.refresh_lists)
 
     def on_sidebar_chat_chosen(self, event) -> None:
         current = self.backend.current()
@@ -53,7 +64,8 @@ class ChatActions:
             if paths:
                 self.run_engine(self.backend.new_chat, None, paths, self.emit, then=self.opened)
 
-        question = "Attach text files (separate several with ;) — → completes a path"
+        question = ("Attach text files: separate several with ; (a file whose name contains ; is taken whole) "
+                    "— → completes a path")
         self.app.push_screen(PromptScreen(question, paths=True), attach)
 
     def action_cancel(self) -> None:

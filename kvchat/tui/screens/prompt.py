@@ -59,5 +59,22 @@ class PromptScreen(ModalScreen[str | None]):
 
 
 def split_paths(text: str) -> list[str]:
-    """The non-empty ``;``-separated paths of an attach answer, stripped."""
-    return [p.strip() for p in text.split(PATH_SEPARATOR) if p.strip()]
+    """The paths of an attach answer: ``;`` separates them, except inside the name of an existing file.
+
+    Read left to right, the longest run of ``;``-joined parts that names an
+    existing file is one path (so ``notes;v2.txt`` attaches that file), else a
+    part alone is (a missing file is then reported by name). Paths are
+    stripped; empty parts are dropped.
+    """
+    parts, paths, i = text.split(PATH_SEPARATOR), [], 0
+    while i < len(parts):
+        end = next((j for j in range(len(parts), i + 1, -1) if _is_file(PATH_SEPARATOR.join(parts[i:j]))), i + 1)
+        path = PATH_SEPARATOR.join(parts[i:end]).strip()
+        if path:
+            paths.append(path)
+        i = end
+    return paths
+
+
+def _is_file(path: str) -> bool:
+    return Path(path.strip()).expanduser().is_file()

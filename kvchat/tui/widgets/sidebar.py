@@ -1,4 +1,10 @@
-"""The sidebar: search, conversations (title, last use, tokens, cache state) and documents."""
+"""The sidebar: search, conversations (title, last use, tokens, cache state) and documents.
+
+Enter opens the highlighted row, or the first one when none is highlighted
+(a fresh list has none); Enter in the search box asks for the search at once
+(``SearchChanged.submitted``) and the screen then opens the first match
+(:meth:`Sidebar.open_chat`).
+"""
 
 from __future__ import annotations
 
@@ -27,6 +33,15 @@ def document_row(d: DocumentSummary) -> str:
     return f"{one_line(d.title)}\n{tokens(d.tokens)} tok · {DOCUMENT_MARK[d.cache_state]}"
 
 
+class RowList(ListView):
+    """A ListView whose Enter selects the first row when none is highlighted."""
+
+    def action_select_cursor(self) -> None:
+        if self.index is None and self.children:
+            self.index = 0
+        super().action_select_cursor()
+
+
 class Sidebar(Vertical):
     """Lists set by the screen (attributes down); choices and searches posted as messages (messages up)."""
 
@@ -41,17 +56,20 @@ class Sidebar(Vertical):
             self.path = path
 
     class SearchChanged(Message):
-        def __init__(self, query: str):
+        """The search text changed; ``submitted`` when Enter was pressed in it."""
+
+        def __init__(self, query: str, submitted: bool = False):
             super().__init__()
             self.query = query
+            self.submitted = submitted
 
     _current_id: str | None = None  # the open chat when the rows were last set
 
     def compose(self):
         yield Input(placeholder="Search chats (Ctrl+F)", id="search")
-        yield ListView(id="chats")
+        yield RowList(id="chats")
         yield Label("Documents", classes="heading")
-        yield ListView(id="documents")
+        yield RowList(id="documents")
 
     @property
     def query_text(self) -> str:
@@ -80,6 +98,15 @@ class Sidebar(Vertical):
     def _search(self, event: Input.Changed) -> None:
         event.stop()
         self.post_message(self.SearchChanged(event.value))
+
+    def open_chat(self) -> None:
+        """Choose the highlighted chat, or the first listed (as Enter on the list does)."""
+        self.query_one("#chats", RowList).action_select_cursor()
+
+    @on(Input.Submitted, "#search")
+    def _search_now(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.post_message(self.SearchChanged(event.value, submitted=True))
 
     @on(ListView.Selected, "#chats")
     def _chat(self, event: ListView.Selected) -> None:

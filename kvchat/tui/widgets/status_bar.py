@@ -18,8 +18,8 @@ def context_meter(used: int, limit: int) -> str:
     return "▰" * filled + "▱" * (METER_CELLS - filled) + f" {used:,}/{limit:,}"
 
 
-def status_text(st: Status) -> str:
-    """Two lines: the counters, then the resume line or the current message."""
+def status_text(st: Status, resume: bool = True) -> str:
+    """Two lines: the counters, then the resume line (when ``resume``) or the current message."""
     if st.phase != "ready":
         return f"{st.phase}: {st.message}"
     gb = st.pool_bytes / 1e9
@@ -29,16 +29,20 @@ def status_text(st: Status) -> str:
         first.append(f"TTFT {st.last_ttft_ms:,.0f} ms")
     if st.last_tokens_per_s:
         first.append(f"{st.last_tokens_per_s:.1f} tok/s")
-    second = st.resume.line if st.resume else st.message
+    second = st.resume.line if resume and st.resume else st.message
     return " · ".join(first) + "\n" + second
 
 
 class StatusBar(Static):
     """Shows a :class:`kvchat.tui.backend.Status`; CSS class ``-warn`` when the context is ≥ 90 % full."""
 
-    def show(self, st: Status, note: str = "") -> None:
-        """Render ``st``; ``note`` (e.g. ``generating…``) replaces the second line when given."""
-        text = status_text(st)
+    def show(self, st: Status, note: str = "", resume: bool = True) -> None:
+        """Render ``st``; ``note`` (e.g. ``generating…``) replaces the second line when given.
+
+        ``resume``: show ``st.resume`` (how the open chat's KV got into the pool); the chat screen turns it
+        off once a turn finishes, when the first line's TTFT and tokens/s describe that turn instead.
+        """
+        text = status_text(st, resume)
         if note:
             text = text.split("\n")[0] + "\n" + note
         self.update(Content(literal(text)))

@@ -1,0 +1,196 @@
+"""Every ``KVCHAT_*`` environment variable kvchat reads: one accessor each, with its default and its check.
+
+- ``KVCHAT_HOME``: the data dir (conversations, SQLite index, KV snapshots).
+- ``KVCHAT_MODELS``: the dir of imported models.
+- ``KVCHAT_DEVICE``: ``cpu``, ``cuda`` or ``cuda:N``.
+- ``KVCHAT_ATTENTION``: ``torch`` or ``triton`` attention kernels.
+- ``KVCHAT_KV_BUDGET_MB``: the KV pool's size, MiB.
+- ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
+- ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
+- ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
+
+An empty value means unset. A value kvchat cannot use raises
+:class:`SettingError` where it is read, with a one-line message naming the
+variable, the value and what is accepted; :func:`check` reads every variable
+whose check needs no torch, so the CLI refuses a bad one before it does any
+work. The paths (``KVCHAT_HOME``, ``KVCHAT_MODELS``, ``KVCHAT_PHASE_TRACE``)
+take any value; :mod:`kvchat.paths` refuses a data or models dir that is a
+file. ``KVCHAT_CRASH_AT`` stays in the store (which imports nothing from
+kvchat outside it) and is not checked: an unknown name just never crashes.
+Torch-free at import.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import platformdirs
+
+if TYPE_CHECKING:
+    import torch
+
+APP_NAME = "kvchat"
+HOME = "KVCHAT_HOME"
+MODELS = "KVCHAT_MODELS"
+DEVICE = "KVCHAT_DEVICE"
+ATTENTION = "KVCHAT_ATTENTION"
+KV_BUDGET_MB = "KVCHAT_KV_BUDGET_MB"
+CACHE_BUDGET_GB = "KVCHAT_CACHE_BUDGET_GB"
+PHASE_TRACE = "KVCHAT_PHASE_TRACE"
+ATTENTION_CHOICES = ("torch", "triton")
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class SettingError(ValueError):
+    """An environment variable holds a value kvchat cannot use; the message is one line naming
+    the variable, the value and the accepted values."""
+
+
+def _raw(name: str) -> str | None:
+    """The variable's value stripped of surrounding whitespace; None when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _positive(name: str, unit: str) -> float | None:
+    """The variable as a positive finite number; None when unset.
+
+    Raises:
+        SettingError: not a number, not finite, or <= 0.
+    """
+    value = _raw(name)
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 < number < math.inf:  # also rejects nan
+        raise SettingError(f"{name} must be a positive number of {unit}, got {os.environ[name]!r}")
+    return number
+
+
+def home() -> Path:
+    """``KVCHAT_HOME``: the data dir (conversations, SQLite index, KV snapshots); ``~`` is expanded.
+
+    Default: platformdirs' user data dir for "kvchat" (``~/.local/share/kvchat`` on Linux).
+    """
+    value = _raw(HOME)
+    return Path(value).expanduser() if value else Path(platformdirs.user_data_dir(APP_NAME))
+
+
+def models() -> Path:
+    """``KVCHAT_MODELS``: the dir of imported models, independent of :func:`home`; ``~`` is expanded.
+
+    Default: platformdirs' user cache dir for "kvchat" + ``/models`` (``~/.cache/kvchat/models`` on Linux).
+    """
+    value = _raw(MODELS)
+    return Path(value).expanduser() if value else Path(platformdirs.user_cache_dir(APP_NAME)) / "models"
+
+
+def _device_spec() -> str | None:
+    """``KVCHAT_DEVICE`` lower-cased if it is ``cpu``, ``cuda`` or ``cuda:N``; None when unset.
+
+    Raises:
+        SettingError: any other value.
+    """
+    value = _raw(DEVICE)
+    if value is None:
+        return None
+    if not _DEVICE_RE.fullmatch(value.lower()):
+        raise SettingError(f"{DEVICE} must be cpu, cuda or cuda:N, got {os.environ[DEVICE]!r}")
+    return value.lower()
+
+
+def device() -> "torch.device":
+    """``KVCHAT_DEVICE``: where the model runs, ``cpu``, ``cuda`` or ``cuda:N`` (N from 0).
+
+    Default: ``cuda`` if torch sees a CUDA device, else ``cpu``. Imports torch.
+
+    Raises:
+        SettingError: another value; ``cuda`` where this torch has no CUDA or sees
+            no device; ``cuda:N`` beyond the devices torch sees.
+    """
+    import torch
+
+    spec = _device_spec()
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if torch.version.cuda is None:
+            raise SettingError(f"{DEVICE} is {spec!r} but this torch ({torch.__version__}) is built without CUDA;"
+                               " use cpu or unset it")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise SettingError(f"{DEVICE} is {spec!r} but torch sees no CUDA device; use cpu or unset it")
+        if (dev.index or 0) >= count:
+            raise SettingError(f"{DEVICE} is {spec!r} but torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return dev
+
+
+def attention() -> str | None:
+    """``KVCHAT_ATTENTION``: ``torch`` (the PyTorch reference kernels) or ``triton`` (the Triton kernels;
+    on CPU tensors only under ``TRITON_INTERPRET=1``), case-insensitive.
+
+    Default (None): Triton for CUDA tensors, PyTorch otherwise; whether ``triton``
+    can run here is checked by :func:`kvchat.kernels.backend_for`.
+
+    Raises:
+        SettingError: any other value.
+    """
+    value = _raw(ATTENTION)
+    if value is None:
+        return None
+    if value.lower() not in ATTENTION_CHOICES:
+        raise SettingError(f"{ATTENTION} must be torch or triton (or unset: chosen by device), "
+                           f"got {os.environ[ATTENTION]!r}")
+    return value.lower()
+
+
+def kv_budget_mb() -> float | None:
+    """``KVCHAT_KV_BUDGET_MB``: the KV pool's size in MiB (2**20 bytes), a positive number.
+
+    Default (None): :class:`kvchat.engine.Engine` takes half the free GPU memory on
+    CUDA, 512 MiB on CPU.
+
+    Raises:
+        SettingError: not a positive finite number.
+    """
+    return _positive(KV_BUDGET_MB, "MiB")
+
+
+def cache_budget_gb() -> float | None:
+    """``KVCHAT_CACHE_BUDGET_GB``: how much disk the KV snapshots may use, in GB (10**9 bytes), a positive number.
+
+    Default (None): :func:`kvchat.disk_budget.budget_bytes` takes 20% of the free
+    disk plus what the snapshots already use, at most 50 GB.
+
+    Raises:
+        SettingError: not a positive finite number (0 would evict every unpinned chunk).
+    """
+    return _positive(CACHE_BUDGET_GB, "GB")
+
+
+def phase_trace() -> Path | None:
+    """``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends one line per phase to (fault-injection runs,
+    :mod:`kvchat.phase_trace`). Default (None): no trace."""
+    value = _raw(PHASE_TRACE)
+    return Path(value) if value else None
+
+
+def check() -> None:
+    """Read every variable whose check needs no torch (all but ``KVCHAT_DEVICE``'s CUDA checks and
+    whether Triton can run), so a bad value is refused before any work.
+
+    Raises:
+        SettingError: the first bad value, in the order of the module doc's list.
+    """
+    _device_spec()
+    attention()
+    kv_budget_mb()
+    cache_budget_gb()
