@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 
 from kvchat.store.chunk_index import gc, list_chunks, totals, verify_chunks
 from kvchat.progress import print_prefill_progress
-from kvchat.store.db import get_db, write_transaction
+from kvchat.index import get_db
+from kvchat.store.db import write_transaction
+from kvchat.store.documents import delete_document, find_documents, list_documents
 
 EXIT_DAMAGED = 1  # `cache verify` found (and dropped) corrupt chunks, as fsck and `git fsck` exit non-zero
 
@@ -26,25 +27,14 @@ def human(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _owners(db) -> list[dict]:
-    return list(db.query(
-        "SELECT r.owner, coalesce(c.title, d.title, '') AS title, count(*) AS chunks, coalesce(sum(k.bytes), 0) AS bytes,"
-        " sum(k.token_count) AS tokens, coalesce(c.pinned, d.pinned, 0) AS pinned, c.token_ids"
-        " FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
-        " LEFT JOIN conversations c ON c.id = r.owner LEFT JOIN documents d ON d.id = r.owner"
-        " GROUP BY r.owner ORDER BY bytes DESC"
-    ))
-
-
-def _tokens(db, owner: dict) -> int:
-    """``cache ls`` TOKENS: of a chat, what a resume restores from disk; of a document, its chunks' tokens
-    (a document references exactly its prefix's chain)."""
+def _tokens(db, owner) -> int:
+    """``cache ls`` TOKENS of a :class:`kvchat.store.chunk_refs.OwnerUsage`: of a chat, what a resume restores
+    from disk; of a document, its chunks' tokens (a document references exactly its prefix's chain)."""
     from kvchat.kv_persist import restorable_tokens
-    from kvchat.store.conversations import decode_token_ids
 
-    if owner["token_ids"] is None:
-        return owner["tokens"]
-    return restorable_tokens(db, owner["owner"], decode_token_ids(owner["token_ids"]))
+    if owner.token_ids is None:
+        return owner.tokens
+    return restorable_tokens(db, owner.owner, owner.token_ids)
 
 
 def say_eviction(evicted) -> None:
@@ -60,13 +50,14 @@ def say_eviction(evicted) -> None:
 def cmd_cache(args: argparse.Namespace) -> int:
     """Dispatch ``kvchat cache ls|stats|verify|gc|pin|unpin|purge|explain``; returns the exit code."""
     from kvchat.disk_budget import budget_bytes, enforce, refresh_pins
+    from kvchat.store.chunk_refs import list_owners
 
     db = get_db()
     sub = args.cache_command
     if sub == "ls":
         print(f"{'OWNER':10} {'TOKENS':>7} {'CHUNKS':>6} {'SIZE':>9}  PIN  TITLE")
-        for o in _owners(db):
-            print(f"{o['owner']:10} {_tokens(db, o):>7} {o['chunks']:>6} {human(o['bytes']):>9}  {'yes' if o['pinned'] else '   '}  {printable(o['title'][:50])}")
+        for o in list_owners(db):
+            print(f"{o.owner:10} {_tokens(db, o):>7} {o.chunks:>6} {human(o.bytes):>9}  {'yes' if o.pinned else '   '}  {printable(o.title[:50])}")
     elif sub == "stats":
         t = totals(db)
         print(f"chunks {t.count}, {human(t.bytes)} of a {human(budget_bytes(db))} budget; pinned {t.pinned_count} ({human(t.pinned_bytes)})")
@@ -88,21 +79,25 @@ def cmd_cache(args: argparse.Namespace) -> int:
               f"evicted {evicted.chunks} chunk(s) over budget")
         say_eviction(evicted)
     elif sub in ("pin", "unpin"):
-        table = "conversations" if args.owner.startswith("c_") else "documents"
-        with write_transaction(db):
-            n = db.execute(f"UPDATE {table} SET pinned = ? WHERE id = ?", [int(sub == "pin"), args.owner]).rowcount
-            if n == 0:
-                raise LookupError(f"no chat or document with id {args.owner!r}")
-            refresh_pins(db)
+        from kvchat.store.conversations import pin_conversation
+        from kvchat.store.documents import pin_document
+
+        pin = pin_conversation if args.owner.startswith("c_") else pin_document
+        try:
+            with write_transaction(db):
+                pin(db, args.owner, sub == "pin")
+                refresh_pins(db)
+        except LookupError:  # ConversationNotFoundError, DocumentNotFoundError
+            raise LookupError(f"no chat or document with id {args.owner!r}") from None
         print(f"{sub}ned {args.owner}")
     elif sub == "purge":
         from kvchat.store.chunk_index import delete_chunk
+        from kvchat.store.chunk_refs import drop_dangling_refs
 
         keys = [r.key for r in list_chunks(db) if args.all or not r.pinned]
         for key in keys:
             delete_chunk(db, key)
-        with write_transaction(db):
-            db.execute("DELETE FROM chunk_refs WHERE key NOT IN (SELECT key FROM kv_chunks)")
+        drop_dangling_refs(db)
         print(f"purged {len(keys)} chunk(s)")
     elif sub == "explain":
         return _explain(db, args.chat, args.kv_dtype)
@@ -113,6 +108,7 @@ def _explain(db, chat_id: str, kv_dtype: str) -> int:
     """Print the chat's chunk chain and where (and why) it stops."""
     from kvchat.engine import expected_cache_fingerprint
     from kvchat.kv_persist import CHUNK_TOKENS, find_chain, restorable_tokens
+    from kvchat.store.chunk_index import count_other_fingerprints
     from kvchat.store.conversations import get_conversation
 
     conv = get_conversation(db, chat_id)
@@ -128,15 +124,10 @@ def _explain(db, chat_id: str, kv_dtype: str) -> int:
           f"(a resume always recomputes the last token and what the previous answer never ran through the model)")
     if start + CHUNK_TOKENS <= len(conv.token_ids) - 1 or not rows:
         print(f"chain stops at token {start}: the next chunk is not on disk (never written, evicted LRU, or dropped as corrupt)")
-    n_other = next(iter(db.query("SELECT count(*) AS n FROM kv_chunks WHERE fingerprint != ?", [fp])))["n"]
+    n_other = count_other_fingerprints(db, fp)
     if n_other:
         print(f"{n_other} chunk(s) belong to other cache fingerprints (another model, KV dtype or scale scheme): never used here")
     return 0
-
-
-def doc_id(text: str) -> str:
-    """Stable id of a document's content: ``d_`` + 10 hex of blake2b."""
-    return "d_" + hashlib.blake2b(text.encode(), digest_size=5).hexdigest()
 
 
 def cmd_doc(args: argparse.Namespace) -> int:
@@ -144,8 +135,8 @@ def cmd_doc(args: argparse.Namespace) -> int:
     db = get_db()
     if args.doc_command == "list":
         print(f"{'ID':12} {'TOKENS':>7}  TITLE")
-        for d in db.query("SELECT id, title, token_count FROM documents ORDER BY created"):
-            print(f"{d['id']:12} {d['token_count']:>7}  {printable(d['title'])}")
+        for d in list_documents(db):
+            print(f"{d.id:12} {d.token_count:>7}  {printable(d.title)}")
         return 0
     if args.doc_command == "rm":
         from pathlib import Path
@@ -153,50 +144,40 @@ def cmd_doc(args: argparse.Namespace) -> int:
         from kvchat.kv_persist import release_owner
 
         path = str(Path(args.doc).expanduser().resolve())  # doc add stores the resolved path
-        rows = list(db.query("SELECT id FROM documents WHERE id = ? OR path = ?", [args.doc, path]))
+        rows = find_documents(db, args.doc, path)
         if not rows:
             raise LookupError(f"no document {args.doc!r} (see kvchat doc list)")
         for r in rows:
-            deleted = release_owner(r["id"])
-            with write_transaction(db):
-                db.execute("DELETE FROM documents WHERE id = ?", [r["id"]])
-            print(f"removed {r['id']} and {len(deleted)} chunk(s) nobody else uses")
+            deleted = release_owner(r.id)
+            delete_document(db, r.id)
+            print(f"removed {r.id} and {len(deleted)} chunk(s) nobody else uses")
         return 0
-    return _doc_add(db, args)
+    return _doc_add(args)
 
 
-def _doc_add(db, args: argparse.Namespace) -> int:
-    import time
-
-    from kvchat.chats import new_settings
+def _doc_add(args: argparse.Namespace) -> int:
+    """``kvchat doc add``: prefill the document once and snapshot it (:meth:`ChatService.cache_document`)."""
+    from kvchat.conversation.events import PrefillProgress
+    from kvchat.conversation.service import ChatService
     from kvchat.documents import read_document
-    from kvchat.kv_persist import KVPersist
     from kvchat.loader import load_runtime, set_threads
-    from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
-
     from kvchat.paths import db_path
     from kvchat.store.db import require_writable
 
     doc = read_document(args.path)
     require_writable(db_path())  # before the model loads and the document is prefilled
     set_threads(args.threads)
-    rt = load_runtime(args.model, args.kv_dtype)
-    system = DEFAULT_SYSTEM_PROMPT if args.system is None else args.system
-    persist = KVPersist(rt.engine)
-    session = Session.new(rt.engine, rt.chat_format(new_settings([doc.title])), system, [(doc.title, doc.text)], persist)
-    rt.engine.check_fits(len(session.token_ids) + 1)
+    service = ChatService(load_runtime(args.model, args.kv_dtype))
 
-    stats = session.prefill_prefix(print_prefill_progress)
-    did = doc_id(doc.text)
-    with write_transaction(db):
-        db.execute(
-            "INSERT OR REPLACE INTO documents (id, path, content_hash, title, token_count, created, pinned)"
-            " VALUES (?, ?, ?, ?, ?, ?, coalesce((SELECT pinned FROM documents WHERE id = ?), 0))",
-            [did, str(doc.path.resolve()), did[2:], doc.title, len(session.token_ids), time.time(), did],
-        )
-    session.save_snapshot(did)
-    persist.close()
-    say_eviction(persist.evicted)
-    print(f"{did}  {printable(doc.title)}: {len(session.token_ids)} tokens, {stats.reused_tokens} reused, "
+    def emit(event) -> None:
+        if isinstance(event, PrefillProgress):
+            print_prefill_progress(event.done, event.total)
+
+    try:
+        did, stats, tokens = service.cache_document(doc, args.system, emit)
+    finally:
+        evicted = service.close()
+    say_eviction(evicted)
+    print(f"{did}  {printable(doc.title)}: {tokens} tokens, {stats.reused_tokens} reused, "
           f"{stats.prefilled_tokens} prefilled in {stats.prefill_ms / 1e3:.1f} s; cached for new chats")
     return 0

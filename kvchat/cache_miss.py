@@ -9,6 +9,7 @@ from sqlite_utils import Database
 
 from kvchat.cache_id import cache_fingerprint
 from kvchat.kv_cache import fp8_scheme_name
+from kvchat.store.chunk_refs import owner_fingerprints
 
 KV_DTYPES = ("fp8", "bf16", "fp16")
 
@@ -35,9 +36,7 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
         kv_dtype: the running engine's KV dtype.
         block_size: the running engine's block size.
     """
-    rows = db.query("SELECT k.fingerprint AS fp FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
-                    " WHERE r.owner = ? GROUP BY k.fingerprint", [owner])
-    stored = {r["fp"] for r in rows}
+    stored = set(owner_fingerprints(db, owner))
     if not stored:
         return "no KV snapshot on disk (never saved, purged or evicted)"
     if fingerprint in stored:

@@ -115,44 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp16"])
 
     bench = sub.add_parser("bench", help="benchmarks (printed tables and JSON)")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
-    eng = bsub.add_parser("engine", help="prefill/decode tokens/s vs transformers, model load time")
-    eng.add_argument("--lengths", type=int, nargs="+", default=[512, 4096], help="context lengths, tokens")
-    eng.add_argument("--decode-tokens", type=int, default=32)
-    eng.add_argument("--repeats", type=int, default=3)
-    eng.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    eng.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    _add_model_args(eng)
-    fid = bsub.add_parser("fidelity", help="fp8 vs bf16 pool, teacher-forced: perplexity delta, KL, top-1, per scheme")
-    fid.add_argument("--text", action="append", default=[], metavar="PATH", help="evaluation text (repeatable; default: stdlib docstrings)")
-    fid.add_argument("--tokens", type=int, default=2048, help="evaluation tokens per text")
-    fid.add_argument("--retrieval-tokens", type=int, default=4096, help="document tokens of the retrieval probe (0: skip it)")
-    fid.add_argument("--depths", type=float, nargs="+", help="where the probe's fact sits, shares of the document (default 0.1 0.5 0.9)")
-    fid.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    _add_model_args(fid)
-    resume = bsub.add_parser("resume", help="reopen an N-token chat from its disk snapshot vs cold prefill (fresh processes)")
-    from kvchat.bench.resume import add_resume_args
+    from kvchat.bench.args import add_bench_commands
 
-    add_resume_args(resume)
-    _add_model_args(resume)
-    startup = bsub.add_parser("startup", help="time to first frame and to ready, in fresh processes")
-    from kvchat.bench.startup import add_startup_args
-
-    add_startup_args(startup)
-    _add_model_args(startup)
-    from kvchat.bench.all import add_all_args
-    from kvchat.bench.memory import add_memory_args
-    from kvchat.bench.peers import add_peers_args
-
-    memory = bsub.add_parser("memory", help="KV bytes/token per dtype (allocated tensors), chats that fit, paged waste")
-    add_memory_args(memory)
-    _add_model_args(memory)
-    peers = bsub.add_parser("peers", help="llama.cpp (llama-cpp-python) vs kvchat: tok/s and resume TTFT, same GGUF and threads")
-    add_peers_args(peers)
-    _add_model_args(peers)
-    every = bsub.add_parser("all", help="every benchmark on the default model: one JSON each plus PNG plots in --out")
-    add_all_args(every)
-    _add_model_args(every)
+    add_bench_commands(bench.add_subparsers(dest="bench_command", required=True), _add_model_args)
     return parser
 
 
@@ -171,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ask":
             return cmd_ask(args)
         if args.command == "model":
-            from kvchat.model_import import cmd_model_pull
-            from kvchat.model_registry import cmd_model_list
+            from kvchat.model_cli import cmd_model_list, cmd_model_pull
 
             return cmd_model_pull(args.from_path, args.name) if args.model_command == "pull" else cmd_model_list()
         if args.command == "plan":
@@ -254,7 +218,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     """:func:`cmd_ask` with its Ctrl-C flag ``cancel``."""
-    from kvchat.cache_miss import shortfall_reason
     from kvchat.cpu_threads import checked_threads
     from kvchat.documents import read_document
     from kvchat.phase_trace import mark
@@ -270,84 +233,71 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
         raise ValueError("--doc and --system set up a new chat; they cannot be used with --chat")
     docs = [read_document(p) for p in args.doc]
     conv = _find_chat(args.chat) if args.chat is not None else None
-    from kvchat.paths import data_dir, db_path
+    from kvchat.paths import db_path
     from kvchat.store.db import require_writable
 
     require_writable(db_path())  # the turn is stored: say so now, not after the answer
 
-    from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
-    from kvchat.free_space import check_turn_space
     from kvchat.cache_cli import say_eviction
-    from kvchat.kv_persist import KVPersist
+    from kvchat.conversation.events import PrefillProgress, TokenBatch
+    from kvchat.conversation.service import ChatService
     from kvchat.loader import load_runtime, set_threads
-    from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
-    from kvchat.store.db import get_db
 
     set_threads(threads)
     rt = load_runtime(args.model or (conv.model_name if conv else None), args.kv_dtype)
-    if conv is not None:
-        session = session_from_store(rt, conv)
-        settings, system = conv.settings, conv.system_prompt
-    else:
-        settings = new_settings([d.title for d in docs])
-        system = DEFAULT_SYSTEM_PROMPT if args.system is None else args.system
-        session = Session.new(rt.engine, rt.chat_format(settings), system, [(d.title, d.text) for d in docs])
-    stored_len = len(session.token_ids)
-    check_turn_space(data_dir(), session, len(session.check_turn_fits(args.prompt)), args.max_tokens)
-    session.persist = KVPersist(rt.engine)
-    mark("loaded")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
+    service = ChatService(rt)
+    streamed = False
 
-    def progress(done: int, total: int) -> None:
-        if cancel.is_set():  # Ctrl-C during prefill: nothing generated yet, so drop the turn
+    def emit(event) -> None:
+        nonlocal streamed
+        if isinstance(event, PrefillProgress):
+            if cancel.is_set():  # Ctrl-C during prefill: nothing generated yet, so drop the turn
+                raise KeyboardInterrupt
+            if not args.json and event.total >= PROGRESS_MIN_TOKENS:
+                print_prefill_progress(event.done, event.total)
+        elif isinstance(event, TokenBatch):
+            if not streamed:
+                mark("decoding")
+            streamed = True
+            if not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+
+    try:
+        if conv is not None:  # restored in the turn, so its stats say what was reused and why not more
+            service.open_chat(conv.id, restore=False)
+        else:  # the documents' prefix is prefilled with the first message
+            service.start_chat(args.system, docs, emit, prefill_now=False)
+        mark("loaded")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
+        if cancel.is_set():  # Ctrl-C while loading: nothing generated yet
             raise KeyboardInterrupt
-        if not args.json and total >= PROGRESS_MIN_TOKENS:
-            print_prefill_progress(done, total)
-
-    if cancel.is_set():  # Ctrl-C while loading: nothing generated yet
-        raise KeyboardInterrupt
-    for i, piece in enumerate(session.send(args.prompt, params, cancel, progress)):
-        if i == 0:
-            mark("decoding")
-        if not args.json:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    if not args.json:
-        print()  # end the answer's line before any note or error
-    mark("generated")
-    db = get_db()
-    stats, spec = session.last_turn.stats, rt.engine.spec
-    if conv is not None and stats.miss_reason is None:
-        stats.miss_reason = shortfall_reason(db, conv.id, stored_len, stats.reused_tokens, session.persist.fingerprint,
-                                             rt.info.fingerprint, spec.kv_dtype, spec.block_size)
-    if conv is None:
-        chat_id = save_new_chat(db, rt, session, system, settings, args.prompt).id
-    else:  # only onto the history this answer saw (another kvchat may have added a turn meanwhile)
-        chat_id = conv.id
-        save_turn(db, conv.id, session, args.prompt, stored_len, conv.token_ids_version)
-    mark("committed")
-    session.save_snapshot(chat_id)
-    session.persist.close()
+        try:
+            done = service.send(args.prompt, params, cancel, emit)
+        finally:
+            if streamed and not args.json:
+                print()  # end the answer's line before any note or error
+    finally:
+        evicted = service.close()
     mark("flushed")
-    for err in session.persist.errors[:1]:
+    for err in service.persist.errors[:1]:
         print(f"kvchat: warning: {err}", file=sys.stderr)
-    say_eviction(session.persist.evicted)
-    turn = session.last_turn
+    say_eviction(evicted)
+    s = done.stats
     if args.json:
-        s = turn.stats
         print(json.dumps({
-            "text": turn.text, "chat_id": chat_id, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
+            "text": done.text, "chat_id": done.chat_id, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
             "scale_scheme": rt.engine.scale_scheme, "prompt_tokens": s.prompt_tokens,
             "reused_tokens": s.reused_tokens, "from_memory": s.from_memory, "from_disk": s.from_disk,
             "restore_ms": round(s.restore_ms, 2), "bytes_read": s.bytes_read, "miss_reason": s.miss_reason,
             "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens,
             "ttft_ms": round(s.ttft_ms, 2), "prefill_ms": round(s.prefill_ms, 2),
             "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
-            "context_tokens": len(session.token_ids), "context_limit": rt.engine.max_context,
+            "context_tokens": done.context_used, "context_limit": done.context_limit,
         }))
     else:
-        if turn.stats.miss_reason:  # stored history recomputed, or a corrupt chunk dropped: say why
-            print(f"kvchat: note: {turn.stats.miss_reason}", file=sys.stderr)
-        print(f"[chat {chat_id}] continue with: kvchat ask --chat {chat_id} \"...\"", file=sys.stderr)
+        if s.miss_reason:  # stored history recomputed, or a corrupt chunk dropped: say why
+            print(f"kvchat: note: {s.miss_reason}", file=sys.stderr)
+        print(f"[chat {done.chat_id}] continue with: kvchat ask --chat {done.chat_id} \"...\"", file=sys.stderr)
     return 0
 
 
@@ -355,7 +305,7 @@ def _find_chat(chat_id: str):
     """Look a chat up without creating anything in the data dir."""
     from kvchat.paths import db_path
     from kvchat.store.conversations import get_conversation
-    from kvchat.store.db import get_db
+    from kvchat.index import get_db
     from kvchat.store.errors import ConversationNotFoundError
 
     if not db_path().exists():

@@ -15,7 +15,8 @@ from sqlite_utils import Database
 
 from kvchat.paths import data_dir
 from kvchat.settings import CACHE_BUDGET_GB, cache_budget_gb
-from kvchat.store.chunk_index import evict_to_budget, set_pinned, totals
+from kvchat.store.chunk_index import evict_to_budget, list_chunks, set_pinned, totals, with_ancestors
+from kvchat.store.chunk_refs import pinned_owner_keys
 
 FREE_FRACTION = 0.20
 CAP_BYTES = 50 * 10**9
@@ -84,19 +85,7 @@ def eviction_note(eviction: Eviction) -> str | None:
 
 def refresh_pins(db: Database) -> None:
     """Pin exactly the chunks used by pinned chats and documents (pins are per chunk, owners may share chunks)."""
-    pinned = {r["key"] for r in db.query(
-        "SELECT r.key FROM chunk_refs r WHERE r.owner IN (SELECT id FROM conversations WHERE pinned != 0"
-        " UNION SELECT id FROM documents WHERE pinned != 0)"
-    )}
-    ancestors = set(pinned)
-    frontier = list(pinned)
-    while frontier:  # a pinned tail keeps its whole chain
-        rows = db.query(
-            f"SELECT parent_key FROM kv_chunks WHERE key IN ({','.join('?' * len(frontier))}) AND parent_key IS NOT NULL",
-            frontier,
-        )
-        frontier = [r["parent_key"] for r in rows if r["parent_key"] not in ancestors]
-        ancestors.update(frontier)
-    all_keys = [r["key"] for r in db.query("SELECT key FROM kv_chunks")]
+    ancestors = with_ancestors(db, pinned_owner_keys(db))  # a pinned tail keeps its whole chain
+    all_keys = [r.key for r in list_chunks(db)]
     set_pinned(db, [k for k in all_keys if k not in ancestors], False)
     set_pinned(db, list(ancestors), True)

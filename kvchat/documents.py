@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 MAX_DOCUMENT_BYTES = 4 * 2**20
 BINARY_SNIFF_BYTES = 8192
+
+
+def doc_id(text: str) -> str:
+    """Stable id of a document's content: ``d_`` + 10 hex of blake2b."""
+    return "d_" + hashlib.blake2b(text.encode(), digest_size=5).hexdigest()
 
 
 class DocumentError(ValueError):

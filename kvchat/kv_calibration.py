@@ -7,11 +7,13 @@ query ``q`` by the same ``q · m`` and leaves attention unchanged, while fp8
 per-channel offsets (the outlier channels that led KIVI, Liu et al. 2024, to
 quantize K per channel) shrinks every element's rounding error. The mean is
 taken with a bf16 pool over text the fidelity benchmark never evaluates on
-(standard-library docstrings, :data:`kvchat.bench.texts.CALIBRATION_MODULES`),
+(standard-library docstrings, :data:`kvchat.texts.CALIBRATION_MODULES`),
 leaving out position 0 (the attention sink, an outlier the engine keeps exact
 anyway).
 
-Stored once per model fingerprint as ``models_dir()/.calibration/<fingerprint>.safetensors``;
+Computed on first use by :func:`kvchat.loader.ensure_calibration` (it builds
+the bf16 engine) and stored once per model fingerprint as
+``models_dir()/.calibration/<fingerprint>.safetensors``;
 its digest is part of the cache fingerprint, so a different calibration never
 restores K/V stored under another.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,36 +140,3 @@ def save_calibration(model_fingerprint: str, cal: KVCalibration) -> Path:
     os.replace(tmp, path)
     return path
 
-
-def ensure_calibration(info, weights: dict[str, torch.Tensor], tokenizer, device=None) -> KVCalibration:
-    """The model's calibration: loaded if stored, else computed once (a few seconds) and stored.
-
-    Args:
-        info: :class:`kvchat.model_registry.ModelInfo`.
-        weights: its Hugging Face-named tensors (a temporary bf16-pool engine is built from them).
-        tokenizer: its tokenizer (encodes the calibration text).
-    Raises:
-        kvchat.bench.texts.TextSourceError: the standard library has no sources to read text from.
-    """
-    from kvchat.bench.texts import CALIBRATION_MODULES, stdlib_text
-    from kvchat.engine import Engine
-    from kvchat.kv_cache import KVCacheSpec
-
-    cfg = info.config
-    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    cal = load_calibration(info.fingerprint, shape)
-    if cal is not None:
-        return cal
-    print(f"kvchat: calibrating fp8 K centring for {info.name} (once per model) …", file=sys.stderr, flush=True)
-    text = stdlib_text(CALIBRATION_MODULES)
-    ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
-    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bf16")
-    engine = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", device=device, dense_kv=False,
-                    pool_bytes=spec.bytes_per_block * (len(ids) // spec.block_size + 2))
-    cal = make_calibration(calibrate_k_mean(engine, ids), f"{text.name} ({len(ids)} tokens, sha256 {text.sha256[:12]})")
-    del engine
-    try:
-        save_calibration(info.fingerprint, cal)
-    except OSError as exc:  # a read-only models dir: use it for this run, compute again next time
-        print(f"kvchat: calibration not saved: {exc}", file=sys.stderr)
-    return cal

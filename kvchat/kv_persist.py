@@ -32,10 +32,9 @@ from kvchat.disk_budget import Eviction
 from kvchat.disk_budget import enforce as enforce_budget
 from kvchat.engine import Engine
 from kvchat.kv_cache import KVPool
-from kvchat.store.chunk_index import (
-    ChunkRow, add_chunk, delete_chunk, get_chunk, owner_fingerprints, read_row, ref_chunks, touch, unref_chunks,
-)
-from kvchat.store.db import get_db, write_transaction
+from kvchat.index import get_db
+from kvchat.store import chunk_refs
+from kvchat.store.chunk_index import ChunkRow, add_chunk, delete_chunk, get_chunk, list_tails, read_row, touch
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout
@@ -105,15 +104,10 @@ def find_chain(db, fingerprint: str, token_ids: Sequence[int]) -> list[ChunkRow]
         rows.append(row)
         parent = row.key
     start = len(rows) * CHUNK_TOKENS
-    tails = db.query(
-        "SELECT key, token_count FROM kv_chunks WHERE parent_key IS ? AND fingerprint = ? AND token_count < ?"
-        " ORDER BY token_count DESC",
-        [parent, fingerprint, CHUNK_TOKENS],
-    )
-    for t in tails:
-        end = start + t["token_count"]
-        if end <= len(token_ids) and chunk_key(fingerprint, parent, token_ids[start:end]) == t["key"]:
-            rows.append(get_chunk(db, t["key"]))
+    for t in list_tails(db, parent, fingerprint, CHUNK_TOKENS):
+        end = start + t.token_count
+        if end <= len(token_ids) and chunk_key(fingerprint, parent, token_ids[start:end]) == t.key:
+            rows.append(t)
             break
     return rows
 
@@ -126,7 +120,7 @@ def restorable_tokens(db, owner: str, token_ids: Sequence[int], fingerprint: str
     fingerprints covers most, when the resuming engine is not known), never
     the last token: a resume always recomputes it (:meth:`KVPersist.restore`).
     """
-    fingerprints = [fingerprint] if fingerprint is not None else owner_fingerprints(db, owner)
+    fingerprints = [fingerprint] if fingerprint is not None else chunk_refs.owner_fingerprints(db, owner)
     stored = max((sum(r.token_count for r in find_chain(db, fp, token_ids)) for fp in fingerprints), default=0)
     return min(stored, max(len(token_ids) - 1, 0))
 
@@ -143,7 +137,8 @@ class KVPersist:
         self.errors: list[str] = []
         self.evicted = Eviction()  # summed over the budget enforcements after each save (writer thread)
         self._queue: queue.Queue = queue.Queue()
-        get_db()  # open the index now (~25 ms: plugin discovery, migration check), not inside the first restore
+        # the index is opened by its first use (~25 ms): a resuming front-end has already looked the chat
+        # up on this thread, and bad input refused before any turn leaves no database behind
         self._thread = threading.Thread(target=self._writer, name="kvchat-snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -260,7 +255,8 @@ class KVPersist:
                 if item[0] == "touch":
                     touch(get_db(), item[1])
                 elif item[0] == "refs":
-                    _set_refs(get_db(), item[1], item[2], self.fingerprint)
+                    if item[1] is not None:
+                        chunk_refs.set_refs(get_db(), item[1], item[2], self.fingerprint)
                     self.evicted = self.evicted.then(enforce_budget(get_db()))
                 else:
                     link, data = item
@@ -326,30 +322,7 @@ def _write_tokens(pool: KVPool, blocks, seq: SeqBlocks, data: ChunkData, offset:
         rows_dst[:, slots] = rows_src.to(dst.device)
 
 
-def _set_refs(db, owner: str | None, keys: list[str], fingerprint: str) -> None:
-    """Make ``owner`` reference exactly ``keys`` among its chunks of ``fingerprint`` (ref new ones,
-    release dropped ones). Its chunks under other fingerprints (another KV dtype or scheme, used
-    for a turn or two) keep their references, so switching back still restores from disk."""
-    if owner is None:
-        return
-    with write_transaction(db):
-        old = {r["key"] for r in db.query(
-            "SELECT r.key FROM chunk_refs r LEFT JOIN kv_chunks k ON k.key = r.key"
-            " WHERE r.owner = ? AND (k.fingerprint = ? OR k.key IS NULL)", [owner, fingerprint])}
-        present = {r["key"] for r in db.query(
-            f"SELECT key FROM kv_chunks WHERE key IN ({','.join('?' * len(keys))})", keys)} if keys else set()
-        new = [k for k in keys if k in present and k not in old]
-        dropped = [k for k in old if k not in set(keys)]
-        db.conn.executemany("INSERT OR IGNORE INTO chunk_refs (owner, key) VALUES (?, ?)", [(owner, k) for k in new])
-        db.conn.executemany("DELETE FROM chunk_refs WHERE owner = ? AND key = ?", [(owner, k) for k in dropped])
-        ref_chunks(db, new)
-        unref_chunks(db, dropped)
-
-
 def release_owner(owner: str) -> list[str]:
-    """Drop all of ``owner``'s chunk references; returns the keys deleted because nobody else used them."""
-    db = get_db()
-    with write_transaction(db):
-        keys = [r["key"] for r in db.query("SELECT key FROM chunk_refs WHERE owner = ?", [owner])]
-        db.execute("DELETE FROM chunk_refs WHERE owner = ?", [owner])
-        return unref_chunks(db, keys)
+    """Drop all of ``owner``'s chunk references in the data dir's index; returns the keys deleted because
+    nobody else used them (:func:`kvchat.store.chunk_refs.release_owner`)."""
+    return chunk_refs.release_owner(get_db(), owner)

@@ -1,8 +1,9 @@
-"""Build a ready engine and chat format from a ``--model`` value."""
+"""Build a ready engine and chat format from a ``--model`` value, with the model's fp8 K-centring calibration."""
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +12,18 @@ from kvchat import kernels
 from kvchat.chat_format import ChatFormat, ChatTemplateError
 from kvchat.cpu_threads import checked_threads
 from kvchat.engine import Engine
-from kvchat.kv_calibration import ensure_calibration
+from kvchat.kv_cache import KVCacheSpec, kv_torch_dtype
+from kvchat.kv_calibration import (
+    CALIBRATION_TOKENS,
+    KVCalibration,
+    calibrate_k_mean,
+    load_calibration,
+    make_calibration,
+    save_calibration,
+)
 from kvchat.model_registry import ModelInfo, load_weights, resolve_model
 from kvchat.settings import device as env_device
+from kvchat.texts import CALIBRATION_MODULES, stdlib_text
 
 
 @dataclass(slots=True)
@@ -54,7 +64,7 @@ def load_runtime(
     """Resolve (importing on first use), load weights, build the engine and tokenizer.
 
     For an fp8 pool the model's K-centring calibration is loaded, or
-    computed and stored on first use (:mod:`kvchat.kv_calibration`).
+    computed and stored on first use (:func:`ensure_calibration`).
 
     Raises:
         kvchat.model_registry.ModelNotFoundError, kvchat.config.UnsupportedModelError,
@@ -63,8 +73,6 @@ def load_runtime(
             or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None); the first two before the weights load.
     """
     from transformers import AutoTokenizer
-
-    from kvchat.kv_cache import kv_torch_dtype
 
     kv_torch_dtype(kv_dtype)
     dev = torch.device(device) if device is not None else env_device()
@@ -83,6 +91,39 @@ def load_runtime(
         except ChatTemplateError:
             pass  # reported where a chat is formatted; the sink is made on first use instead
     return runtime
+
+
+def ensure_calibration(info: ModelInfo, weights: dict[str, torch.Tensor], tokenizer, device=None) -> KVCalibration:
+    """The model's fp8 K-centring calibration: loaded if stored, else computed once (a few seconds) and stored.
+
+    Computed on a temporary bf16-pool engine over :data:`kvchat.texts.CALIBRATION_MODULES`'
+    docstrings (:func:`kvchat.kv_calibration.calibrate_k_mean`).
+
+    Args:
+        info: the model.
+        weights: its Hugging Face-named tensors (the temporary engine is built from them).
+        tokenizer: its tokenizer (encodes the calibration text).
+    Raises:
+        kvchat.texts.TextSourceError: the standard library has no sources to read text from.
+    """
+    cfg = info.config
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    cal = load_calibration(info.fingerprint, shape)
+    if cal is not None:
+        return cal
+    print(f"kvchat: calibrating fp8 K centring for {info.name} (once per model) …", file=sys.stderr, flush=True)
+    text = stdlib_text(CALIBRATION_MODULES)
+    ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bf16")
+    engine = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", device=device, dense_kv=False,
+                    pool_bytes=spec.bytes_per_block * (len(ids) // spec.block_size + 2))
+    cal = make_calibration(calibrate_k_mean(engine, ids), f"{text.name} ({len(ids)} tokens, sha256 {text.sha256[:12]})")
+    del engine
+    try:
+        save_calibration(info.fingerprint, cal)
+    except OSError as exc:  # a read-only models dir: use it for this run, compute again next time
+        print(f"kvchat: calibration not saved: {exc}", file=sys.stderr)
+    return cal
 
 
 def set_threads(n: int | None) -> None:

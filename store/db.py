@@ -1,4 +1,4 @@
-"""SQLite connections to the kvchat index (one file: :func:`kvchat.paths.db_path`).
+"""SQLite connections to the kvchat index (one ``kvchat.db`` per data dir; the caller passes its path).
 
 Locking, documented once here (issue: reliability, "two processes on one data dir"):
 
@@ -12,6 +12,8 @@ Locking, documented once here (issue: reliability, "two processes on one data di
   transactions, so every transaction boundary is in this code.
 - A connection belongs to one thread (``check_same_thread``); use
   :func:`get_db` to get the calling thread's own connection.
+- The store never looks up where the data dir is: callers pass the database
+  path, and the KV chunk files live beside it (:func:`db_file`).
 - Nothing in kvchat opens a descriptor of its own on ``kvchat.db``, ``-wal``
   or ``-shm``: on POSIX, closing any descriptor of a file drops all of the
   process's advisory locks on it, including the shared lock each open WAL
@@ -31,8 +33,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sqlite_utils import Database
-
-from kvchat.paths import db_path
 
 from .errors import DamagedDatabaseError, ReadOnlyStoreError, TruncatedDatabaseError
 from .migrations import check_schema, migrate
@@ -71,8 +71,8 @@ def require_writable(path: Path) -> None:
                                  f"{path}; make the folder writable or set KVCHAT_HOME; nothing was changed")
 
 
-def connect(path: Path | None = None) -> Database:
-    """Open a new connection (default: :func:`kvchat.paths.db_path`) and migrate the schema.
+def connect(path: Path) -> Database:
+    """Open a new connection to the database file ``path`` and migrate the schema.
 
     The file is created with mode 0600. Backups made before migrations go to
     :func:`backups_dir`. In a data dir that cannot be written, an existing
@@ -88,7 +88,7 @@ def connect(path: Path | None = None) -> Database:
             (:func:`check_database`, run before any migration or backup).
         SchemaTooNewError, MigrationError: see :func:`kvchat.store.migrations.migrate`.
     """
-    path = Path(path) if path is not None else db_path()
+    path = Path(path)
     _refuse_truncated(path)
     if not writable(path):
         return _connect_read_only(path)
@@ -203,19 +203,28 @@ def _refuse_truncated(path: Path) -> None:
             f"restore it from {backups_dir(path)} if one is there, or move it away to start a new index")
 
 
-def get_db() -> Database:
-    """The calling thread's connection to :func:`kvchat.paths.db_path`, opened on first use.
+def get_db(path: Path) -> Database:
+    """The calling thread's connection to the database file ``path``, opened on first use.
 
-    Keyed by the resolved path, so changing ``$KVCHAT_HOME`` (tests) opens a new one.
+    Keyed by the resolved path, so another path (a changed ``$KVCHAT_HOME`` in tests) opens a new one.
 
     Raises:
         the errors of :func:`connect`.
     """
     conns: dict[str, Database] = _local.__dict__.setdefault("conns", {})
-    key = str(db_path().resolve())
+    key = str(Path(path).resolve())
     if key not in conns:
         conns[key] = connect(Path(key))
     return conns[key]
+
+
+def db_file(db: Database) -> Path:
+    """The file ``db`` is a connection to (absolute; what :func:`connect` opened).
+
+    The store derives the data dir from it (the KV chunk files live in its ``kv`` folder), so
+    nothing in the store asks where the data dir is.
+    """
+    return Path(db.conn.execute("PRAGMA database_list").fetchone()[2])
 
 
 def close_thread_dbs() -> None:

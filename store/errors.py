@@ -34,6 +34,10 @@ class ConversationNotFoundError(StoreError, LookupError):
     """No conversation has the given id."""
 
 
+class DocumentNotFoundError(StoreError, LookupError):
+    """No document has the given id."""
+
+
 class ConversationConflictError(StoreError):
     """The conversation changed since the caller read it (another writer appended a turn)."""
 

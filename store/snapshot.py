@@ -29,8 +29,6 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvchat.paths import data_dir
-
 from .faults import crash_point
 
 FORMAT = "kvchat-kv-chunk"
@@ -97,9 +95,9 @@ class StagedChunk:
     checksum: str
 
 
-def kv_dir() -> Path:
-    """Root directory of chunk files: ``<data dir>/kv``."""
-    return data_dir() / "kv"
+def kv_dir(data_dir: Path) -> Path:
+    """Root directory of chunk files of the data dir ``data_dir`` (where ``kvchat.db`` is): ``<data_dir>/kv``."""
+    return Path(data_dir) / "kv"
 
 
 def chunk_relpath(key: str) -> str:
@@ -143,15 +141,15 @@ def _write_all(fd: int, buf: memoryview | bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def stage_chunk(data: ChunkData, *, key: str, parent_key: str | None, fingerprint: str) -> StagedChunk:
-    """Write ``data`` to a new temp file beside its final path and fsync it.
+def stage_chunk(data: ChunkData, *, key: str, parent_key: str | None, fingerprint: str, root: Path) -> StagedChunk:
+    """Write ``data`` to a new temp file beside its final path under ``root`` (a :func:`kv_dir`) and fsync it.
 
     Raises:
         ValueError: inconsistent tensors (see :meth:`ChunkData.layout`).
         OSError: e.g. ENOSPC; the temp file is removed first.
     """
     layout = data.layout()
-    final = kv_dir() / chunk_relpath(key)
+    final = Path(root) / chunk_relpath(key)
     _ensure_dir(final.parent)
     parts = [(name, dtype, shape, _as_bytes(getattr(data, name))) for name, dtype, shape in layout.specs(data.token_count)]
     hasher = xxhash.xxh3_64()

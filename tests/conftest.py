@@ -18,6 +18,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_helpers import ensure_default_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tier ``model``: every test whose fixtures reach ``smol_info`` (the real SmolLM2 model).
+
+    Tests that need the model another way (a parametrized fixture that asks for it with
+    ``request.getfixturevalue``) carry ``pytest.mark.model`` by hand.
+    """
+    for item in items:
+        if "smol_info" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.model)
+
+
 @pytest.fixture(autouse=True)
 def kvchat_home(tmp_path, monkeypatch):
     """Every test gets its own data dir (conversations, SQLite, KV snapshots)."""
@@ -35,6 +46,8 @@ def smol_info(pytestconfig):
 
     ``KVCHAT_TEST_MODELS`` points at an existing models dir to reuse.
     """
+    if "not model" in (pytestconfig.getoption("markexpr") or ""):
+        pytest.fail("smol_info set up in a run without the model tier: mark the test that needs it with pytest.mark.model")
     root = os.environ.get("KVCHAT_TEST_MODELS") or pytestconfig.cache.mkdir("kvchat-models")
     return ensure_default_model(Path(root))
 

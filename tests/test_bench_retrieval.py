@@ -7,8 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvchat.bench.retrieval import FACT, FACT_VALUE, QUESTION, build_probe, filler_document, plant
-from kvchat.bench.texts import stdlib_text
 from kvchat.chat_format import ChatFormat
+from kvchat.texts import stdlib_text
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ from kvchat.cli import main
 from kvchat.kv_persist import chain
 from kvchat.store.chunk_index import add_chunk, delete_chunk, ref_chunks
 from kvchat.store.conversations import append_turn, create_conversation
-from kvchat.store.db import get_db, write_transaction
+from kvchat.store.db import write_transaction
+from kvchat.index import get_db
 from kvchat.store.snapshot import ChunkData
-from kvchat.tui import real_store
+from kvchat.conversation import listing
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.fake_backend import FakeBackend
 
@@ -74,12 +75,12 @@ def test_cache_ls_tokens_are_what_a_resume_restores(chats, capsys):
 
 
 def test_cache_screen_counts_pool_or_disk_under_the_engines_fingerprint(chats):
-    before_load = {r.chat_id: r.cached_tokens for r in real_store.cache_report(None).rows}
+    before_load = {r.chat_id: r.cached_tokens for r in listing.cache_report(None).rows}
     assert before_load == {cid: n for cid, n in chats.values()}, "before load, any stored fingerprint counts"
     engine = SimpleNamespace(persist=SimpleNamespace(fingerprint=FP, flush=lambda: None), block_size=16,
                              cached_tokens=lambda ids: IN_POOL, bytes_per_token=10, chat=None,
                              explain_miss=lambda db, chat_id: "saved as another KV dtype")
-    rows = {r.chat_id: r for r in real_store.cache_report(engine).rows}
+    rows = {r.chat_id: r for r in listing.cache_report(engine).rows}
     assert {cid: rows[cid].cached_tokens for cid, _ in chats.values()} == {
         cid: IN_POOL if title == "other dtype" else n for title, (cid, n) in chats.items()}
     assert all(r.memory_bytes == IN_POOL * 10 for r in rows.values())
@@ -89,7 +90,7 @@ class StoreReport(FakeBackend):
     """The fake engine, with the real store's cache report (before load)."""
 
     def cache_report(self):
-        return real_store.cache_report(None)
+        return listing.cache_report(None)
 
 
 @pytest.mark.asyncio

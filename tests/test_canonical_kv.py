@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvchat.block_manager import SeqBlocks
-from kvchat.chats import new_settings
+from kvchat.conversation.records import new_settings
 from kvchat.engine import chunk_plan, last_cut
 from kvchat.loader import load_runtime
 from kvchat.sampling import SamplingParams

@@ -146,6 +146,6 @@ def test_a_closed_stdout_stops_quietly_and_keeps_a_stored_turn(models, kvchat_ho
     assert proc.wait(timeout=600) == 141, err  # as a shell reports SIGPIPE
     assert "error" not in err and "Traceback" not in err
     from kvchat.store.conversations import list_conversations
-    from kvchat.store.db import get_db
+    from kvchat.index import get_db
 
     assert [c.num_messages for c in list_conversations(get_db())] == [2], "the turn was stored before the write"

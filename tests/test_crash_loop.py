@@ -10,10 +10,14 @@ from __future__ import annotations
 import os
 import sqlite3
 
+import pytest
+
 from kvchat.bench.crash_checks import check_store
 from kvchat.bench.crash_loop import run_loop
 from kvchat.bench.crash_script import ScriptConfig
 from kvchat.phase_trace import TRACE_ENV, mark, read_trace
+
+pytestmark = pytest.mark.fault
 
 
 def test_random_kills_keep_store_sound_and_resumes_exact(tmp_path, smol_info, kvchat_home):

@@ -17,7 +17,7 @@ from kvchat.bench.fidelity import GOAL_PPL_DELTA_PCT, compare_to_reference
 from kvchat.bench.kv_schemes import all_schemes
 from kvchat.engine import Engine
 from kvchat.kv_cache import KVCacheSpec
-from kvchat.kv_calibration import ensure_calibration
+from kvchat.loader import ensure_calibration
 from kvchat.model_registry import load_weights
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"

@@ -15,13 +15,8 @@ from kvchat.block_manager import SeqBlocks
 from kvchat.config import ModelConfig
 from kvchat.engine import Engine
 from kvchat.kernels import reference as ref
-from kvchat.kv_calibration import (
-    calibrate_k_mean,
-    calibration_path,
-    ensure_calibration,
-    load_calibration,
-    make_calibration,
-)
+from kvchat.kv_calibration import calibrate_k_mean, calibration_path, load_calibration, make_calibration
+from kvchat.loader import ensure_calibration
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +119,7 @@ def test_exact_sink_is_off_where_the_triton_kernels_run(tiny, monkeypatch):
 def test_calibration_is_computed_once_stored_and_recomputed_if_damaged(smol_info, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from kvchat import kv_calibration
+    from kvchat import loader
     from kvchat.model_registry import load_weights
 
     monkeypatch.setenv("KVCHAT_MODELS", str(tmp_path / "models"))  # the shared models dir stays untouched
@@ -139,7 +134,7 @@ def test_calibration_is_computed_once_stored_and_recomputed_if_damaged(smol_info
     def no_recompute(*a, **k):
         raise AssertionError("recomputed a stored calibration")
 
-    monkeypatch.setattr(kv_calibration, "calibrate_k_mean", no_recompute)
+    monkeypatch.setattr(loader, "calibrate_k_mean", no_recompute)
     assert ensure_calibration(smol_info, weights, tok).digest == first.digest
     monkeypatch.undo()
     monkeypatch.setenv("KVCHAT_MODELS", str(tmp_path / "models"))

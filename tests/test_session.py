@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvchat.chats import new_settings
+from kvchat.conversation.records import new_settings
 from kvchat.engine import ContextOverflowError
 from kvchat.loader import load_runtime
 from kvchat.sampling import SamplingParams

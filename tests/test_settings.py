@@ -17,7 +17,8 @@ import torch
 from kvchat import disk_budget, kernels, settings
 from kvchat.settings import SettingError
 from kvchat.store import chunk_index as ci
-from kvchat.store.db import close_thread_dbs, get_db
+from kvchat.store.db import close_thread_dbs
+from kvchat.index import get_db
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData
 

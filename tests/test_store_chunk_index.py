@@ -13,10 +13,12 @@ import torch
 
 from kvchat.store import chunk_index as ci
 from kvchat.store import snapshot
-from kvchat.store.db import close_thread_dbs, get_db
+from kvchat.store.db import close_thread_dbs
+from kvchat.index import get_db
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
-from kvchat.store.snapshot import ChunkData, ChunkLayout, kv_dir
+from kvchat.store.snapshot import ChunkData, ChunkLayout
+from kvchat.index import kv_dir
 
 torch.set_num_threads(1)
 LAYOUT = ChunkLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float8_e4m3fn)
@@ -71,6 +73,7 @@ def test_second_writer_of_same_key_keeps_first():
     ci.load_chunk(db, first, LAYOUT)  # file and row still agree
 
 
+@pytest.mark.fault
 def test_row_without_file_is_rewritten():
     db = get_db()
     key = chunk_key(FP, None, range(16))
@@ -82,6 +85,7 @@ def test_row_without_file_is_rewritten():
     ci.load_chunk(db, new, LAYOUT)
 
 
+@pytest.mark.fault
 def test_corrupt_chunk_is_dropped_on_load():
     db = get_db()
     row = ci.get_chunk(db, add_chain(db, 1)[0])
@@ -141,6 +145,7 @@ def test_gc_respects_writer_window():
     assert [r.key for r in ci.list_chunks(db)] == [keep] and ci.get_chunk(db, keep).path.exists()
 
 
+@pytest.mark.fault
 def test_verify_reports_and_drops_bad_files():
     db = get_db()
     good, bad, missing = add_chain(db, 3)
@@ -154,6 +159,7 @@ def test_verify_reports_and_drops_bad_files():
     assert ci.verify_chunks(db) == []
 
 
+@pytest.mark.fault
 def test_disk_full_abandons_write_cleanly(monkeypatch):
     db = get_db()
     real_write_all = snapshot._write_all
@@ -175,10 +181,11 @@ def test_disk_full_abandons_write_cleanly(monkeypatch):
     assert len(ci.list_chunks(db)) == 1
 
 
+@pytest.mark.fault
 def test_crash_between_rename_and_row_insert_leaves_orphan_for_gc():
     db = get_db()
     key = chunk_key(FP, None, range(16))
-    code = ("import torch; from kvchat.store.db import get_db; from kvchat.store.chunk_index import add_chunk; "
+    code = ("import torch; from kvchat.index import get_db; from kvchat.store.chunk_index import add_chunk; "
             "from kvchat.store.snapshot import ChunkData; "
             "d = ChunkData(torch.zeros(2, 16, 2, 8, dtype=torch.float16), torch.zeros(2, 16, 2, 8, dtype=torch.float16)); "
             f"add_chunk(get_db(), d, key={key!r}, parent_key=None, fingerprint='x')")

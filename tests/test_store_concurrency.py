@@ -9,14 +9,14 @@ import pytest
 
 from kvchat.store import chunk_index as ci
 from kvchat.store.conversations import create_conversation, get_conversation
-from kvchat.store.db import close_thread_dbs, get_db
-from kvchat.store.snapshot import kv_dir
+from kvchat.store.db import close_thread_dbs
+from kvchat.index import get_db, kv_dir
 
 TURNS = 20
 
 WRITER = """
 import os, sys, time, torch
-from kvchat.store.db import get_db
+from kvchat.index import get_db
 from kvchat.store.conversations import NewMessage, append_turn
 from kvchat.store.chunk_index import add_chunk
 from kvchat.store.keys import chunk_key

@@ -22,7 +22,8 @@ from kvchat.store.conversations import (
     pin_conversation,
     rename_conversation,
 )
-from kvchat.store.db import close_thread_dbs, get_db
+from kvchat.store.db import close_thread_dbs
+from kvchat.index import get_db
 from kvchat.store.errors import ConversationConflictError, ConversationNotFoundError
 
 
@@ -110,11 +111,12 @@ def test_fts_indexes_titles_and_messages():
         ("what about the Louvre",)]
 
 
+@pytest.mark.fault
 def test_crash_inside_append_turn_keeps_previous_turn():
     db = get_db()
     cid = create_conversation(db, title="t").id
     append_turn(db, cid, [1, 2], [NewMessage("user", "first", 0, 2)])
-    code = ("from kvchat.store.db import get_db; from kvchat.store.conversations import *; "
+    code = ("from kvchat.index import get_db; from kvchat.store.conversations import *; "
             f"append_turn(get_db(), {cid!r}, [3, 4], [NewMessage('user', 'second', 0, 2)])")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVCHAT_CRASH_AT": "message_insert"})
     assert proc.returncode == -9

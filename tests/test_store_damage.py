@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 
 from kvchat.store.conversations import NewMessage, append_turn, create_conversation, get_conversation
-from kvchat.store.db import backups_dir, close_thread_dbs, connect, database_error_line, get_db
+from kvchat.store.db import backups_dir, close_thread_dbs, connect, database_error_line
+from kvchat.index import get_db
 
 from test_tui_robustness import assert_one_error_line, run_kvchat, tree
+
+pytestmark = pytest.mark.fault
 
 PAGE = 4096
 

@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 
 from kvchat.store.conversations import NewMessage, append_turn, create_conversation, get_conversation, list_conversations
-from kvchat.store.db import close_thread_dbs, get_db
+from kvchat.store.db import close_thread_dbs
+from kvchat.index import get_db
 from kvchat.paths import db_path
 
 ROUNDS = 12
 
 OTHER = """
 import sys
-from kvchat.store.db import get_db
+from kvchat.index import get_db
 from kvchat.store.conversations import NewMessage, append_turn, create_conversation, list_conversations
 db = get_db()
 seen = {c.title for c in list_conversations(db)}

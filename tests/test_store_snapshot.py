@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
-from kvchat.store.snapshot import ChunkData, ChunkLayout, kv_dir, publish_chunk, stage_chunk
+from kvchat.store.snapshot import ChunkData, ChunkLayout, publish_chunk, stage_chunk
+from kvchat.index import kv_dir
 from kvchat.store.snapshot_read import MAX_HEADER_BYTES, read_chunk, verify_chunk_file
 
 torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def random_chunk(layout: ChunkLayout, num_tokens: int, seed: int = 0) -> ChunkDa
 
 
 def write(data: ChunkData, key: str = "ab" * 16, parent: str | None = None, fp: str = "fp1"):
-    staged = stage_chunk(data, key=key, parent_key=parent, fingerprint=fp)
+    staged = stage_chunk(data, key=key, parent_key=parent, fingerprint=fp, root=kv_dir())
     publish_chunk(staged)
     return staged
 
@@ -209,17 +210,19 @@ def test_bad_data_and_wrong_expectations(good):
     expect_corrupt(good, "missing")
 
 
+@pytest.mark.fault
 def test_another_chunk_of_same_shape_is_detected(good):
     other = write(random_chunk(LAYOUT, 3, seed=1), key="ef" * 16)
     os.replace(other.final_path, good.final_path)
     expect_corrupt(good, "mismatch")
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("point", ["chunk_mid_write", "chunk_after_fsync"])
 def test_crash_while_writing_leaves_no_final_file(home, point):
-    code = ("import torch; from kvchat.store.snapshot import *; "
+    code = ("import torch; from kvchat.store.snapshot import *; from kvchat.index import kv_dir; "
             "d = ChunkData(torch.zeros(2, 16, 3, 8, dtype=torch.float16), torch.ones(2, 16, 3, 8, dtype=torch.float16)); "
-            "publish_chunk(stage_chunk(d, key='ab' * 16, parent_key=None, fingerprint='fp'))")
+            "publish_chunk(stage_chunk(d, key='ab' * 16, parent_key=None, fingerprint='fp', root=kv_dir()))")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVCHAT_CRASH_AT": point})
     assert proc.returncode == -9
     names = os.listdir(kv_dir() / "ab")

@@ -14,7 +14,7 @@ from textual.widgets import Button, DataTable, Input, ListView, Markdown
 
 from kvchat.tui.actions import ACTIONS, INPUT_KEYS
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.backend import ChatMessage
+from kvchat.conversation.views import ChatMessage
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.screens.chat import ChatScreen
 from kvchat.tui.screens.confirm import ConfirmScreen
@@ -26,7 +26,7 @@ from kvchat.tui.widgets.status_bar import StatusBar
 from kvchat.turn import SamplingParams
 
 SIZE = (120, 40)
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.tui]
 
 
 async def until(pilot, condition, timeout=10.0):
@@ -462,15 +462,20 @@ async def open_first_chat(pilot, screen) -> None:
     await pilot.press("enter")
 
 
-async def test_real_model_end_to_end(smol_info):
-    """Real engine: stream an answer, reopen it (from memory), quit, restart: the history comes from disk."""
+def real_app(smol_info):
+    """``(backend, app)``: the app on the real backend (SmolLM2, a 1,024-token fp8 pool, one thread)."""
     import torch
 
     from kvchat.tui.real_backend import RealBackend
 
     torch.set_num_threads(1)
     backend = RealBackend(str(smol_info.path), "fp8", pool_bytes=12 * 2**20, threads=1)
-    app = KvchatApp(backend)
+    return backend, KvchatApp(backend)
+
+
+async def test_real_model_end_to_end(smol_info):
+    """Real engine: stream an answer, reopen it (from memory), quit, restart: the history comes from disk."""
+    backend, app = real_app(smol_info)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen_stack[0]
         await until(pilot, lambda: screen.ready, timeout=120)
@@ -493,8 +498,7 @@ async def test_real_model_end_to_end(smol_info):
         await pilot.press("ctrl+q")
         await until(pilot, lambda: app._shut_down, timeout=60)
 
-    backend = RealBackend(str(smol_info.path), "fp8", pool_bytes=12 * 2**20, threads=1)
-    app = KvchatApp(backend)
+    backend, app = real_app(smol_info)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen_stack[0]
         await until(pilot, lambda: screen.ready, timeout=120)

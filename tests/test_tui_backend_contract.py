@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from kvchat.documents import DocumentError
-from kvchat.tui.backend import ContextFullError
-from kvchat.tui.events import PrefillProgress, TokenBatch, TurnDone
+from kvchat.conversation.views import ContextFullError
+from kvchat.conversation.events import PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.turn import SamplingParams
 
@@ -40,7 +40,7 @@ def real_backend(smol_info, tmp_path_factory):
     mp.undo()
 
 
-@pytest.fixture(params=["fake", "real"])
+@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.model)])
 def backend(request):
     if request.param == "real":
         return request.getfixturevalue("real_backend")
@@ -218,6 +218,6 @@ def test_system_prompt_only_before_the_first_turn(backend):
 
 def test_boundary_types_are_torch_free():
     """The UI shares the engine's dataclasses; importing them must not pull in torch."""
-    code = "import sys, kvchat.turn, kvchat.tui.backend, kvchat.tui.events; print('torch' in sys.modules)"
+    code = "import sys, kvchat.turn, kvchat.tui.backend, kvchat.conversation.events; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

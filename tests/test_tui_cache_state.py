@@ -1,6 +1,6 @@
 """Sidebar cache states and "why missed" on the real engine, for every chat, not only the open one.
 
-Fast checks of :mod:`kvchat.tui.cache_state` on a fresh store, then one run
+Fast checks of :mod:`kvchat.conversation.cache_state` on a fresh store, then one run
 of the real model across three processes' worth of backends: fp8 (write two
 chats on a document), fp8 again after one chat's snapshot files were deleted
 (open the intact chat, then the damaged one from the sidebar), and bf16.
@@ -11,16 +11,19 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvchat.store.db import get_db, write_transaction
+from kvchat.store.db import write_transaction
+from kvchat.index import get_db
 from textual.widgets import Input, ListView
 
 from kvchat.cache_id import cache_fingerprint
 from kvchat.tui.app import KvchatApp
 from kvchat.cache_miss import why_not_restored
-from kvchat.tui.cache_state import all_in_memory, disk_bytes
+from kvchat.conversation.cache_state import all_in_memory, disk_bytes
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.status_bar import StatusBar
 from kvchat.turn import SamplingParams
+
+pytestmark = pytest.mark.tui
 
 SIZE = (120, 40)
 MODEL_FP = "m" * 64
@@ -127,7 +130,7 @@ async def test_real_sidebar_states_and_why_missed_for_a_chat_opened_after_anothe
         "SELECT k.file_path FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key WHERE r.owner = ?"
         " AND r.key NOT IN (SELECT key FROM chunk_refs WHERE owner != ?)", [chat_b, chat_b])]
     assert only_b, "chat B has snapshot chunks of its own"
-    from kvchat.store.snapshot import kv_dir
+    from kvchat.index import kv_dir
 
     for path in only_b:
         (kv_dir() / path).unlink()

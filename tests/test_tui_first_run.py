@@ -22,6 +22,8 @@ from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.prefill_bar import PrefillBar
 from kvchat.tui.widgets.status_bar import StatusBar
 
+pytestmark = pytest.mark.tui
+
 SIZE = (110, 30)
 STEPS = ["download", "extract + verify GGUF", "dequantize", "fingerprint", "write"]
 

@@ -20,6 +20,8 @@ from kvchat.tui.app import EXIT_CANNOT_RUN, EXIT_NOT_SAVED, KvchatApp
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.real_backend import RealBackend
 
+pytestmark = [pytest.mark.tui, pytest.mark.fault]
+
 SIZE = (100, 30)
 HEADLESS = {"TEXTUAL_DRIVER": "textual.drivers.headless_driver:HeadlessDriver"}
 CAPS_WITHOUT_OVERRIDE = (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER

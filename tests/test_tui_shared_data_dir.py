@@ -15,15 +15,15 @@ import sys
 import pytest
 
 from kvchat.store.conversations import get_conversation, list_conversations
-from kvchat.store.db import close_thread_dbs, get_db
-from kvchat.tui.app import KvchatApp
+from kvchat.store.db import close_thread_dbs
+from kvchat.index import get_db
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message_view import MessageView
 from kvchat.turn import SamplingParams
 
-from test_tui_app import SIZE, until
+from test_tui_app import SIZE, real_app, until
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.tui]
 
 
 def _kvchat(*args: str) -> subprocess.CompletedProcess:
@@ -41,13 +41,7 @@ async def _send(pilot, screen, text: str, n_blocks: int) -> None:
 
 
 async def test_tui_and_cli_processes_share_a_data_dir_without_loss(smol_info):
-    import torch
-
-    from kvchat.tui.real_backend import RealBackend
-
-    torch.set_num_threads(1)
-    backend = RealBackend(str(smol_info.path), "fp8", pool_bytes=12 * 2**20, threads=1)
-    app = KvchatApp(backend)
+    backend, app = real_app(smol_info)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen_stack[0]
         await until(pilot, lambda: screen.ready, timeout=120)

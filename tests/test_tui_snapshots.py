@@ -16,6 +16,8 @@ from kvchat.tui.app import KvchatApp  # noqa: E402
 from kvchat.tui.fake_backend import FakeBackend  # noqa: E402
 from kvchat.tui.widgets.chat_input import ChatInput  # noqa: E402
 
+pytestmark = pytest.mark.tui
+
 SIZE = (110, 32)
 ANSWER = ("The heron nests **by the old mill**.\n\n```python\nprint('heron')\n```\n\n"
           "| bird | nest |\n|---|---|\n| heron | mill |")

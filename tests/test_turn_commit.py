@@ -16,7 +16,8 @@ import pytest
 
 from kvchat.phase_trace import read_trace
 from kvchat.store.conversations import get_conversation
-from kvchat.store.db import close_thread_dbs, get_db
+from kvchat.store.db import close_thread_dbs
+from kvchat.index import get_db
 from kvchat.store.errors import ConversationConflictError
 from kvchat.turn import SamplingParams
 

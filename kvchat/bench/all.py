@@ -21,7 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHES = ("memory", "engine", "fidelity", "resume", "startup", "peers")
+from kvchat.bench.args import BENCHES, bench_defaults
+
 # Settings of --quick, on top of each sub-command's defaults.
 QUICK: dict[str, dict] = {
     "memory": {},
@@ -33,24 +34,10 @@ QUICK: dict[str, dict] = {
 }
 
 
-def add_all_args(p: argparse.ArgumentParser) -> None:
-    """The ``kvchat bench all`` options (the CLI adds ``--model``/``--kv-dtype``/``--threads``)."""
-    p.add_argument("--out", default="bench-results", metavar="DIR", help="folder for the JSON and PNG files (default ./bench-results)")
-    p.add_argument("--quick", action="store_true", help="small lengths and repeats: a few minutes on 2 cores, figures not for quoting")
-    p.add_argument("--only", action="append", choices=BENCHES, metavar="NAME",
-                   help=f"run only this benchmark (repeatable; one of {', '.join(BENCHES)})")
-    p.add_argument("--skip", action="append", choices=BENCHES, default=[], metavar="NAME", help="leave this benchmark out (repeatable)")
-    p.add_argument("--text", action="append", default=[], metavar="PATH",
-                   help="evaluation text for fidelity and the retrieval probe (repeatable; default: stdlib docstrings)")
-    p.add_argument("--replot", action="store_true", help="only redraw the plots from the JSON files in --out")
-
-
 def bench_settings(name: str, quick: bool, base: argparse.Namespace) -> argparse.Namespace:
     """The Namespace ``kvchat bench NAME`` would get by default, with ``base``'s model/kv-dtype/threads,
     ``--text`` (fidelity) and, if ``quick``, :data:`QUICK`'s overrides."""
-    from kvchat.cli import build_parser
-
-    ns = build_parser().parse_args(["bench", name])
+    ns = bench_defaults(name)
     ns.model, ns.kv_dtype, ns.threads = base.model, base.kv_dtype, base.threads
     if name == "fidelity":
         ns.text = list(getattr(base, "text", []) or [])

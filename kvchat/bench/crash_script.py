@@ -1,7 +1,7 @@
 """The scripted conversation of the kill loop, and its reference answers with no snapshot files.
 
 A conversation is a document (the first ``DOC_CHARS`` characters of the
-standard-library docstrings, :mod:`kvchat.bench.texts`; about 350 tokens, so
+standard-library docstrings, :mod:`kvchat.texts`; about 350 tokens, so
 turn 1 already writes a full 256-token chunk plus tails) and ``QUESTIONS``
 asked in order, one ``kvchat ask`` process per turn: turn 1 with ``--doc``,
 later turns with ``--chat``. Decoding is greedy, so every turn has one right
@@ -95,7 +95,7 @@ class Reference:
 
 def write_document(path: Path) -> Path:
     """Write the script's document to ``path`` and return it."""
-    from kvchat.bench.texts import stdlib_text
+    from kvchat.texts import stdlib_text
 
     path.write_text(stdlib_text().text[:DOC_CHARS])
     return path

@@ -38,7 +38,7 @@ import torch
 from kvchat.bench.ceiling import matmul_ceiling
 from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import Spread, format_table, ratios
-from kvchat.bench.texts import BenchText, stdlib_text
+from kvchat.texts import BenchText, stdlib_text
 
 LLAMA_CPP_REFERENCE = {
     "prefill_tok_s": 282.0,
@@ -182,8 +182,7 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     from kvchat.engine import Engine
     from kvchat.kv_cache import KVCacheSpec
-    from kvchat.kv_calibration import ensure_calibration
-    from kvchat.loader import set_threads
+    from kvchat.loader import ensure_calibration, set_threads
     from kvchat.model_registry import load_weights, resolve_model
 
     lengths = sorted(set(args.lengths))

@@ -36,7 +36,7 @@ from kvchat.bench.kv_schemes import KVScheme, all_schemes
 from kvchat.bench.retrieval import DEFAULT_DEPTHS, DEFAULT_DOC_TOKENS, format_retrieval, run_retrieval
 from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import format_table
-from kvchat.bench.texts import EVAL_MODULES, BenchText, stdlib_text
+from kvchat.texts import EVAL_MODULES, BenchText, stdlib_text
 
 GOAL_PPL_DELTA_PCT = 0.5
 DEFAULT_TOKENS = 2048
@@ -191,10 +191,8 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     from kvchat.engine import Engine
     from kvchat.kv_cache import KVCacheSpec
-    from kvchat.loader import set_threads
+    from kvchat.loader import ensure_calibration, set_threads
     from kvchat.model_registry import load_weights, resolve_model
-
-    from kvchat.kv_calibration import ensure_calibration
 
     if args.tokens < 2:
         raise ValueError("--tokens must be at least 2")

@@ -147,7 +147,7 @@ def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[d
     from kvchat.kv_cache import KVCacheSpec
     from transformers import AutoTokenizer
 
-    from kvchat.kv_calibration import ensure_calibration
+    from kvchat.loader import ensure_calibration
     from kvchat.model_registry import load_weights
 
     cfg = info.config
@@ -218,8 +218,8 @@ def _llama_resume(args, gguf: Path, ids: list[int], question: list[int], threads
 def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
     """Both sides of the resume comparison on the same conversation and question."""
     from kvchat.bench.resume import QUESTION, build_conversation, run_resume
-    from kvchat.bench.texts import stdlib_text
     from kvchat.loader import Runtime
+    from kvchat.texts import stdlib_text
 
     n = args.resume_tokens
     rt = Runtime(info, None, tokenizer)
@@ -254,9 +254,9 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     from kvchat.bench.engine import prompt_ids
     from kvchat.bench.run_info import run_info
-    from kvchat.bench.texts import stdlib_text
     from kvchat.loader import set_threads
     from kvchat.model_registry import resolve_model
+    from kvchat.texts import stdlib_text
 
     try:
         import llama_cpp

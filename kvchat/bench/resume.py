@@ -4,7 +4,7 @@ For each N (default 256, 512, 2048, 4096, 8000 tokens) on the default model:
 
 1. A *build* process (fresh) makes a multi-turn conversation of exactly N
    tokens from real text (docstrings of standard-library modules, see
-   :mod:`kvchat.bench.texts`: the prefix holds the system prompt and a
+   :mod:`kvchat.texts`: the prefix holds the system prompt and a
    document of about 40% of N, then user turns quote a sentence and
    assistant turns hold following paragraphs), prefills it cold through the
    session (``cold prefill``), writes its snapshot and measures, with the chat
@@ -96,12 +96,12 @@ def build_conversation(rt, n_tokens: int, text: str) -> tuple[list[int], list, d
     template's closing ids. The last answer is cut so the total is exact.
 
     Returns:
-        ``(token_ids, segments, settings)``; settings as :func:`kvchat.chats.new_settings`.
+        ``(token_ids, segments, settings)``; settings as :func:`kvchat.conversation.records.new_settings`.
     Raises:
         BenchResumeError: ``n_tokens`` too small for a prefix and one turn, or the text runs out.
     """
     from kvchat.chat_format import append_segment
-    from kvchat.chats import new_settings
+    from kvchat.conversation.records import new_settings
     from kvchat.session import DEFAULT_SYSTEM_PROMPT
 
     settings = new_settings(["python-docstrings.txt"])
@@ -158,11 +158,11 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
     """Cold prefill of the whole chat; with ``save``, also snapshot it and time the question in memory."""
     import torch
 
-    from kvchat.bench.texts import stdlib_text
     from kvchat.kv_cache import KVCacheSpec
     from kvchat.kv_persist import KVPersist, find_chain
     from kvchat.sampling import SamplingParams
-    from kvchat.store.db import get_db
+    from kvchat.index import get_db
+    from kvchat.texts import stdlib_text
 
     if not spec_path.exists():
         text = stdlib_text()

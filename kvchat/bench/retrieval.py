@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.bench.texts import BenchText
+from kvchat.texts import BenchText
 
 FACT_KEY = "the access code for the archive room"
 FACT_VALUE = "7391-KESTREL"
@@ -153,8 +153,7 @@ def run_retrieval(info, tokenizer, filler: BenchText, doc_tokens: int = DEFAULT_
     """
     from kvchat.engine import Engine
     from kvchat.kv_cache import KVCacheSpec
-    from kvchat.kv_calibration import ensure_calibration
-    from kvchat.loader import Runtime
+    from kvchat.loader import Runtime, ensure_calibration
     from kvchat.model_registry import load_weights
     from kvchat.session import DEFAULT_SYSTEM_PROMPT
 

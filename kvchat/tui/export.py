@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from kvchat.tui.backend import ChatView
+from kvchat.conversation.views import ChatView
 
 
 def chat_to_markdown(view: ChatView) -> str:

@@ -21,20 +21,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvchat.documents import read_document
-from kvchat.tui.backend import (
-    SYSTEM_PROMPT_FIXED,
-    CacheReport,
-    CacheRow,
-    ChatMessage,
-    ChatSummary,
-    ChatView,
-    ContextFullError,
-    DocumentSummary,
-    ResumeInfo,
-    Status,
-)
-from kvchat.tui.events import Emit, LoadProgress, PrefillProgress, TurnDone
-from kvchat.tui.streaming import TokenBatcher
+from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView, ContextFullError, DocumentSummary, ResumeInfo, Status
+from kvchat.conversation.events import Emit, LoadProgress, PrefillProgress, TurnDone
+from kvchat.conversation.streaming import TokenBatcher
 from kvchat.turn import SamplingParams, TurnStats
 
 TURN_OVERHEAD = 4

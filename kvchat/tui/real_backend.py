@@ -15,16 +15,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from kvchat.tui.backend import (
-    BackendNotReadyError,
-    CacheReport,
-    ChatSummary,
-    ChatView,
-    DocumentSummary,
-    Status,
-    StoreUnavailableError,
-)
-from kvchat.tui.events import Emit, LoadProgress, TurnDone
+from kvchat.tui.backend import BackendNotReadyError, StoreUnavailableError
+from kvchat.conversation.views import CacheReport, ChatSummary, ChatView, DocumentSummary, Status
+from kvchat.conversation.events import Emit, LoadProgress, TurnDone
 from kvchat.turn import SamplingParams
 
 
@@ -72,7 +65,7 @@ class RealBackend:
         self.model, self.kv_dtype, self.pool_bytes, self.threads = model, kv_dtype, pool_bytes, threads
         self._engine_lane = _Lane("kvchat-engine", inference=True)
         self._store_lane = _Lane("kvchat-store", inference=False)
-        self._chats = None  # kvchat.tui.real_chats.OpenChats once loaded
+        self._chats = None  # kvchat.conversation.service.ChatService once loaded
         self._status = Status(phase="loading", message="starting")
 
     # --- engine lane -------------------------------------------------------------------------
@@ -91,7 +84,7 @@ class RealBackend:
         from kvchat.loader import load_runtime, set_threads
         from kvchat.model_import import DEFAULT_MODEL_NAME, read_manifest
         from kvchat.paths import models_dir
-        from kvchat.tui.real_chats import OpenChats
+        from kvchat.conversation.service import ChatService
 
         set_threads(self.threads)
         if self.model is None and read_manifest(models_dir() / DEFAULT_MODEL_NAME) is None:
@@ -102,7 +95,7 @@ class RealBackend:
         except Exception as exc:
             self._status = Status(phase="error", message=f"model load failed: {exc}")
             raise
-        self._chats = OpenChats(rt)
+        self._chats = ChatService(rt)
         self._status = Status(phase="ready", message="ready")
         return self.status()
 
@@ -148,9 +141,9 @@ class RealBackend:
 
     def delete_chat(self, chat_id: str) -> None:
         def run() -> None:
-            from kvchat.tui import real_store
+            from kvchat.conversation import listing
 
-            real_store.delete_chat(self._chats, chat_id)
+            listing.delete_chat(self._chats, chat_id)
 
         self._engine_lane.call(run)
 
@@ -165,35 +158,35 @@ class RealBackend:
         return self._chats.view() if self._chats is not None else None
 
     # --- store lane ---------------------------------------------------------------------------
-    def _store(self, fn: str, *args: Any) -> Any:
-        """``kvchat.tui.real_store.<fn>(chats, *args)`` on the store lane (SQLite imports stay off the UI thread)."""
+    def _store(self, op: Callable[[Any], Any]) -> Any:
+        """``op(kvchat.conversation.listing)`` on the store lane (SQLite imports stay off the UI thread)."""
         def run() -> Any:
             from kvchat.tui.store_open import open_store
 
             open_store()
-            from kvchat.tui import real_store
+            from kvchat.conversation import listing
 
-            return getattr(real_store, fn)(self._chats, *args)
+            return op(listing)
 
         return self._store_lane.call(run)
 
     def list_chats(self, query: str = "") -> list[ChatSummary]:
-        return self._store("list_chats", query)
+        return self._store(lambda listing: listing.list_chats(self._chats, query))
 
     def list_documents(self) -> list[DocumentSummary]:
-        return self._store("list_documents")
+        return self._store(lambda listing: listing.list_documents(self._chats))
 
     def rename_chat(self, chat_id: str, title: str) -> None:
-        self._store("rename_chat", chat_id, title)
+        self._store(lambda listing: listing.rename_chat(self._chats, chat_id, title))
 
     def pin_chat(self, chat_id: str, pinned: bool) -> None:
-        self._store("pin_chat", chat_id, pinned)
+        self._store(lambda listing: listing.pin_chat(self._chats, chat_id, pinned))
 
     def purge_cache(self, chat_id: str) -> int:
-        return self._store("purge_cache", chat_id)
+        return self._store(lambda listing: listing.purge_cache(self._chats, chat_id))
 
     def cache_report(self) -> CacheReport:
-        report = self._store("cache_report")
+        report = self._store(lambda listing: listing.cache_report(self._chats))
         st = self.status()
         report.pool_bytes, report.pool_blocks_used, report.pool_blocks_total = (
             st.pool_bytes, st.pool_blocks_used, st.pool_blocks_total)

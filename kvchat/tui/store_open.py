@@ -22,7 +22,8 @@ def open_store() -> None:
             than this kvchat.
     """
     from kvchat.paths import db_path
-    from kvchat.store.db import get_db, require_writable
+    from kvchat.index import get_db
+    from kvchat.store.db import require_writable
     from kvchat.store.errors import DamagedDatabaseError, ReadOnlyStoreError, StoreError
 
     try:

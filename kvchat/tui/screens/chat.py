@@ -22,14 +22,10 @@ from textual.widgets import Footer
 
 from kvchat.store.errors import StoreError
 from kvchat.tui.actions import ACTIONS
-from kvchat.tui.backend import (
-    Backend,
-    ChatView,
-    ContextFullError,
-    StoreUnavailableError,
-)
-from kvchat.tui.events import BackendEvent as Event
-from kvchat.tui.events import LoadProgress, PrefillProgress, TokenBatch, TurnDone
+from kvchat.tui.backend import Backend, StoreUnavailableError
+from kvchat.conversation.views import ChatView, ContextFullError
+from kvchat.conversation.events import BackendEvent as Event
+from kvchat.conversation.events import LoadProgress, PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.screens.chat_actions import ChatActions
 from kvchat.tui.screens.messages import BackendEvent, CannotRun, TurnFailed
 from kvchat.tui.text import one_line

@@ -7,7 +7,7 @@ import os
 from textual.timer import Timer
 
 from kvchat.paths import data_dir
-from kvchat.tui.backend import SYSTEM_PROMPT_FIXED
+from kvchat.conversation.views import SYSTEM_PROMPT_FIXED
 from kvchat.tui.export import export_chat, export_dir
 from kvchat.tui.screens.cache import CacheScreen
 from kvchat.tui.screens.confirm import ConfirmScreen

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from kvchat.tui.events import BackendEvent as Event
+from kvchat.conversation.events import BackendEvent as Event
 
 
 class BackendEvent(Message):

@@ -7,7 +7,7 @@ from textual.content import Content
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from kvchat.tui.backend import ChatMessage
+from kvchat.conversation.views import ChatMessage
 from kvchat.tui.text import literal
 
 

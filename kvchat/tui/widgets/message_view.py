@@ -6,7 +6,7 @@ from textual import on
 from textual.containers import VerticalScroll
 from textual.widgets import Button
 
-from kvchat.tui.backend import ChatMessage
+from kvchat.conversation.views import ChatMessage
 from kvchat.tui.widgets.message import MessageBlock
 
 PAGE = 40

@@ -14,7 +14,7 @@ from textual.content import Content
 from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView
 
-from kvchat.tui.backend import ChatSummary, DocumentSummary
+from kvchat.conversation.views import ChatSummary, DocumentSummary
 from kvchat.tui.text import ago, one_line, tokens
 
 CACHE_MARK = {"memory": "● mem", "disk": "◐ disk", "none": "○ none"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.content import Content
 from textual.widgets import Static
 
-from kvchat.tui.backend import Status
+from kvchat.conversation.views import Status
 from kvchat.tui.text import literal
 
 METER_CELLS = 8

@@ -1,6 +1,6 @@
 """Store-side operations of the real backend (SQLite through ``kvchat.store``), run on its store/engine lanes.
 
-Each function takes the loaded :class:`kvchat.tui.real_chats.OpenChats` (None
+Each function takes the loaded :class:`kvchat.conversation.service.ChatService` (None
 before the model is loaded: nothing is in memory then, and a snapshot under
 any cache fingerprint counts as "on disk", since the engine's is not known yet).
 Listings first wait for queued snapshot writes, so a chat or document shows
@@ -9,46 +9,33 @@ Listings first wait for queued snapshot writes, so a chat or document shows
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from sqlite_utils import Database
 
-from kvchat.cache_cli import doc_id
+from kvchat.documents import doc_id
 from kvchat.disk_budget import budget_bytes, refresh_pins
 from kvchat.kv_persist import release_owner, restorable_tokens
 from kvchat.session import DEFAULT_SYSTEM_PROMPT
+from kvchat.conversation.cache_state import all_in_memory, disk_bytes, state
+from kvchat.conversation.search import search_conversation_ids
+from kvchat.conversation.views import CacheReport, CacheRow, ChatSummary, DocumentSummary
+from kvchat.index import get_db
+from kvchat.store.chunk_index import totals
 from kvchat.store.conversations import (
-    decode_token_ids,
     delete_conversation,
+    histories,
     list_conversations,
     pin_conversation,
     rename_conversation,
 )
-from kvchat.store.db import get_db, write_transaction
-from kvchat.tui.backend import (
-    CacheReport,
-    CacheRow,
-    ChatSummary,
-    DocumentSummary,
-)
-from kvchat.tui.cache_state import all_in_memory, disk_bytes, state
-from kvchat.tui.search import search_conversation_ids
+from kvchat.store.documents import list_documents as stored_documents, upsert_document
 
 if TYPE_CHECKING:
-    from kvchat.tui.real_chats import OpenChats
+    from kvchat.conversation.service import ChatService
 
 
-def histories(db: Database, ids: list[str]) -> dict[str, list[int]]:
-    """Per chat: its history's token ids."""
-    if not ids:
-        return {}
-    marks = ",".join("?" * len(ids))
-    rows = db.query(f"SELECT id, token_ids FROM conversations WHERE id IN ({marks})", ids)
-    return {r["id"]: decode_token_ids(r["token_ids"]) for r in rows}
-
-
-def _facts(chats: OpenChats | None, db: Database, history: dict[str, list[int]]):
+def _facts(chats: ChatService | None, db: Database, history: dict[str, list[int]]):
     """(tokens in the pool's prefix cache per chat, memory flag per chat, restorable disk bytes per owner).
 
     ``history``: the chats' token ids (none needed before load: nothing is in the pool then).
@@ -62,7 +49,7 @@ def _facts(chats: OpenChats | None, db: Database, history: dict[str, list[int]])
     return cached, memory, disk
 
 
-def list_chats(chats: OpenChats | None, query: str) -> list[ChatSummary]:
+def list_chats(chats: ChatService | None, query: str) -> list[ChatSummary]:
     """Stored chats (pinned, then most recent first), filtered by an FTS search when ``query`` is not blank."""
     db = get_db()
     rows = list_conversations(db)
@@ -74,27 +61,26 @@ def list_chats(chats: OpenChats | None, query: str) -> list[ChatSummary]:
                         state(memory.get(r.id, False), disk.get(r.id, 0)), cached.get(r.id, 0)) for r in rows]
 
 
-def list_documents(chats: OpenChats | None) -> list[DocumentSummary]:
+def list_documents(chats: ChatService | None) -> list[DocumentSummary]:
     """Rows of the ``documents`` table, newest first: ``memory`` when its prefix is in the pool (documents
     prefilled by this process), ``disk`` when a snapshot this engine can restore is indexed."""
     if chats is not None:
         chats.persist.flush()
     db = get_db()
-    rows = db.query("SELECT id, title, path, token_count FROM documents ORDER BY created DESC")
     cached = chats.cached_documents() if chats is not None else set()
     disk = disk_bytes(db, chats.persist.fingerprint if chats is not None else None)
-    return [DocumentSummary(r["id"], r["title"], r["path"] or "", r["token_count"],
-                            state(r["id"] in cached, disk.get(r["id"], 0))) for r in rows]
+    return [DocumentSummary(d.id, d.title, d.path, d.token_count, state(d.id in cached, disk.get(d.id, 0)))
+            for d in stored_documents(db, newest_first=True)]
 
 
-def rename_chat(chats: OpenChats | None, chat_id: str, title: str) -> None:
+def rename_chat(chats: ChatService | None, chat_id: str, title: str) -> None:
     """Set the title in the store and in the open chat. Raises ConversationNotFoundError."""
     rename_conversation(get_db(), chat_id, title)
     if chats is not None:
         chats.renamed(chat_id, title)
 
 
-def pin_chat(chats: OpenChats | None, chat_id: str, pinned: bool) -> None:
+def pin_chat(chats: ChatService | None, chat_id: str, pinned: bool) -> None:
     """Set the chat's pinned flag, then re-derive chunk pins (pinned chunks are never evicted).
 
     Raises ConversationNotFoundError.
@@ -104,12 +90,12 @@ def pin_chat(chats: OpenChats | None, chat_id: str, pinned: bool) -> None:
     refresh_pins(db)
 
 
-def purge_cache(chats: OpenChats | None, chat_id: str) -> int:
+def purge_cache(chats: ChatService | None, chat_id: str) -> int:
     """Drop the chat's snapshot references; returns the chunk files deleted (those no one else uses)."""
     return len(release_owner(chat_id))
 
 
-def delete_chat(chats: OpenChats | None, chat_id: str) -> None:
+def delete_chat(chats: ChatService | None, chat_id: str) -> None:
     """Close the chat if open (its blocks go back to the pool), delete it and its unshared snapshot chunks.
 
     Raises ConversationNotFoundError.
@@ -120,7 +106,7 @@ def delete_chat(chats: OpenChats | None, chat_id: str) -> None:
     release_owner(chat_id)
 
 
-def cache_report(chats: OpenChats | None) -> CacheReport:
+def cache_report(chats: ChatService | None) -> CacheReport:
     """Per-chat rows and totals.
 
     ``cached_tokens``: what a resume reuses, the pool's cached prefix or the
@@ -147,12 +133,12 @@ def cache_report(chats: OpenChats | None) -> CacheReport:
         reused = max(min(in_pool, len(ids) - 1), restorable_tokens(db, r.id, ids, fingerprint))
         report.rows.append(CacheRow(r.id, r.title, r.num_tokens, st, reused, in_pool * per_token,
                                     on_disk.get(r.id, 0), r.pinned, _miss(chats, db, r.id, st)))
-    report.disk_bytes = next(db.query("SELECT coalesce(sum(bytes), 0) AS b FROM kv_chunks"))["b"]
+    report.disk_bytes = totals(db).bytes
     report.disk_budget_bytes = budget_bytes(db)
     return report
 
 
-def _miss(chats: OpenChats | None, db: Database, chat_id: str, st: str) -> str:
+def _miss(chats: ChatService | None, db: Database, chat_id: str, st: str) -> str:
     if chats is None:
         return ""
     open_chat = chats.chat
@@ -161,7 +147,7 @@ def _miss(chats: OpenChats | None, db: Database, chat_id: str, st: str) -> str:
     return chats.explain_miss(db, chat_id) if st == "none" else ""
 
 
-def register_documents(chats: OpenChats, fmt, docs) -> list[str]:
+def register_documents(chats: ChatService, fmt, docs) -> list[str]:
     """Record attached documents in the ``documents`` table as ``kvchat doc add`` does; returns their ids.
 
     Id = ``kvchat.cache_cli.doc_id`` of the text; ``token_count`` = the
@@ -174,11 +160,6 @@ def register_documents(chats: OpenChats, fmt, docs) -> list[str]:
         did = doc_id(d.text)
         own = fmt.prefix_ids(DEFAULT_SYSTEM_PROMPT, [(d.title, d.text)])
         chats.doc_prefixes[did] = own
-        with write_transaction(db):
-            db.execute(
-                "INSERT OR REPLACE INTO documents (id, path, content_hash, title, token_count, created, pinned)"
-                " VALUES (?, ?, ?, ?, ?, ?, coalesce((SELECT pinned FROM documents WHERE id = ?), 0))",
-                [did, str(d.path.resolve()), did[2:], d.title, len(own), time.time(), did],
-            )
+        upsert_document(db, did, str(d.path.resolve()), d.title, len(own))
         ids.append(did)
     return ids

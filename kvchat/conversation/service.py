@@ -1,6 +1,6 @@
 """The open chat on a loaded runtime: new/open, turns (send, regenerate, edit), carry-over, counters.
 
-Runs on the real backend's engine thread only (``kvchat.tui.real_backend``).
+Runs on one thread at a time (the TUI: its engine lane, ``kvchat.tui.real_backend``; the CLI: its main thread).
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from kvchat.chats import new_settings, save_new_chat, save_turn, session_from_store
+from kvchat.conversation.records import new_settings, save_new_chat, save_turn, session_from_store
 from kvchat.disk_budget import Eviction, enforce, eviction_note
-from kvchat.documents import read_document
+from kvchat.documents import Document, doc_id, read_document
+from kvchat.phase_trace import mark
+from kvchat.store.documents import upsert_document
 from kvchat.engine import ContextOverflowError
 from kvchat.free_space import check_turn_space
 from kvchat.kv_persist import KVPersist
@@ -21,20 +23,14 @@ from kvchat.paths import data_dir
 from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
 from kvchat.store.conversations import get_conversation, rewind_conversation
 from kvchat.store.errors import ConversationConflictError
-from kvchat.store.db import get_db, write_transaction
-from kvchat.tui.backend import (
-    SYSTEM_PROMPT_FIXED,
-    ChatMessage,
-    ChatView,
-    ContextFullError,
-    ResumeInfo,
-    Status,
-)
+from kvchat.index import get_db
+from kvchat.store.db import write_transaction
+from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, ChatMessage, ChatView, ContextFullError, ResumeInfo, Status
 from kvchat.cache_miss import shortfall_reason, why_not_restored
-from kvchat.tui.events import Emit, TurnDone
-from kvchat.tui.real_store import register_documents
-from kvchat.tui.rewind import carry_over, turn_spans
-from kvchat.tui.streaming import PrefillTimer, TokenBatcher
+from kvchat.conversation.events import Emit, TurnDone
+from kvchat.conversation.listing import register_documents
+from kvchat.conversation.rewind import carry_over, turn_spans
+from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
 from kvchat.turn import SamplingParams, TurnStats
 
 
@@ -48,6 +44,7 @@ class _Chat:
     messages: list[ChatMessage] = field(default_factory=list)
     resume: ResumeInfo | None = None
     version: int = 0  # the stored token_ids_version the session's history matches
+    lazy: bool = False  # opened without restoring: the next turn restores, and names any shortfall
 
     @property
     def stored_len(self) -> int:
@@ -62,7 +59,7 @@ def _resume(stats: TurnStats, ms: float, prefill: int = 0) -> ResumeInfo | None:
     return None
 
 
-class OpenChats:
+class ChatService:
     """The runtime, its snapshot store (``KVPersist``), the one open chat, the last turn's counters, and
     the prefix ids of documents prefilled in this process."""
 
@@ -73,16 +70,22 @@ class OpenChats:
         self.last: TurnStats | None = None
         self.doc_prefixes: dict[str, list[int]] = {}
         self._noted = Eviction()  # evictions already shown (see _eviction_note)
+        self._stored = False  # a turn or a document was stored by this service
 
     def _eviction_note(self) -> str | None:
         """The disk budget's evictions since the current turn started, as one line (None below a few chunks)."""
         now, seen = self.persist.evicted, self._noted
         return eviction_note(Eviction(now.chunks - seen.chunks, now.bytes - seen.bytes, now.budget_bytes, now.budget_gb))
 
-    def close(self) -> None:
-        """Flush queued snapshot writes, stop the writer thread, then evict down to the disk budget."""
+    def close(self) -> Eviction:
+        """Flush queued snapshot writes, stop the writer thread, then evict down to the disk budget.
+
+        Returns everything the budget evicted in this service's life.
+        """
         self.persist.close()
-        enforce(get_db())
+        if not self._stored:  # nothing written: leave the data dir as it was (bad input creates no database)
+            return self.persist.evicted
+        return self.persist.evicted.then(enforce(get_db()))
 
     @property
     def block_size(self) -> int:
@@ -146,17 +149,31 @@ class OpenChats:
             self.chat.title = title
 
     def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit) -> ChatView:
-        docs = [read_document(p) for p in document_paths]
+        """A new chat (stored at its first turn) on ``document_paths``, read and prefilled now.
+
+        Raises:
+            kvchat.documents.DocumentError: a document cannot be read; ContextFullError: they do not fit.
+        """
+        return self.start_chat(system, [read_document(p) for p in document_paths], emit)
+
+    def start_chat(self, system: str | None, docs: Sequence[Document], emit: Emit,
+                   prefill_now: bool = True) -> ChatView:
+        """A new chat on ``docs`` (already read). ``prefill_now``: prefill and register the documents' prefix
+        now (the TUI shows its progress and resume line), else the first turn prefills it with its message.
+
+        Raises:
+            ContextFullError: the system prompt and documents alone fill the context.
+        """
         settings = new_settings([d.title for d in docs])
         system = DEFAULT_SYSTEM_PROMPT if system is None else system
         fmt = self.rt.chat_format(settings)
         session = Session.new(self.rt.engine, fmt, system, [(d.title, d.text) for d in docs], self.persist)
         limit = self.rt.engine.max_context
-        if len(session.token_ids) + 1 > limit:
+        if prefill_now and len(session.token_ids) + 1 > limit:  # else the first turn's check says it
             raise ContextFullError(f"the documents are {len(session.token_ids):,} tokens with the system prompt; "
                                    f"the context limit is {limit:,} tokens", len(session.token_ids) + 1, limit)
         resume = None
-        if docs:
+        if docs and prefill_now:
             t0 = time.perf_counter()
             stats = session.prefill_prefix(PrefillTimer(emit))
             resume = _resume(stats, (time.perf_counter() - t0) * 1e3 - stats.prefill_ms)
@@ -164,10 +181,20 @@ class OpenChats:
             session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
         return self._switch(_Chat(session, None, "New chat", system, settings, resume=resume))
 
-    def open_chat(self, chat_id: str) -> ChatView:
+    def open_chat(self, chat_id: str, restore: bool = True) -> ChatView:
+        """Open a stored chat. ``restore``: map its cached KV now (:attr:`ChatView.resume`), else the first
+        turn does, and its stats say what it reused and why stored history was recomputed.
+
+        Raises:
+            ConversationNotFoundError: unknown id; ChatModelMismatchError: made with another model.
+        """
         conv = get_conversation(get_db(), chat_id)
         session = session_from_store(self.rt, conv)
         session.persist = self.persist
+        messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s) for m in conv.messages]
+        if not restore:
+            return self._switch(_Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings,
+                                      messages, None, conv.token_ids_version, lazy=True))
         stats, t0 = TurnStats(prompt_tokens=len(session.token_ids)), time.perf_counter()
         session.attach_cached_prefix(stats)
         ms = (time.perf_counter() - t0) * 1e3
@@ -177,7 +204,6 @@ class OpenChats:
         prefill = 0 if shortfall is None else len(session.token_ids) - 1 - stats.reused_tokens
         stats.miss_reason = stats.miss_reason or shortfall
         resume = _resume(stats, ms, prefill)
-        messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s) for m in conv.messages]
         chat = _Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings, messages, resume,
                      conv.token_ids_version)
         return self._switch(chat)
@@ -225,7 +251,11 @@ class OpenChats:
             for piece in session.send(text, SamplingParams(**asdict(gs)), cancel, PrefillTimer(emit)):
                 batcher.add(piece)
             batcher.flush()
+            mark("generated")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
+            if chat.lazy:
+                self._name_shortfall(chat, stored)
             self._store_turn(chat, text, rewind, stored)
+            mark("committed")
         except ConversationConflictError:  # another process changed the chat: show what is stored now
             session.truncate(stored)
             if rewind is None:
@@ -243,6 +273,35 @@ class OpenChats:
         emit(done)
         return done
 
+    def _name_shortfall(self, chat: _Chat, stored: int) -> None:
+        """After the first turn of a lazily opened chat: why stored history was recomputed, if it was."""
+        stats, e = chat.session.last_turn.stats, self.rt.engine
+        if stats.miss_reason is None:
+            stats.miss_reason = shortfall_reason(get_db(), chat.chat_id, stored, stats.reused_tokens,
+                                                 self.persist.fingerprint, self.rt.info.fingerprint,
+                                                 e.spec.kv_dtype, e.spec.block_size)
+        chat.lazy = False
+
+    def cache_document(self, doc: Document, system: str | None, emit: Emit) -> tuple[str, TurnStats, int]:
+        """Prefill ``doc`` as a prefix (``system`` + the document) and snapshot it for new chats.
+
+        Returns ``(document id, prefill stats, prefix tokens)``.
+
+        Raises:
+            ContextOverflowError: the prefix does not fit the context.
+        """
+        system = DEFAULT_SYSTEM_PROMPT if system is None else system
+        fmt = self.rt.chat_format(new_settings([doc.title]))
+        session = Session.new(self.rt.engine, fmt, system, [(doc.title, doc.text)], self.persist)
+        self.rt.engine.check_fits(len(session.token_ids) + 1)
+        stats = session.prefill_prefix(PrefillTimer(emit))
+        did = doc_id(doc.text)
+        upsert_document(get_db(), did, str(doc.path.resolve()), doc.title, len(session.token_ids))
+        self._stored = True
+        session.save_snapshot(did)
+        session.close()
+        return did, stats, len(session.token_ids)
+
     def _store_turn(self, chat: _Chat, text: str, rewind: tuple[int, int] | None, stored: int) -> None:
         """Commit the session's last turn onto the stored version it was computed on (a new chat: create it).
 
@@ -251,6 +310,7 @@ class OpenChats:
             sqlite3.Error: the database could not take the turn; nothing was stored.
         """
         db = get_db()
+        self._stored = True
         if chat.chat_id is None:
             saved = save_new_chat(db, self.rt, chat.session, chat.system, chat.settings, text)
             chat.chat_id, chat.title, chat.version = saved.id, saved.title, saved.version

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvchat.tui.events import Emit, PrefillProgress, TokenBatch
+from kvchat.conversation.events import Emit, PrefillProgress, TokenBatch
 
 
 class TokenBatcher:

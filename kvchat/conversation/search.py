@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
+from kvchat.store.conversations import search_conversations
+
 
 def fts_query(text: str) -> str:
     """A safe FTS5 query: every whitespace-separated word quoted (FTS syntax in the input is literal), as a prefix.
@@ -18,10 +20,4 @@ def search_conversation_ids(db: Database, text: str) -> set[str]:
     query = fts_query(text)
     if not query:
         return set()
-    sql = (
-        "SELECT c.id FROM conversations c JOIN conversations_fts f ON f.rowid = c.rowid"
-        " WHERE conversations_fts MATCH :q"
-        " UNION SELECT m.conversation_id FROM messages m JOIN messages_fts f ON f.rowid = m.rowid"
-        " WHERE messages_fts MATCH :q"
-    )
-    return {r["id"] for r in db.query(sql, {"q": query})}
+    return search_conversations(db, query)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from kvchat.tui.backend import CacheState
+from kvchat.conversation.views import CacheState
+from kvchat.store.chunk_refs import owner_bytes
 
 
 def disk_bytes(db: Database, fingerprint: str | None = None) -> dict[str, int]:
@@ -18,10 +19,7 @@ def disk_bytes(db: Database, fingerprint: str | None = None) -> dict[str, int]:
 
     With ``fingerprint``, only chunks stored under that cache fingerprint count.
     """
-    where, args = ("WHERE k.fingerprint = ?", [fingerprint]) if fingerprint else ("", [])
-    rows = db.query("SELECT r.owner, sum(k.bytes) AS b FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
-                    f" {where} GROUP BY r.owner", args)
-    return {r["owner"]: r["b"] for r in rows}
+    return owner_bytes(db, fingerprint)
 
 
 def all_in_memory(cached_tokens: int, history_tokens: int, block_size: int) -> bool:

@@ -1,11 +1,13 @@
 """Real English text that ships with every Python: docstrings of standard-library modules.
 
-Benchmarks need prose the project did not write and that exists on any
-machine with kvchat installed (the seed articles are not shipped). The
-docstrings of pure-Python standard-library modules are read from their
-source with :mod:`ast` (so ``python -OO`` does not strip them) and joined
-in a fixed order. The text depends on the Python version; its sha256 is
-reported next to every figure made from it.
+The fp8 K-centring calibration (:mod:`kvchat.kv_calibration`, run by
+:func:`kvchat.loader.ensure_calibration`) and the benchmarks need prose the
+project did not write and that exists on any machine with kvchat installed
+(the seed articles are not shipped). The docstrings of pure-Python
+standard-library modules are read from their source with :mod:`ast` (so
+``python -OO`` does not strip them) and joined in a fixed order. The text
+depends on the Python version; its sha256 is reported next to every figure
+made from it.
 
 Two disjoint module sets: ``EVAL_MODULES`` for prompts and evaluation,
 ``CALIBRATION_MODULES`` for calibrating quantization schemes, so a scheme is

@@ -1,0 +1,171 @@
+"""What the conversation service hands its front-ends: plain, torch-free dataclasses and one error.
+
+Cache fields (:attr:`ChatSummary.cache_state`, :class:`ResumeInfo`) report
+what the engine's counters and the store say: ``"memory"`` when the pool
+holds the whole history, ``"disk"`` when snapshots under this engine's cache
+fingerprint exist, ``"none"`` otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+CacheState = Literal["memory", "disk", "none"]
+SYSTEM_PROMPT_FIXED = "the system prompt starts the chat's cached prefix; it can be set only before the first message"
+
+
+class ContextFullError(ValueError):
+    """A message does not fit in the chat's context (``needed`` > ``limit`` tokens)."""
+
+    def __init__(self, message: str, needed: int, limit: int):
+        super().__init__(message)
+        self.needed = needed
+        self.limit = limit
+
+
+@dataclass(slots=True)
+class ResumeInfo:
+    """How a chat's history got into the KV pool when it was opened (engine counters).
+
+    ``tokens`` were reused in ``ms``: ``from_disk`` of them read from snapshot
+    files, the rest found in the pool's prefix cache; ``prefill`` history
+    tokens were not cached and will be prefilled (0 when less than a block
+    short: the last token and the end-of-turn tokens the last answer never ran
+    through the model are always recomputed); ``miss_reason`` says why stored
+    KV could not be used, if some was skipped.
+    """
+
+    tokens: int
+    from_disk: int
+    ms: float
+    miss_reason: str | None = None
+    prefill: int = 0
+
+    @property
+    def source(self) -> CacheState:
+        """Where most of it came from: ``disk`` if any was read from files."""
+        return "disk" if self.from_disk else "memory" if self.tokens else "none"
+
+    @property
+    def line(self) -> str:
+        """E.g. ``resumed 3,812 tokens from disk in 41 ms — prefill skipped``."""
+        if not self.tokens:
+            return f"no cached KV ({self.miss_reason or 'none stored'}): the history will be prefilled"
+        memory = self.tokens - self.from_disk
+        where = ("from disk" if not memory else "from memory" if not self.from_disk
+                 else f"({memory:,} from memory, {self.from_disk:,} from disk)")
+        line = f"resumed {self.tokens:,} tokens {where} in {self.ms:.0f} ms"
+        if self.prefill:
+            line += f"; {self.prefill:,} more will be prefilled"
+            return line + (f" ({self.miss_reason})" if self.miss_reason else "")
+        line += " — prefill skipped"
+        return line + (f" (partly: {self.miss_reason})" if self.miss_reason else "")
+
+
+@dataclass(slots=True)
+class Status:
+    """What the status bar shows. Sizes in blocks and bytes; context in tokens; times in ms."""
+
+    phase: Literal["loading", "ready", "error"] = "loading"
+    message: str = ""
+    model: str = ""
+    device: str = ""
+    kv_dtype: str = ""
+    pool_blocks_used: int = 0
+    pool_blocks_total: int = 0
+    pool_bytes: int = 0
+    context_used: int = 0
+    context_limit: int = 0
+    last_ttft_ms: float | None = None
+    last_tokens_per_s: float | None = None
+    resume: ResumeInfo | None = None
+
+
+@dataclass(slots=True)
+class ChatSummary:
+    """A sidebar row: a stored chat, its size and where its KV lives (``cached_tokens``: tokens in the pool)."""
+
+    id: str
+    title: str
+    updated: float
+    num_tokens: int
+    num_messages: int
+    pinned: bool
+    cache_state: CacheState
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class DocumentSummary:
+    """A document attached in some chat: its title, token count and where its prefix's KV lives.
+
+    ``cache_state``: ``memory`` (in the pool), ``disk`` (a snapshot this
+    engine can restore), ``none``.
+    """
+
+    id: str
+    title: str
+    path: str
+    tokens: int
+    cache_state: CacheState
+
+    @property
+    def cached(self) -> bool:
+        """True when the document's prefix need not be prefilled again (in memory or on disk)."""
+        return self.cache_state != "none"
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    """One displayed message; ``ttft_ms``/``tokens_per_s`` for answers when known."""
+
+    role: Literal["user", "assistant"]
+    text: str
+    ttft_ms: float | None = None
+    tokens_per_s: float | None = None
+
+
+@dataclass(slots=True)
+class ChatView:
+    """The open chat. ``id`` is None for a new chat until its first turn is stored."""
+
+    id: str | None
+    title: str
+    system_prompt: str
+    documents: list[str]
+    messages: list[ChatMessage]
+    num_tokens: int
+    context_limit: int
+    resume: ResumeInfo | None = None
+
+
+@dataclass(slots=True)
+class CacheRow:
+    """One chat on the cache screen: KV bytes on disk and in the pool, pin, and why it would miss (if known).
+
+    ``cached_tokens``: the history tokens a resume reuses, from the pool or from disk, whichever covers
+    more (never the last token, which a resume always recomputes).
+    """
+
+    chat_id: str
+    title: str
+    num_tokens: int
+    cache_state: CacheState
+    cached_tokens: int
+    memory_bytes: int
+    disk_bytes: int
+    pinned: bool
+    miss_reason: str = ""
+
+
+@dataclass(slots=True)
+class CacheReport:
+    """The cache screen: per-chat rows and totals vs budgets (bytes)."""
+
+    rows: list[CacheRow] = field(default_factory=list)
+    disk_bytes: int = 0
+    disk_budget_bytes: int | None = None
+    pool_bytes: int = 0
+    pool_blocks_used: int = 0
+    pool_blocks_total: int = 0

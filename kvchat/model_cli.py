@@ -1,0 +1,57 @@
+"""``kvchat model pull|list``: import models and list them (printing only; the work is in the model modules)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from kvchat.config import UnsupportedModelError
+from kvchat.fingerprint import tensor_entries
+from kvchat.model_import import ModelImportError, pull_model, read_manifest
+from kvchat.model_registry import list_models
+
+
+def cmd_model_pull(from_path: str | None, name: str | None) -> int:
+    """``kvchat model pull [--from PATH] [--name NAME]``: :func:`kvchat.model_import.pull_model`, then the
+    model's fp8 calibration (:func:`kvchat.loader.ensure_calibration`), so its first chat does not wait for it.
+
+    Returns 0, or 2 after one ``kvchat: error: …`` line on stderr.
+    """
+    try:
+        target = pull_model(Path(from_path) if from_path is not None else None, name)
+    except (ModelImportError, UnsupportedModelError) as e:
+        print(f"kvchat: error: {e}", file=sys.stderr)
+        return 2
+    _calibrate(target)
+    manifest = read_manifest(target)
+    print(f"{manifest['name']}: {target} (fingerprint {manifest['fingerprint'][:12]})")
+    return 0
+
+
+def _calibrate(model_dir: Path) -> None:
+    """Make the fp8 K-centring calibration now (once per model), so the first load stays fast."""
+    from transformers import AutoTokenizer
+
+    from kvchat.loader import ensure_calibration
+    from kvchat.model_registry import load_weights, resolve_model
+
+    info = resolve_model(str(model_dir), auto_pull=False)
+    ensure_calibration(info, load_weights(info), AutoTokenizer.from_pretrained(str(info.path)))
+
+
+def cmd_model_list() -> int:
+    """``kvchat model list``: print name, parameters, fingerprint prefix, size on disk and source. Returns 0."""
+    models = list_models()
+    if not models:
+        print("no models imported yet; run `kvchat model pull`")
+        return 0
+    rows = [("NAME", "PARAMS", "FINGERPRINT", "SIZE", "SOURCE")]
+    for m in models:
+        params = sum(math.prod(e.shape) for e in tensor_entries(m.path))
+        size = sum(p.stat().st_size for p in m.path.iterdir() if p.is_file())
+        rows.append((m.name, f"{params / 1e6:.1f}M", m.fingerprint[:12], f"{size / 1e6:.1f} MB", m.source))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return 0
