@@ -360,9 +360,9 @@ def engine_decode_tokens_per_s(device: torch.device, tiny: bool, kv_dtype: str =
         ``(tokens_per_s, steps)``.
     """
     load_kernels()  # kvchat and kvchat.kernels from this checkout
-    from kvchat.block_manager import SeqBlocks
-    from kvchat.config import ModelConfig
-    from kvchat.engine import Engine
+    from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.model.config import ModelConfig
+    from kvchat.engine.runner import Engine
 
     hf = dict(SMOLLM2_HF)
     if tiny:

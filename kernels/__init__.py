@@ -8,7 +8,7 @@ kernels with the same signatures (``triton_write.py``, ``triton_decode.py``,
 Triton kernel is about to run, so this package imports where Triton is absent.
 
 :func:`read_slots` and :func:`dense_attention` (torch only) serve the CPU
-read path, ``kvchat.dense_kv``: a sequence's K/V read back from the pool
+read path, ``kvchat.engine.dense_kv``: a sequence's K/V read back from the pool
 once into a contiguous fp32 copy, so a decode step does not gather and
 dequantize the whole cache again.
 

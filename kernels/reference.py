@@ -166,7 +166,7 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """Causal GQA attention over one sequence's contiguous, dequantized K/V.
 
     The attention of both CPU read paths: over the contiguous copy of
-    ``kvchat.dense_kv`` (a decode step reads ``L`` tokens without gathering
+    ``kvchat.engine.dense_kv`` (a decode step reads ``L`` tokens without gathering
     or dequantizing them) and, per sequence, over the K/V that
     :func:`decode_attention` and :func:`extend_attention` gather. Its result
     does not depend on the strides of ``key``/``value``, so both paths give
@@ -226,7 +226,7 @@ def decode_attention(
         sm_scale: softmax scale, usually ``head_dim ** -0.5``.
         sink: optional exact K/V of position 0, float32 ``([num_seqs, num_kv_heads,
             head_dim], same)``, read instead of the stored (quantized) position 0
-            (the attention sink, Xiao et al. 2023; see ``kvchat.engine``).
+            (the attention sink, Xiao et al. 2023; see ``kvchat.engine.runner``).
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 math).
     """

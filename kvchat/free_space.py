@@ -1,6 +1,6 @@
 """Free disk space, checked before a turn is generated: a full disk is said before the work, not after it.
 
-A turn writes its KV snapshot (chunk files: :attr:`kvchat.kv_cache.KVCacheSpec.bytes_per_token`
+A turn writes its KV snapshot (chunk files: :attr:`kvchat.engine.kv_pool.KVCacheSpec.bytes_per_token`
 per token, as in the pool) and a few index rows (SQLite, its WAL, the search
 index) into the data dir.
 """
@@ -25,15 +25,15 @@ def turn_bytes(bytes_per_token: int, tokens: int) -> int:
 def check_turn_space(data_dir: Path, session, user_tokens: int, max_tokens: int) -> None:
     """Raise before generating if the data dir's disk cannot take the turn's snapshot and rows.
 
-    ``session`` is a :class:`kvchat.session.Session`; the answer is at most
+    ``session`` is a :class:`kvchat.engine.session.Session`; the answer is at most
     ``max_tokens`` and what the context has left; a save rewrites the open
-    chunk, so up to one chunk (:data:`kvchat.kv_persist.CHUNK_TOKENS`) of
+    chunk, so up to one chunk (:data:`kvchat.engine.persistence.CHUNK_TOKENS`) of
     earlier tokens is written again.
 
     Raises:
         NoSpaceError: see :func:`check_free_space`.
     """
-    from kvchat.kv_persist import CHUNK_TOKENS
+    from kvchat.engine.persistence import CHUNK_TOKENS
 
     answer = max(0, min(max_tokens, session.tokens_left - user_tokens))
     check_free_space(data_dir, turn_bytes(session.engine.spec.bytes_per_token, user_tokens + answer + CHUNK_TOKENS))

@@ -5,7 +5,7 @@ model in fp16 on an A100 40 GB holds 12 concurrent 4096-token chats):
 
 - KV bytes per token = 2 (K and V) × layers × KV heads × (head_dim × bytes
   per value + scale bytes), with kvchat's fp8 pools storing one fp32 scale
-  per token and KV head (:attr:`kvchat.kv_cache.KVCacheSpec.bytes_per_token`);
+  per token and KV head (:attr:`kvchat.engine.kv_pool.KVCacheSpec.bytes_per_token`);
 - a chat takes its context rounded up to whole 16-token blocks;
 - GPU memory is advertised in decimal GB (40 GB = 37.25 GiB); weights take
   parameters × bytes per weight; chats that fit = floor((GPU − weights −
@@ -21,8 +21,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvchat.config import ModelConfig
-from kvchat.kv_cache import BLOCK_SIZE, KVCacheSpec
+from kvchat.model.config import ModelConfig
+from kvchat.engine.kv_pool import BLOCK_SIZE, KVCacheSpec
 
 ARTICLE = '"KV Cache Optimization: Efficient Context Storage"'
 GIB = 2**30
@@ -125,13 +125,13 @@ def load_plan_config(spec: str | None) -> tuple[str, ModelConfig, int | None]:
 
     A ``config.json`` file or a directory holding one is read directly (no
     weights needed, nothing is hashed); other values go through
-    :func:`kvchat.model_registry.resolve_model` (imported names, ``.gguf``).
+    :func:`kvchat.model.registry.resolve_model` (imported names, ``.gguf``).
 
     Raises:
-        kvchat.model_registry.ModelNotFoundError, kvchat.config.UnsupportedModelError.
+        kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError.
     """
-    from kvchat.fingerprint import tensor_entries
-    from kvchat.model_registry import resolve_model
+    from kvchat.model.fingerprint import tensor_entries
+    from kvchat.model.registry import resolve_model
 
     path = Path(spec).expanduser() if spec else None
     if path is not None and (path.suffix == ".json" and path.is_file() or (path / "config.json").is_file()):
@@ -172,7 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     Args (argparse): ``model``, ``context``, ``gpu_gb``, ``params``, ``weight_dtype``, ``reserve_gb``, ``json``.
     Raises:
-        PlanInputError, kvchat.model_registry.ModelNotFoundError, kvchat.config.UnsupportedModelError.
+        PlanInputError, kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError.
     """
     name, cfg, counted = load_plan_config(args.model)
     params = int(args.params) if args.params is not None else counted

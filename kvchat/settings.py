@@ -155,7 +155,7 @@ def attention() -> str | None:
 def kv_budget_mb() -> float | None:
     """``KVCHAT_KV_BUDGET_MB``: the KV pool's size in MiB (2**20 bytes), a positive number.
 
-    Default (None): :class:`kvchat.engine.Engine` takes half the free GPU memory on
+    Default (None): :class:`kvchat.engine.runner.Engine` takes half the free GPU memory on
     CUDA, 512 MiB on CPU.
 
     Raises:
@@ -167,7 +167,7 @@ def kv_budget_mb() -> float | None:
 def cache_budget_gb() -> float | None:
     """``KVCHAT_CACHE_BUDGET_GB``: how much disk the KV snapshots may use, in GB (10**9 bytes), a positive number.
 
-    Default (None): :func:`kvchat.disk_budget.budget_bytes` takes 20% of the free
+    Default (None): :func:`kvchat.engine.disk_budget.budget_bytes` takes 20% of the free
     disk plus what the snapshots already use, at most 50 GB.
 
     Raises:

@@ -55,7 +55,7 @@ def find_documents(db: Database, doc_id: str, path: str) -> list[DocumentRow]:
 
 
 def pin_document(db: Database, doc_id: str, pinned: bool) -> None:
-    """Set or clear the document's pinned flag (its chunks' pins: ``kvchat.disk_budget.refresh_pins``).
+    """Set or clear the document's pinned flag (its chunks' pins: ``kvchat.engine.disk_budget.refresh_pins``).
 
     Raises:
         DocumentNotFoundError: no document has this id.
@@ -66,6 +66,6 @@ def pin_document(db: Database, doc_id: str, pinned: bool) -> None:
 
 
 def delete_document(db: Database, doc_id: str) -> None:
-    """Delete the document's row (its chunks are the caller's: ``kvchat.kv_persist.release_owner``)."""
+    """Delete the document's row (its chunks are the caller's: ``kvchat.engine.persistence.release_owner``)."""
     with write_transaction(db):
         db.execute("DELETE FROM documents WHERE id = ?", [doc_id])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvchat.model_registry import ModelInfo, resolve_model
+from kvchat.model.registry import ModelInfo, resolve_model
 
 
 def ensure_default_model(models_root: Path) -> ModelInfo:

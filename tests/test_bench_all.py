@@ -17,7 +17,7 @@ import torch
 from kvchat.bench.all import bench_settings, load_results, plot_and_report, run_all
 from kvchat.bench.plots import PLOTS_MISSING, write_plots
 from kvchat.bench.resume import summarise
-from kvchat.cli import main
+from kvchat.cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvchat.cli import main
+from kvchat.cli.main import main
 
 
 def test_bench_engine_writes_every_backend_ratio_target_and_the_matmul_ceiling(smol_dir, tmp_path, capsys):

@@ -13,7 +13,7 @@ import pytest
 
 from kvchat.bench.memory import chats_that_fit, measure_pool
 from kvchat.bench.paged_waste import _build_chats, measure_paged_waste
-from kvchat.config import ModelConfig
+from kvchat.model.config import ModelConfig
 
 BLOCK = 16
 # SmolLM2-135M's KV shape (30 layers, 3 KV heads, head_dim 64): no weights needed.

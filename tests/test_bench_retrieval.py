@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvchat.bench.retrieval import FACT, FACT_VALUE, QUESTION, build_probe, filler_document, plant
-from kvchat.chat_format import ChatFormat
+from kvchat.model.chat_format import ChatFormat
 from kvchat.texts import stdlib_text
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchat.block_manager import BlockManager, PoolFullError, SeqBlocks, block_hash
+from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks, block_hash
 
 BS = 4
 
@@ -85,7 +85,7 @@ def test_fork_copy_on_write_of_partial_block():
 
 
 def test_hashes_are_stable_across_processes():
-    code = "from kvchat.block_manager import block_hash; print(block_hash(None, b'fp', [1, 2, 3, 4]).hex())"
+    code = "from kvchat.engine.block_manager import block_hash; print(block_hash(None, b'fp', [1, 2, 3, 4]).hex())"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONHASHSEED": seed, "PATH": ""},
                            check=True).stdout for seed in ("1", "2")}
     assert outs == {block_hash(None, b"fp", [1, 2, 3, 4]).hex() + "\n"}

@@ -16,8 +16,8 @@ import pytest
 import torch
 from textual.widgets import DataTable
 
-from kvchat.cli import main
-from kvchat.kv_persist import chain
+from kvchat.cli.main import main
+from kvchat.engine.persistence import chain
 from kvchat.store.chunk_index import add_chunk, delete_chunk, ref_chunks
 from kvchat.store.conversations import append_turn, create_conversation
 from kvchat.store.db import write_transaction

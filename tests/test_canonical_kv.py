@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.block_manager import SeqBlocks
+from kvchat.engine.block_manager import SeqBlocks
 from kvchat.conversation.records import new_settings
-from kvchat.engine import chunk_plan, last_cut
-from kvchat.loader import load_runtime
-from kvchat.sampling import SamplingParams
-from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
+from kvchat.engine.runner import chunk_plan, last_cut
+from kvchat.model.loader import load_runtime
+from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
 
 DOC = ("Paged attention stores the KV cache in fixed-size blocks, like virtual memory pages, "
        "so memory is allocated on demand and shared between sequences. ") * 12
@@ -78,7 +78,7 @@ def test_a_chat_holds_exactly_what_a_cold_run_computes(rt, cold_rt):
 
 def test_a_resume_whose_chain_stops_inside_a_segment_recomputes_in_cold_chunks(rt, cold_rt):
     """The second snapshot chunk is gone: restore stops at token 256, inside the documents' prefix."""
-    from kvchat.kv_persist import KVPersist
+    from kvchat.engine.persistence import KVPersist
 
     persist = KVPersist(rt.engine)
     first = Session.new(rt.engine, rt.chat_format(new_settings(["doc"])), DEFAULT_SYSTEM_PROMPT, [("doc", DOC * 3)], persist)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import AutoTokenizer
 
-from kvchat.chat_format import ChatFormat, ChatTemplateError, Segment, append_segment, document_message
+from kvchat.model.chat_format import ChatFormat, ChatTemplateError, Segment, append_segment, document_message
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 DATE = "26 Jul 2024"

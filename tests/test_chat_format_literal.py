@@ -9,7 +9,7 @@ character, while the frame's control tokens are still the real ones.
 import pytest
 from transformers import AutoTokenizer
 
-from kvchat.chat_format import ChatFormat, document_message
+from kvchat.model.chat_format import ChatFormat, document_message
 
 DATE = "26 Jul 2024"
 EVIL = [

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvchat.cli import main
+from kvchat.cli.main import main
 
 USAGE_ERRORS = [
     (["--bogus"], "unrecognized arguments: --bogus"),

@@ -1,4 +1,4 @@
-"""The CPU read path: a contiguous dequantized copy of one sequence's K/V (kvchat.dense_kv).
+"""The CPU read path: a contiguous dequantized copy of one sequence's K/V (kvchat.engine.dense_kv).
 
 It must hold exactly what the pool holds (bit for bit, after any mix of
 prefill, decode, rollback, foreign writes and block reuse), and attention
@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from kvchat.block_manager import SeqBlocks
-from kvchat.config import ModelConfig
-from kvchat.engine import Engine
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.model.config import ModelConfig
+from kvchat.engine.runner import Engine
 from kvchat.kernels import reference as ref
 
 
@@ -111,7 +111,7 @@ def test_dense_attention_matches_the_paged_reference(heads, kv_heads, t, prefix)
 def test_smollm2_dense_and_paged_paths_give_identical_logits(smol_info, kv_dtype):
     """The real model, 300 tokens + 8 decode steps, both read paths side by side: bit for bit the same,
     so a chunk's K/V (and every snapshot) do not depend on which path computed it."""
-    from kvchat.model_registry import load_weights
+    from kvchat.model.registry import load_weights
 
     weights = load_weights(smol_info)
     engines = [Engine(smol_info.config, weights, smol_info.fingerprint, kv_dtype=kv_dtype, pool_bytes=2**26,

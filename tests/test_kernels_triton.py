@@ -355,9 +355,9 @@ def test_smollm2_decode_step_triton_matches_reference(smol_info, monkeypatch, kv
     Both sequences share the same prefilled prefix (a fork), so the two
     steps differ only in how the new token's K/V are written and attended.
     """
-    from kvchat.block_manager import SeqBlocks
-    from kvchat.engine import Engine
-    from kvchat.model_registry import load_weights
+    from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.runner import Engine
+    from kvchat.model.registry import load_weights
 
     engine = Engine(smol_info.config, load_weights(smol_info), smol_info.fingerprint, kv_dtype=kv_dtype,
                     pool_bytes=2**22, device="cpu")

@@ -1,4 +1,4 @@
-"""The fp8 scheme's two refinements: K centring (kvchat.kv_calibration) and the exact attention sink.
+"""The fp8 scheme's two refinements: K centring (kvchat.engine.calibration) and the exact attention sink.
 
 Their effect on quality is measured by test_fidelity.py on the real model;
 here: the mechanics, the identity (fingerprints), determinism and storage.
@@ -11,12 +11,12 @@ import torch
 import transformers
 
 from kvchat import kernels
-from kvchat.block_manager import SeqBlocks
-from kvchat.config import ModelConfig
-from kvchat.engine import Engine
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.model.config import ModelConfig
+from kvchat.engine.runner import Engine
 from kvchat.kernels import reference as ref
-from kvchat.kv_calibration import calibrate_k_mean, calibration_path, load_calibration, make_calibration
-from kvchat.loader import ensure_calibration
+from kvchat.engine.calibration import calibrate_k_mean, calibration_path, load_calibration, make_calibration
+from kvchat.model.loader import ensure_calibration
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ def test_exact_sink_is_off_where_the_triton_kernels_run(tiny, monkeypatch):
 def test_calibration_is_computed_once_stored_and_recomputed_if_damaged(smol_info, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from kvchat import loader
-    from kvchat.model_registry import load_weights
+    from kvchat.model import loader
+    from kvchat.model.registry import load_weights
 
     monkeypatch.setenv("KVCHAT_MODELS", str(tmp_path / "models"))  # the shared models dir stays untouched
     weights, tok = load_weights(smol_info), AutoTokenizer.from_pretrained(str(smol_info.path))

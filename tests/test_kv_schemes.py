@@ -8,10 +8,10 @@ import transformers
 
 from kvchat import kernels
 from kvchat.bench.kv_schemes import all_schemes, write_fixed_scale
-from kvchat.config import ModelConfig
+from kvchat.model.config import ModelConfig
 from kvchat.kernels import reference
-from kvchat.kv_cache import KVCacheSpec, KVPool
-from kvchat.kv_calibration import make_calibration
+from kvchat.engine.kv_pool import KVCacheSpec, KVPool
+from kvchat.engine.calibration import make_calibration
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 3, 64
 T = 40  # crosses block boundaries; the block table is deliberately out of order

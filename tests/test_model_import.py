@@ -23,9 +23,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
-from kvchat.config import UnsupportedModelError
-from kvchat.fingerprint import compute_fingerprint
-from kvchat.model_import import (
+from kvchat.model.config import UnsupportedModelError
+from kvchat.model.fingerprint import compute_fingerprint
+from kvchat.model.importer import (
     DEFAULT_GGUF_MEMBER,
     DEFAULT_MODEL_NAME,
     ChecksumMismatchError,
@@ -36,8 +36,8 @@ from kvchat.model_import import (
     import_model_file,
     read_manifest,
 )
-from kvchat.model_cli import cmd_model_list, cmd_model_pull
-from kvchat.model_registry import ModelNotFoundError, load_weights, resolve_model
+from kvchat.cli.model import cmd_model_list, cmd_model_pull
+from kvchat.model.registry import ModelNotFoundError, load_weights, resolve_model
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} t1 {% endfor %}"
 
@@ -220,7 +220,7 @@ def default_wheel(tmp_path_factory) -> Path:
 @pytest.mark.model
 def test_default_model_from_wheel_and_gguf_path(tmp_path, models, default_wheel, capsys):
     # A killed import leaves no model behind.
-    code = f"from kvchat.model_cli import cmd_model_pull; cmd_model_pull({str(default_wheel)!r}, None)"
+    code = f"from kvchat.cli.model import cmd_model_pull; cmd_model_pull({str(default_wheel)!r}, None)"
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not any((d / "src").exists() for d in models.glob(".import-*")) and time.monotonic() < deadline:

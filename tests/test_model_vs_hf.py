@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from kvchat.block_manager import SeqBlocks
-from kvchat.config import ModelConfig, UnsupportedModelError
-from kvchat.engine import Engine
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.model.config import ModelConfig, UnsupportedModelError
+from kvchat.engine.runner import Engine
 
 # The pool rounds every K/V (fp16: 11 significant bits, bf16: 8) while the
 # fp32 oracle keeps them exact. Observed on these peaked random models: max
@@ -90,7 +90,7 @@ def test_unsupported_model_type_is_named():
 
 def test_smollm2_matches_transformers(smol_info):
     """The real default model: our runner on a bf16 pool vs transformers' fp32 forward, same weights."""
-    from kvchat.model_registry import load_weights
+    from kvchat.model.registry import load_weights
 
     torch.manual_seed(3)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(smol_info.path), dtype=torch.float32).eval()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvchat.config import ModelConfig
+from kvchat.model.config import ModelConfig
 from kvchat.plan import GIB, PlanInputError, cmd_plan, count_params, plan_memory
 
 # Llama-2-7B's published config.json (the article quotes L=32, hidden 4096, 32 heads, no GQA).

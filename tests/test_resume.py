@@ -11,10 +11,10 @@ from pathlib import Path
 
 
 from kvchat.conversation.records import new_settings
-from kvchat.kv_persist import CHUNK_TOKENS, chain
-from kvchat.loader import load_runtime
-from kvchat.sampling import SamplingParams
-from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
+from kvchat.engine.persistence import CHUNK_TOKENS, chain
+from kvchat.model.loader import load_runtime
+from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
 
 DOC = (
     "The lighthouse keeper of Varn Island logged the weather every hour for thirty-one years. "

@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from kvchat.conversation.records import new_settings
-from kvchat.engine import ContextOverflowError
-from kvchat.loader import load_runtime
-from kvchat.sampling import SamplingParams
-from kvchat.session import DEFAULT_SYSTEM_PROMPT, EmptyPromptError, Session
+from kvchat.engine.runner import ContextOverflowError
+from kvchat.model.loader import load_runtime
+from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, EmptyPromptError, Session
 
 DOC = "Kvchat keeps the KV cache of every chat on disk. " * 40
 
@@ -82,7 +82,7 @@ def test_refusals_before_any_work(rt):
 
 
 def test_pool_full_refuses_clearly_and_keeps_the_conversation(smol_info):
-    from kvchat.block_manager import PoolFullError
+    from kvchat.engine.block_manager import PoolFullError
 
     small = load_runtime(None, "fp8", pool_bytes=60 * 16 * small_bytes_per_token(smol_info))  # 960 tokens
     fmt = small.chat_format(new_settings(["kv.txt"]))
@@ -101,7 +101,7 @@ def test_pool_full_refuses_clearly_and_keeps_the_conversation(smol_info):
 
 
 def small_bytes_per_token(info) -> int:
-    from kvchat.kv_cache import KVCacheSpec
+    from kvchat.engine.kv_pool import KVCacheSpec
 
     c = info.config
     return KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, "fp8").bytes_per_token

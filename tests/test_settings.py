@@ -1,6 +1,6 @@
 """KVCHAT_* settings (kvchat.settings): each bad value is one SettingError line naming the variable, the
 value and what is accepted, the CLI turns it into ``kvchat: error: …`` and exit 2 with no traceback, and a
-lowered disk budget says how much it evicted (kvchat.disk_budget.eviction_note)."""
+lowered disk budget says how much it evicted (kvchat.engine.disk_budget.eviction_note)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat import disk_budget, kernels, settings
+from kvchat import kernels, settings
+from kvchat.engine import disk_budget
 from kvchat.settings import SettingError
 from kvchat.store import chunk_index as ci
 from kvchat.store.db import close_thread_dbs
@@ -250,10 +251,10 @@ def test_persist_sums_the_evictions_of_its_saves_into_one_note(monkeypatch):
     """Two saves, each evicting 3 chunks (no note alone), sum to one note of 6 (the CLI prints it once)."""
     import transformers
 
-    from kvchat.block_manager import SeqBlocks
-    from kvchat.config import ModelConfig
-    from kvchat.engine import Engine
-    from kvchat.kv_persist import KVPersist
+    from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.model.config import ModelConfig
+    from kvchat.engine.runner import Engine
+    from kvchat.engine.persistence import KVPersist
 
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.cli import main
+from kvchat.cli.main import main
 from kvchat.store.chunk_index import WRITER_WINDOW_S, gc, get_chunk, list_chunks, load_chunk, touch
 from kvchat.store.db import connect, write_transaction
 from kvchat.index import get_db
@@ -311,14 +311,14 @@ def test_budget_evicts_lru_leaves_never_pinned(base, home, keys, monkeypatch, ca
 
 @pytest.fixture(scope="module")
 def rt(smol_info):
-    from kvchat.loader import load_runtime
+    from kvchat.model.loader import load_runtime
 
     return load_runtime(None, "fp8")
 
 
 def test_restore_skipped_when_reading_is_slower_than_prefill(base, home, keys, rt):
-    from kvchat.block_manager import SeqBlocks
-    from kvchat.kv_persist import KVPersist
+    from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.persistence import KVPersist
     from kvchat.store.conversations import get_conversation
 
     ids = get_conversation(get_db(), base["chat1"]["chat_id"]).token_ids
@@ -342,7 +342,7 @@ def test_restore_skipped_when_reading_is_slower_than_prefill(base, home, keys, r
         for row in stored:
             data = load_chunk(get_db(), row, persist.layout)
             for p in range(start, min(start + row.token_count, res.from_disk), 37):
-                block, off = divmod(rt.engine.blocks.slot(seq, p), pool.spec.block_size)
+                block, off = divmod(rt.engine.blocks.slots(seq, p, p + 1)[0], pool.spec.block_size)
                 for name in ("k", "v", "k_scale", "v_scale"):
                     live, saved = getattr(pool, name)[:, block, off], getattr(data, name)[:, p - start]
                     assert torch.equal(live.view(torch.uint8), saved.view(torch.uint8)), (name, p)
@@ -355,8 +355,8 @@ def test_restore_skipped_when_reading_is_slower_than_prefill(base, home, keys, r
 def test_writer_survives_a_failing_save_and_flush_returns(base, home, rt, monkeypatch):
     import threading
 
-    from kvchat.block_manager import SeqBlocks
-    from kvchat.kv_persist import KVPersist
+    from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.persistence import KVPersist
     from kvchat.store.conversations import get_conversation
 
     ids = get_conversation(get_db(), base["chat2"]["chat_id"]).token_ids

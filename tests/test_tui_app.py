@@ -23,7 +23,7 @@ from kvchat.tui.screens.prompt import PromptScreen, split_paths
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message_view import PAGE, MessageView
 from kvchat.tui.widgets.status_bar import StatusBar
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 SIZE = (120, 40)
 pytestmark = [pytest.mark.asyncio, pytest.mark.tui]
@@ -65,8 +65,9 @@ class Harness:
         return self.screen.query_one(MessageView).blocks(role)
 
     def sidebar_titles(self) -> list[str]:
+        """Titles of the chat rows; a row still being mounted (no Label yet) is not shown yet."""
         items = self.screen.query_one("#chats", ListView).children
-        return [shown(item.query_one("Label")).split("\n")[0] for item in items]
+        return [shown(labels.first()).split("\n")[0] for item in items if (labels := item.query("Label"))]
 
     async def send(self, pilot, text: str) -> None:
         await pilot.click(ChatInput)

@@ -17,7 +17,7 @@ from kvchat.documents import DocumentError
 from kvchat.conversation.views import ContextFullError
 from kvchat.conversation.events import PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.fake_backend import FakeBackend
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 POOL_BYTES = 12 * 2**20  # 64 blocks of SmolLM2-135M fp8 KV = 1,024 tokens of context
 GS = SamplingParams(max_tokens=8)
@@ -218,6 +218,6 @@ def test_system_prompt_only_before_the_first_turn(backend):
 
 def test_boundary_types_are_torch_free():
     """The UI shares the engine's dataclasses; importing them must not pull in torch."""
-    code = "import sys, kvchat.turn, kvchat.tui.backend, kvchat.conversation.events; print('torch' in sys.modules)"
+    code = "import sys, kvchat.engine.turn, kvchat.tui.backend, kvchat.conversation.events; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

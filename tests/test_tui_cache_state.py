@@ -15,13 +15,13 @@ from kvchat.store.db import write_transaction
 from kvchat.index import get_db
 from textual.widgets import Input, ListView
 
-from kvchat.cache_id import cache_fingerprint
+from kvchat.engine.cache_identity import cache_fingerprint
 from kvchat.tui.app import KvchatApp
-from kvchat.cache_miss import why_not_restored
+from kvchat.engine.cache_miss import why_not_restored
 from kvchat.conversation.cache_state import all_in_memory, disk_bytes
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.status_bar import StatusBar
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 pytestmark = pytest.mark.tui
 

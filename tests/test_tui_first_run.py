@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import ProgressBar
 
-from kvchat.model_import import ChecksumMismatchError, import_default_model
+from kvchat.model.importer import ChecksumMismatchError, import_default_model
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.widgets.chat_input import ChatInput

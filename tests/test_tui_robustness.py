@@ -26,7 +26,7 @@ SIZE = (100, 30)
 HEADLESS = {"TEXTUAL_DRIVER": "textual.drivers.headless_driver:HeadlessDriver"}
 CAPS_WITHOUT_OVERRIDE = (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
 PR_CAPBSET_DROP = 24
-RUN_KVCHAT = "import sys; from kvchat.cli import main; sys.exit(main(sys.argv[1:]))"
+RUN_KVCHAT = "import sys; from kvchat.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def tree(root: Path) -> dict[str, str]:

@@ -19,7 +19,7 @@ from kvchat.store.db import close_thread_dbs
 from kvchat.index import get_db
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message_view import MessageView
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 from test_tui_app import SIZE, real_app, until
 

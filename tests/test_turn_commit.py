@@ -19,7 +19,7 @@ from kvchat.store.conversations import get_conversation
 from kvchat.store.db import close_thread_dbs
 from kvchat.index import get_db
 from kvchat.store.errors import ConversationConflictError
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 POOL_BYTES = 12 * 2**20  # 1,024 tokens of SmolLM2 fp8 KV
 GS = SamplingParams(max_tokens=4)

@@ -1,6 +1,6 @@
 """The ``kvchat bench`` sub-commands and their options, for the CLI and for ``bench all``.
 
-:mod:`kvchat.cli` hangs this tree under ``kvchat bench``; ``kvchat bench all``
+:mod:`kvchat.cli.main` hangs this tree under ``kvchat bench``; ``kvchat bench all``
 parses it for each benchmark's defaults (:func:`bench_defaults`), so no
 benchmark imports the CLI.
 """

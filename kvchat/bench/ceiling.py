@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvchat.model import Linear, Transformer
+from kvchat.model.transformer import Linear, Transformer
 
 
 def _weights(model: Transformer) -> list[torch.Tensor]:

@@ -82,7 +82,7 @@ RunFn = Callable[[list[int], int], tuple[float, float]]
 
 def kvchat_runner(engine) -> RunFn:
     """Prefill ``ids`` in a fresh sequence of ``engine``, decode greedily, release the blocks."""
-    from kvchat.block_manager import SeqBlocks
+    from kvchat.engine.block_manager import SeqBlocks
 
     def run(ids: list[int], decode_tokens: int) -> tuple[float, float]:
         seq, tokens = SeqBlocks(), list(ids)
@@ -130,15 +130,15 @@ def transformers_runner(model, fp8_cache: bool = False) -> RunFn:
 def measure_load(model: str | None, repeats: int) -> dict[str, Spread]:
     """Model load times in seconds, ``repeats`` samples each.
 
-    ``load_runtime_s``: :func:`kvchat.loader.load_runtime` end to end (resolve,
+    ``load_runtime_s``: :func:`kvchat.model.loader.load_runtime` end to end (resolve,
     read weights, build the engine with its default pool, tokenizer);
     ``weights_read_s`` + ``engine_build_s``: the same split into
     :func:`load_weights` and ``Engine(...)`` (weights to a ready model and pool).
     """
-    from kvchat.engine import Engine
-    from kvchat.kv_calibration import load_calibration
-    from kvchat.loader import load_runtime
-    from kvchat.model_registry import load_weights, resolve_model
+    from kvchat.engine.runner import Engine
+    from kvchat.engine.calibration import load_calibration
+    from kvchat.model.loader import load_runtime
+    from kvchat.model.registry import load_weights, resolve_model
 
     samples: dict[str, list[float]] = {"load_runtime_s": [], "weights_read_s": [], "engine_build_s": []}
     info = resolve_model(model)
@@ -180,10 +180,10 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
     """
     from transformers import AutoTokenizer
 
-    from kvchat.engine import Engine
-    from kvchat.kv_cache import KVCacheSpec
-    from kvchat.loader import ensure_calibration, set_threads
-    from kvchat.model_registry import load_weights, resolve_model
+    from kvchat.engine.runner import Engine
+    from kvchat.engine.kv_pool import KVCacheSpec
+    from kvchat.model.loader import ensure_calibration, set_threads
+    from kvchat.model.registry import load_weights, resolve_model
 
     lengths = sorted(set(args.lengths))
     if min(lengths) < 1 or args.repeats < 1 or args.decode_tokens < 1:

@@ -4,7 +4,7 @@ Why teacher-forced: greedy continuations of a 135M model drift apart after a
 few tokens under any quantization, so comparing generated text measures
 chaos, not quality. Instead a real text runs through the engine twice, with
 a bf16 pool (the reference) and with an fp8 pool, every chunk attending
-through its pool (:meth:`kvchat.engine.Engine.score`), and the next-token
+through its pool (:meth:`kvchat.engine.runner.Engine.score`), and the next-token
 distributions are compared position by position:
 
 - perplexity on the text for both, and its change in percent;
@@ -115,16 +115,16 @@ def compare_to_reference(
     chunk's logits (``[chunk_tokens, vocab_size]`` fp32 per engine) are alive.
 
     Args:
-        ref_engine: :class:`kvchat.engine.Engine` with a bf16 (or fp16) pool.
+        ref_engine: :class:`kvchat.engine.runner.Engine` with a bf16 (or fp16) pool.
         runs: ``(scheme, fp8 engine running it)`` pairs (see :meth:`KVScheme.engine`).
         token_ids: the text, at least 2 ids.
         text_name: label for the results.
     Returns:
         one :class:`FidelityResult` per run, ``len(token_ids) - 1`` positions each.
     Raises:
-        ValueError: fewer than 2 tokens; kvchat.block_manager.PoolFullError: a pool too small.
+        ValueError: fewer than 2 tokens; kvchat.engine.block_manager.PoolFullError: a pool too small.
     """
-    from kvchat.block_manager import SeqBlocks
+    from kvchat.engine.block_manager import SeqBlocks
 
     ids, total = list(token_ids), len(token_ids)
     if total < 2:
@@ -189,10 +189,10 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
     """
     from transformers import AutoTokenizer
 
-    from kvchat.engine import Engine
-    from kvchat.kv_cache import KVCacheSpec
-    from kvchat.loader import ensure_calibration, set_threads
-    from kvchat.model_registry import load_weights, resolve_model
+    from kvchat.engine.runner import Engine
+    from kvchat.engine.kv_pool import KVCacheSpec
+    from kvchat.model.loader import ensure_calibration, set_threads
+    from kvchat.model.registry import load_weights, resolve_model
 
     if args.tokens < 2:
         raise ValueError("--tokens must be at least 2")

@@ -6,8 +6,8 @@ for all: fp8 values plus fp32 per-token, per-head scales.
 
 - ``pth1+kc+sink``: the engine's default for fp8 pools. Per-token, per-KV-head
   absmax scales; K centred by the model's calibrated mean
-  (:mod:`kvchat.kv_calibration`); position 0, the attention sink, read exact
-  (:meth:`kvchat.engine.Engine.sink_kv`).
+  (:mod:`kvchat.engine.calibration`); position 0, the attention sink, read exact
+  (:meth:`kvchat.engine.runner.Engine.sink_kv`).
 - ``pth1+kc``: the same without the exact sink.
 - ``pth1``: per-token, per-KV-head scales only.
 - ``fixed-1.0``: one scale of 1.0 for everything, values clamped to ±448
@@ -50,8 +50,8 @@ class KVScheme:
     fixed_scale: float | None = None
 
     def engine(self, cfg, weights, model_fingerprint: str, calibration, **kwargs):
-        """An fp8 :class:`kvchat.engine.Engine` running this scheme (``kwargs`` go to the engine)."""
-        from kvchat.engine import Engine
+        """An fp8 :class:`kvchat.engine.runner.Engine` running this scheme (``kwargs`` go to the engine)."""
+        from kvchat.engine.runner import Engine
 
         return Engine(cfg, weights, model_fingerprint, kv_dtype="fp8", exact_sink=self.exact_sink,
                       calibration=calibration if self.k_centring else None, **kwargs)

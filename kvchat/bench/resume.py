@@ -100,9 +100,9 @@ def build_conversation(rt, n_tokens: int, text: str) -> tuple[list[int], list, d
     Raises:
         BenchResumeError: ``n_tokens`` too small for a prefix and one turn, or the text runs out.
     """
-    from kvchat.chat_format import append_segment
+    from kvchat.model.chat_format import append_segment
     from kvchat.conversation.records import new_settings
-    from kvchat.session import DEFAULT_SYSTEM_PROMPT
+    from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
 
     settings = new_settings(["python-docstrings.txt"])
     settings["date_string"] = "01 Jan 2025"  # fixed, so every process builds the same ids
@@ -147,8 +147,8 @@ def build_conversation(rt, n_tokens: int, text: str) -> tuple[list[int], list, d
 # ---- children (fresh processes) ----------------------------------------------------------------
 
 def _session(rt, spec: dict, persist=None):
-    from kvchat.chat_format import Segment
-    from kvchat.session import Session
+    from kvchat.model.chat_format import Segment
+    from kvchat.engine.session import Session
 
     segments = [Segment(k, a, b) for k, a, b in spec["segments"]]
     return Session(rt.engine, rt.chat_format(spec["settings"]), list(spec["ids"]), segments, persist)
@@ -158,9 +158,9 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
     """Cold prefill of the whole chat; with ``save``, also snapshot it and time the question in memory."""
     import torch
 
-    from kvchat.kv_cache import KVCacheSpec
-    from kvchat.kv_persist import KVPersist, find_chain
-    from kvchat.sampling import SamplingParams
+    from kvchat.engine.kv_pool import KVCacheSpec
+    from kvchat.engine.persistence import KVPersist, find_chain
+    from kvchat.engine.sampling import SamplingParams
     from kvchat.index import get_db
     from kvchat.texts import stdlib_text
 
@@ -203,8 +203,8 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
 
 def _child_resume(rt, spec_path: Path, mode: str) -> dict:
     """Open the chat with the snapshot store attached and ask :data:`QUESTION` (one token)."""
-    from kvchat.kv_persist import KVPersist
-    from kvchat.sampling import SamplingParams
+    from kvchat.engine.persistence import KVPersist
+    from kvchat.engine.sampling import SamplingParams
 
     spec = json.loads(spec_path.read_text())
     persist = KVPersist(rt.engine)
@@ -226,7 +226,7 @@ def _child_resume(rt, spec_path: Path, mode: str) -> dict:
 def child_main(argv: list[str]) -> int:
     """Entry of a benchmark child: ``ROLE SPEC_PATH N MODE MODEL KV_DTYPE THREADS``; prints one JSON line."""
     role, spec_path, n, mode, model, kv_dtype, threads = argv
-    from kvchat.loader import load_runtime, set_threads
+    from kvchat.model.loader import load_runtime, set_threads
 
     set_threads(int(threads) or None)
     rt = load_runtime(model or None, kv_dtype)

@@ -121,7 +121,7 @@ def score_value(engine, probe: Probe) -> dict:
         ``{logprob_sum, logprob_mean (nats), value_tokens, argmax_hits}``
         (``argmax_hits``: value tokens that are the engine's top-1 prediction).
     """
-    from kvchat.block_manager import SeqBlocks
+    from kvchat.engine.block_manager import SeqBlocks
 
     seq = SeqBlocks()
     cut = probe.value_start - 1  # the position predicting the first value token is scored, not prefilled
@@ -142,7 +142,7 @@ def run_retrieval(info, tokenizer, filler: BenchText, doc_tokens: int = DEFAULT_
     """The probe at every depth (plus the control) for each pool dtype; JSON-ready.
 
     Args:
-        info: :class:`kvchat.model_registry.ModelInfo` of the model.
+        info: :class:`kvchat.model.registry.ModelInfo` of the model.
         tokenizer: its tokenizer.
         filler: the long real text the fact is hidden in.
         doc_tokens: document length in tokens (without the fact).
@@ -151,11 +151,11 @@ def run_retrieval(info, tokenizer, filler: BenchText, doc_tokens: int = DEFAULT_
     Raises:
         RetrievalSetupError: see :func:`filler_document`, :func:`build_probe`; ValueError: a depth outside 0–1.
     """
-    from kvchat.engine import Engine
-    from kvchat.kv_cache import KVCacheSpec
-    from kvchat.loader import Runtime, ensure_calibration
-    from kvchat.model_registry import load_weights
-    from kvchat.session import DEFAULT_SYSTEM_PROMPT
+    from kvchat.engine.runner import Engine
+    from kvchat.engine.kv_pool import KVCacheSpec
+    from kvchat.model.loader import Runtime, ensure_calibration
+    from kvchat.model.registry import load_weights
+    from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
 
     if any(not 0 <= d <= 1 for d in depths):
         raise ValueError(f"--depths must lie in 0..1, got {list(depths)}")

@@ -3,7 +3,7 @@
 A snapshot counts as "on disk" only under the running engine's cache
 fingerprint: chunks written with another KV dtype or model are never
 restored, so a chat whose only snapshots are such chunks is shown as
-``none`` and its miss is explained by :func:`kvchat.cache_miss.why_not_restored`.
+``none`` and its miss is explained by :func:`kvchat.engine.cache_miss.why_not_restored`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kvchat.turn import TurnStats
+from kvchat.engine.turn import TurnStats
 
 
 @dataclass(slots=True)

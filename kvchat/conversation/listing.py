@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from sqlite_utils import Database
 
 from kvchat.documents import doc_id
-from kvchat.disk_budget import budget_bytes, refresh_pins
-from kvchat.kv_persist import release_owner, restorable_tokens
-from kvchat.session import DEFAULT_SYSTEM_PROMPT
+from kvchat.engine.disk_budget import budget_bytes, refresh_pins
+from kvchat.engine.persistence import release_owner, restorable_tokens
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
 from kvchat.conversation.cache_state import all_in_memory, disk_bytes, state
 from kvchat.conversation.search import search_conversation_ids
 from kvchat.conversation.views import CacheReport, CacheRow, ChatSummary, DocumentSummary
@@ -111,7 +111,7 @@ def cache_report(chats: ChatService | None) -> CacheReport:
 
     ``cached_tokens``: what a resume reuses, the pool's cached prefix or the
     chain on disk under this engine's cache fingerprint (any, before load;
-    :func:`kvchat.kv_persist.restorable_tokens`), whichever is longer, never
+    :func:`kvchat.engine.persistence.restorable_tokens`), whichever is longer, never
     the last token; memory bytes = tokens in the pool × KV bytes per token;
     disk bytes: all the chat's snapshot bytes.
 
@@ -150,7 +150,7 @@ def _miss(chats: ChatService | None, db: Database, chat_id: str, st: str) -> str
 def register_documents(chats: ChatService, fmt, docs) -> list[str]:
     """Record attached documents in the ``documents`` table as ``kvchat doc add`` does; returns their ids.
 
-    Id = ``kvchat.cache_cli.doc_id`` of the text; ``token_count`` = the
+    Id = ``kvchat.documents.doc_id`` of the text; ``token_count`` = the
     document's own prefix (default system prompt + the document), whose ids
     are kept in ``chats.doc_prefixes`` for the sidebar's "cached" mark. A
     document's ``pinned`` flag survives re-attaching.

@@ -7,9 +7,9 @@ from datetime import datetime
 
 from sqlite_utils import Database
 
-from kvchat.chat_format import Segment
-from kvchat.loader import Runtime
-from kvchat.session import Session
+from kvchat.model.chat_format import Segment
+from kvchat.model.loader import Runtime
+from kvchat.engine.session import Session
 from kvchat.store.conversations import Conversation, NewMessage, append_turn, create_conversation, delete_conversation
 from kvchat.store.db import write_transaction
 
@@ -92,7 +92,7 @@ def _append_last_turn(db: Database, conv_id: str, session: Session, user_text: s
 
 def delete_chat(db: Database, conv_id: str) -> list[str]:
     """Delete a conversation and the KV chunks nobody else uses (they reveal its text); returns deleted chunk keys."""
-    from kvchat.kv_persist import release_owner
+    from kvchat.engine.persistence import release_owner
 
     delete_conversation(db, conv_id)
     return release_owner(conv_id)

@@ -1,9 +1,9 @@
 """A chat's turns from its segments (for regenerate and edit) and carrying its last turns into a new chat.
 
-Cutting the session is :meth:`kvchat.session.Session.truncate`; cutting the
+Cutting the session is :meth:`kvchat.engine.session.Session.truncate`; cutting the
 stored chat is :func:`kvchat.store.conversations.rewind_conversation`.
 
-A chat's layout is ``[prefix][user 1][assistant 1]...`` (``kvchat.chat_format``),
+A chat's layout is ``[prefix][user 1][assistant 1]...`` (``kvchat.model.chat_format``),
 with messages stored as user/assistant pairs, turn ``i`` owning messages
 ``2i`` and ``2i + 1``. Token ids stay the source of truth: carried turns are
 copied as ids, never re-rendered.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from kvchat.chat_format import Segment
+from kvchat.model.chat_format import Segment
 from kvchat.store.conversations import (
     Conversation,
     NewMessage,

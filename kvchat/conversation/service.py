@@ -11,27 +11,27 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from kvchat.conversation.records import new_settings, save_new_chat, save_turn, session_from_store
-from kvchat.disk_budget import Eviction, enforce, eviction_note
+from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
 from kvchat.documents import Document, doc_id, read_document
 from kvchat.phase_trace import mark
 from kvchat.store.documents import upsert_document
-from kvchat.engine import ContextOverflowError
+from kvchat.engine.runner import ContextOverflowError
 from kvchat.free_space import check_turn_space
-from kvchat.kv_persist import KVPersist
-from kvchat.loader import Runtime
+from kvchat.engine.persistence import KVPersist
+from kvchat.model.loader import Runtime
 from kvchat.paths import data_dir
-from kvchat.session import DEFAULT_SYSTEM_PROMPT, Session
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
 from kvchat.store.conversations import get_conversation, rewind_conversation
 from kvchat.store.errors import ConversationConflictError
 from kvchat.index import get_db
 from kvchat.store.db import write_transaction
 from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, ChatMessage, ChatView, ContextFullError, ResumeInfo, Status
-from kvchat.cache_miss import shortfall_reason, why_not_restored
+from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
 from kvchat.conversation.events import Emit, TurnDone
 from kvchat.conversation.listing import register_documents
 from kvchat.conversation.rewind import carry_over, turn_spans
 from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
-from kvchat.turn import SamplingParams, TurnStats
+from kvchat.engine.turn import SamplingParams, TurnStats
 
 
 @dataclass(slots=True)
@@ -63,8 +63,10 @@ class ChatService:
     """The runtime, its snapshot store (``KVPersist``), the one open chat, the last turn's counters, and
     the prefix ids of documents prefilled in this process."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: Runtime, batch_interval_s: float = 0.04):
+        """``batch_interval_s``: answer text is emitted at most this often (0: every piece, as a CLI streams)."""
         self.rt = rt
+        self.batch_interval_s = batch_interval_s
         self.persist = KVPersist(rt.engine)
         self.chat: _Chat | None = None
         self.last: TurnStats | None = None
@@ -85,7 +87,11 @@ class ChatService:
         self.persist.close()
         if not self._stored:  # nothing written: leave the data dir as it was (bad input creates no database)
             return self.persist.evicted
-        return self.persist.evicted.then(enforce(get_db()))
+        try:
+            return self.persist.evicted.then(enforce(get_db()))
+        except Exception as exc:  # noqa: BLE001 - e.g. locked past the busy timeout: the turns are stored; say it
+            self.persist.errors.append(f"disk budget not enforced: {exc}")
+            return self.persist.evicted
 
     @property
     def block_size(self) -> int:
@@ -178,6 +184,7 @@ class ChatService:
             stats = session.prefill_prefix(PrefillTimer(emit))
             resume = _resume(stats, (time.perf_counter() - t0) * 1e3 - stats.prefill_ms)
             doc_ids = register_documents(self, fmt, docs)
+            self._stored = True
             session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
         return self._switch(_Chat(session, None, "New chat", system, settings, resume=resume))
 
@@ -247,7 +254,7 @@ class ChatService:
         check_turn_space(data_dir(), session, len(user_ids), gs.max_tokens)
         self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
         try:
-            batcher = TokenBatcher(emit)
+            batcher = TokenBatcher(emit, self.batch_interval_s)
             for piece in session.send(text, SamplingParams(**asdict(gs)), cancel, PrefillTimer(emit)):
                 batcher.add(piece)
             batcher.flush()
@@ -255,11 +262,12 @@ class ChatService:
             if chat.lazy:
                 self._name_shortfall(chat, stored)
             self._store_turn(chat, text, rewind, stored)
+            chat.lazy = False
             mark("committed")
         except ConversationConflictError:  # another process changed the chat: show what is stored now
             session.truncate(stored)
             if rewind is None:
-                self.open_chat(chat.chat_id)
+                self.open_chat(chat.chat_id, restore=not chat.lazy)
             raise
         except BaseException:  # not stored: the session goes back to the stored history (ids, blocks, meter)
             session.truncate(stored)
@@ -280,7 +288,6 @@ class ChatService:
             stats.miss_reason = shortfall_reason(get_db(), chat.chat_id, stored, stats.reused_tokens,
                                                  self.persist.fingerprint, self.rt.info.fingerprint,
                                                  e.spec.kv_dtype, e.spec.block_size)
-        chat.lazy = False
 
     def cache_document(self, doc: Document, system: str | None, emit: Emit) -> tuple[str, TurnStats, int]:
         """Prefill ``doc`` as a prefix (``system`` + the document) and snapshot it for new chats.
@@ -294,12 +301,14 @@ class ChatService:
         fmt = self.rt.chat_format(new_settings([doc.title]))
         session = Session.new(self.rt.engine, fmt, system, [(doc.title, doc.text)], self.persist)
         self.rt.engine.check_fits(len(session.token_ids) + 1)
-        stats = session.prefill_prefix(PrefillTimer(emit))
-        did = doc_id(doc.text)
-        upsert_document(get_db(), did, str(doc.path.resolve()), doc.title, len(session.token_ids))
-        self._stored = True
-        session.save_snapshot(did)
-        session.close()
+        try:
+            stats = session.prefill_prefix(PrefillTimer(emit))
+            did = doc_id(doc.text)
+            upsert_document(get_db(), did, str(doc.path.resolve()), doc.title, len(session.token_ids))
+            self._stored = True
+            session.save_snapshot(did)
+        finally:
+            session.close()
         return did, stats, len(session.token_ids)
 
     def _store_turn(self, chat: _Chat, text: str, rewind: tuple[int, int] | None, stored: int) -> None:
@@ -310,10 +319,10 @@ class ChatService:
             sqlite3.Error: the database could not take the turn; nothing was stored.
         """
         db = get_db()
-        self._stored = True
         if chat.chat_id is None:
             saved = save_new_chat(db, self.rt, chat.session, chat.system, chat.settings, text)
             chat.chat_id, chat.title, chat.version = saved.id, saved.title, saved.version
+            self._stored = True
             return
         with write_transaction(db):
             version = chat.version
@@ -321,6 +330,7 @@ class ChatService:
                 version = rewind_conversation(db, chat.chat_id, *rewind, expected_version=version)
             version = save_turn(db, chat.chat_id, chat.session, text, stored, version)
         chat.version = version
+        self._stored = True
 
     def set_system_prompt(self, text: str) -> ChatView:
         chat = self._open()
@@ -337,4 +347,5 @@ class ChatService:
             raise LookupError("this chat has no stored turns to carry")
         db = get_db()
         new_id, _ = carry_over(db, get_conversation(db, chat.chat_id), keep_turns, self.rt.engine.max_context // 2)
+        self._stored = True
         return self.open_chat(new_id)

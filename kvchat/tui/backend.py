@@ -12,7 +12,7 @@ Contract (checked for both implementations by ``tests/test_tui_backend_contract.
   pieces are coalesced into batches (``kvchat.conversation.streaming.TokenBatcher``),
   so a UI posts one message per batch, not per token.
 - Bad user input raises a ``ValueError`` subclass with a one-line message and
-  changes nothing: :class:`ContextFullError` when a message does not fit,
+  changes nothing: :class:`kvchat.conversation.views.ContextFullError` when a message does not fit,
   ``kvchat.documents.DocumentError`` for a bad document, an empty prompt, an
   unknown chat id (``LookupError``). Nothing else is swallowed.
 - Cache fields (:attr:`ChatSummary.cache_state`, :class:`ResumeInfo`) report
@@ -30,7 +30,7 @@ from typing import Protocol, Sequence
 
 from kvchat.conversation.events import Emit, TurnDone
 from kvchat.conversation.views import CacheReport, ChatSummary, ChatView, DocumentSummary, Status
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 
 class BackendNotReadyError(RuntimeError):

@@ -24,7 +24,7 @@ from kvchat.documents import read_document
 from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView, ContextFullError, DocumentSummary, ResumeInfo, Status
 from kvchat.conversation.events import Emit, LoadProgress, PrefillProgress, TurnDone
 from kvchat.conversation.streaming import TokenBatcher
-from kvchat.turn import SamplingParams, TurnStats
+from kvchat.engine.turn import SamplingParams, TurnStats
 
 TURN_OVERHEAD = 4
 BLOCK_SIZE = 16

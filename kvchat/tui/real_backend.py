@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from kvchat.tui.backend import BackendNotReadyError, StoreUnavailableError
 from kvchat.conversation.views import CacheReport, ChatSummary, ChatView, DocumentSummary, Status
 from kvchat.conversation.events import Emit, LoadProgress, TurnDone
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 
 class _Lane:
@@ -81,8 +81,8 @@ class RealBackend:
             self._status = Status(phase="error", message=str(exc))
             raise
         emit(LoadProgress("importing torch and transformers"))
-        from kvchat.loader import load_runtime, set_threads
-        from kvchat.model_import import DEFAULT_MODEL_NAME, read_manifest
+        from kvchat.model.loader import load_runtime, set_threads
+        from kvchat.model.importer import DEFAULT_MODEL_NAME, read_manifest
         from kvchat.paths import models_dir
         from kvchat.conversation.service import ChatService
 
@@ -101,7 +101,7 @@ class RealBackend:
 
     def _import_default(self, emit: Emit) -> None:
         """First run: import the default model, each step shown as ``LoadProgress(…, done, total)``."""
-        from kvchat.model_import import DEFAULT_MODEL_NAME, import_default_model
+        from kvchat.model.importer import DEFAULT_MODEL_NAME, import_default_model
 
         def progress(text: str, done: int, total: int) -> None:
             emit(LoadProgress(f"first run: importing {DEFAULT_MODEL_NAME} — {text}", done, total))

@@ -35,7 +35,7 @@ from kvchat.tui.widgets.message_view import MessageView
 from kvchat.tui.widgets.prefill_bar import PrefillBar
 from kvchat.tui.widgets.sidebar import Sidebar
 from kvchat.tui.widgets.status_bar import StatusBar
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 
 class ChatScreen(ChatActions, Screen):

@@ -10,7 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
 from kvchat.tui.text import literal
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 LABELS = {"temperature": "Temperature (0 = greedy)", "top_p": "Top-p (0, 1]", "top_k": "Top-k (0 = all)",
           "seed": "Seed (blank = random)", "max_tokens": "Max tokens"}

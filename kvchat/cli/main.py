@@ -8,17 +8,13 @@ argument, bad value) and bad ``KVCHAT_*`` variables (:mod:`kvchat.settings`) too
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import sys
-import threading
 
 from kvchat import __version__
-from kvchat.progress import print_prefill_progress
+from kvchat.engine.cache_identity import KV_DTYPE_NAMES
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
-PROGRESS_MIN_TOKENS = 1024  # show prefill progress on stderr for prompts at least this long
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,7 +46,7 @@ def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     """``--model --kv-dtype --threads``; on sub-commands they default to the top-level values."""
     keep = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
-    p.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp16"], help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)", **keep)
 
 
@@ -112,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     purge.add_argument("--all", action="store_true", help="pinned ones too")
     explain = csub.add_parser("explain", help="show a chat's chunk chain and where it stops")
     explain.add_argument("chat")
-    explain.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp16"])
+    explain.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPE_NAMES)
 
     bench = sub.add_parser("bench", help="benchmarks (printed tables and JSON)")
     from kvchat.bench.args import add_bench_commands
@@ -134,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_app(model=args.model, kv_dtype=args.kv_dtype, threads=checked_threads(args.threads))
         if args.command == "ask":
+            from kvchat.cli.ask import cmd_ask
+
             return cmd_ask(args)
         if args.command == "model":
-            from kvchat.model_cli import cmd_model_list, cmd_model_pull
+            from kvchat.cli.model import cmd_model_list, cmd_model_pull
 
             return cmd_model_pull(args.from_path, args.name) if args.model_command == "pull" else cmd_model_list()
         if args.command == "plan":
@@ -144,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_plan(args)
         if args.command in ("cache", "doc"):
-            from kvchat.cache_cli import cmd_cache, cmd_doc
+            from kvchat.cli.cache import cmd_cache, cmd_doc
 
             return cmd_cache(args) if args.command == "cache" else cmd_doc(args)
         if args.command == "bench":
@@ -194,124 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(exc: Exception) -> bool:
-    from kvchat.block_manager import PoolFullError
+    from kvchat.engine.block_manager import PoolFullError
     from kvchat.store.errors import StoreError
 
     return isinstance(exc, (ValueError, LookupError, StoreError, OSError, PoolFullError))
 
-
-def cmd_ask(args: argparse.Namespace) -> int:
-    """``kvchat ask``: validate everything, answer (streamed or as JSON), store the turn.
-
-    Ctrl-C only sets a flag from here on (a ``KeyboardInterrupt`` raised inside
-    a finalizer would be swallowed by Python and the turn carried on): before
-    the first token the turn is dropped (exit 130), during decode the partial
-    answer is kept and stored.
-    """
-    cancel = threading.Event()
-    old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
-    try:
-        return _ask(args, cancel)
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
-def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
-    """:func:`cmd_ask` with its Ctrl-C flag ``cancel``."""
-    from kvchat.cpu_threads import checked_threads
-    from kvchat.documents import read_document
-    from kvchat.phase_trace import mark
-    from kvchat.sampling import SamplingParams
-    from kvchat.session import EmptyPromptError
-
-    if not args.prompt.strip():
-        raise EmptyPromptError("the prompt is empty")
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.max_tokens)
-    params.validate()
-    threads = checked_threads(args.threads)
-    if args.chat is not None and (args.doc or args.system is not None):
-        raise ValueError("--doc and --system set up a new chat; they cannot be used with --chat")
-    docs = [read_document(p) for p in args.doc]
-    conv = _find_chat(args.chat) if args.chat is not None else None
-    from kvchat.paths import db_path
-    from kvchat.store.db import require_writable
-
-    require_writable(db_path())  # the turn is stored: say so now, not after the answer
-
-    from kvchat.cache_cli import say_eviction
-    from kvchat.conversation.events import PrefillProgress, TokenBatch
-    from kvchat.conversation.service import ChatService
-    from kvchat.loader import load_runtime, set_threads
-
-    set_threads(threads)
-    rt = load_runtime(args.model or (conv.model_name if conv else None), args.kv_dtype)
-    service = ChatService(rt)
-    streamed = False
-
-    def emit(event) -> None:
-        nonlocal streamed
-        if isinstance(event, PrefillProgress):
-            if cancel.is_set():  # Ctrl-C during prefill: nothing generated yet, so drop the turn
-                raise KeyboardInterrupt
-            if not args.json and event.total >= PROGRESS_MIN_TOKENS:
-                print_prefill_progress(event.done, event.total)
-        elif isinstance(event, TokenBatch):
-            if not streamed:
-                mark("decoding")
-            streamed = True
-            if not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-
-    try:
-        if conv is not None:  # restored in the turn, so its stats say what was reused and why not more
-            service.open_chat(conv.id, restore=False)
-        else:  # the documents' prefix is prefilled with the first message
-            service.start_chat(args.system, docs, emit, prefill_now=False)
-        mark("loaded")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
-        if cancel.is_set():  # Ctrl-C while loading: nothing generated yet
-            raise KeyboardInterrupt
-        try:
-            done = service.send(args.prompt, params, cancel, emit)
-        finally:
-            if streamed and not args.json:
-                print()  # end the answer's line before any note or error
-    finally:
-        evicted = service.close()
-    mark("flushed")
-    for err in service.persist.errors[:1]:
-        print(f"kvchat: warning: {err}", file=sys.stderr)
-    say_eviction(evicted)
-    s = done.stats
-    if args.json:
-        print(json.dumps({
-            "text": done.text, "chat_id": done.chat_id, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
-            "scale_scheme": rt.engine.scale_scheme, "prompt_tokens": s.prompt_tokens,
-            "reused_tokens": s.reused_tokens, "from_memory": s.from_memory, "from_disk": s.from_disk,
-            "restore_ms": round(s.restore_ms, 2), "bytes_read": s.bytes_read, "miss_reason": s.miss_reason,
-            "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens,
-            "ttft_ms": round(s.ttft_ms, 2), "prefill_ms": round(s.prefill_ms, 2),
-            "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
-            "context_tokens": done.context_used, "context_limit": done.context_limit,
-        }))
-    else:
-        if s.miss_reason:  # stored history recomputed, or a corrupt chunk dropped: say why
-            print(f"kvchat: note: {s.miss_reason}", file=sys.stderr)
-        print(f"[chat {done.chat_id}] continue with: kvchat ask --chat {done.chat_id} \"...\"", file=sys.stderr)
-    return 0
-
-
-def _find_chat(chat_id: str):
-    """Look a chat up without creating anything in the data dir."""
-    from kvchat.paths import db_path
-    from kvchat.store.conversations import get_conversation
-    from kvchat.index import get_db
-    from kvchat.store.errors import ConversationNotFoundError
-
-    if not db_path().exists():
-        raise ConversationNotFoundError(f"no conversation with id {chat_id!r}")
-    return get_conversation(get_db(), chat_id)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvchat.turn import SamplingParams
+from kvchat.engine.turn import SamplingParams
 
 
 class Sampler:

@@ -11,7 +11,7 @@ taken with a bf16 pool over text the fidelity benchmark never evaluates on
 leaving out position 0 (the attention sink, an outlier the engine keeps exact
 anyway).
 
-Computed on first use by :func:`kvchat.loader.ensure_calibration` (it builds
+Computed on first use by :func:`kvchat.model.loader.ensure_calibration` (it builds
 the bf16 engine) and stored once per model fingerprint as
 ``models_dir()/.calibration/<fingerprint>.safetensors``;
 its digest is part of the cache fingerprint, so a different calibration never
@@ -71,7 +71,7 @@ def calibrate_k_mean(engine, token_ids: Sequence[int]) -> torch.Tensor:
     """Mean post-RoPE K per layer and KV head over positions 1.., read back from ``engine``'s pool.
 
     Args:
-        engine: a :class:`kvchat.engine.Engine` with a 16-bit pool (bf16 or fp16)
+        engine: a :class:`kvchat.engine.runner.Engine` with a 16-bit pool (bf16 or fp16)
             and no calibration of its own, so the mean is not shaped by fp8 rounding.
         token_ids: calibration text, ids (never the evaluation text).
     Returns:
@@ -79,7 +79,7 @@ def calibrate_k_mean(engine, token_ids: Sequence[int]) -> torch.Tensor:
     Raises:
         ValueError: the engine's pool is fp8, or fewer than 2 tokens.
     """
-    from kvchat.block_manager import SeqBlocks
+    from kvchat.engine.block_manager import SeqBlocks
 
     if engine.spec.kv_dtype == "fp8":
         raise ValueError("calibrate K on a 16-bit pool, not fp8")

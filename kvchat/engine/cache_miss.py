@@ -7,22 +7,9 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from kvchat.cache_id import cache_fingerprint
-from kvchat.kv_cache import fp8_scheme_name
+from kvchat.engine.cache_identity import KV_DTYPE_NAMES, fingerprint_variants
 from kvchat.store.chunk_refs import owner_fingerprints
 
-KV_DTYPES = ("fp8", "bf16", "fp16")
-
-
-def _fingerprints(model_fingerprint: str, kv_dtype: str, block_size: int) -> set[str]:
-    """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant)."""
-    if kv_dtype != "fp8":
-        return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size)}
-    from kvchat.kv_calibration import stored_digest
-
-    digest = stored_digest(model_fingerprint)
-    return {cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(kc, sink), block_size, digest if kc else "")
-            for kc in ({False, True} if digest else {False}) for sink in (False, True)}
 
 
 def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerprint: str, kv_dtype: str,
@@ -43,8 +30,8 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
         if len(stored) > 1:
             return "its snapshot chain stops early (later turns were stored under another KV dtype or scheme)"
         return "its snapshot chain stops early (chunks evicted or dropped as corrupt)"
-    for other in KV_DTYPES:
-        if other != kv_dtype and _fingerprints(model_fingerprint, other, block_size) & stored:
+    for other in KV_DTYPE_NAMES:
+        if other != kv_dtype and fingerprint_variants(model_fingerprint, other, block_size) & stored:
             return f"its KV was saved as {other}; this run uses {kv_dtype} (caches never cross KV dtypes)"
     return "its KV was saved under another cache fingerprint (another model, scale scheme or kvchat version)"
 

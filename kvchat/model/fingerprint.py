@@ -10,7 +10,7 @@ The digest is blake2b-256 over length-framed canonical bytes of
    the special-token settings of ``tokenizer_config.json``;
 3. the chat template text (``chat_template.jinja``, else
    ``tokenizer_config.json``'s ``chat_template``);
-4. the RoPE config (theta and scaling, as :class:`kvchat.config.ModelConfig`
+4. the RoPE config (theta and scaling, as :class:`kvchat.model.config.ModelConfig`
    reads them, so ``rope_theta`` and ``rope_parameters`` spellings agree).
 
 Weight bytes are streamed from each safetensors file's data section
@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
-from kvchat.config import ModelConfig
+from kvchat.model.config import ModelConfig
 from kvchat.paths import models_dir
 
 FINGERPRINT_VERSION = 1
@@ -131,7 +131,7 @@ def compute_fingerprint(model_dir: Path, *, progress: bool = True) -> str:
 
     Raises:
         WeightFileError: missing or malformed weights.
-        kvchat.config.UnsupportedModelError: ``config.json``'s model type.
+        kvchat.model.config.UnsupportedModelError: ``config.json``'s model type.
     """
     h = hashlib.blake2b(digest_size=32)
     _frame(h, b"kvchat-model-fingerprint", str(FINGERPRINT_VERSION).encode())

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat import kernels
-from kvchat.config import ModelConfig
-from kvchat.dense_kv import DenseKV
-from kvchat.kv_cache import KVPool
+from kvchat.model.config import ModelConfig
+from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.kv_pool import KVPool
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ class AttnMetadata:
         q_start: position of the first new token (used with ``dense``).
         sink: exact position-0 K/V of the (one) sequence, float32 ``[num_layers,
             num_kv_heads, head_dim]`` x2, read by attention instead of the stored
-            position 0 (see :meth:`kvchat.engine.Engine.sink_kv`); None: read the pool.
+            position 0 (see :meth:`kvchat.engine.runner.Engine.sink_kv`); None: read the pool.
         capture_sink: fill ``sink`` from this forward's token 0 (a one-token
             forward at position 0), layer by layer before attention reads it.
     """
@@ -127,7 +127,7 @@ class Attention(nn.Module):
     """GQA self-attention over the paged pool; q/k/v fused into one projection.
 
     ``k_shift`` (``[num_kv_heads, head_dim]``, set by the engine for fp8 pools
-    from :mod:`kvchat.kv_calibration`) is subtracted from post-RoPE K before
+    from :mod:`kvchat.engine.calibration`) is subtracted from post-RoPE K before
     it is stored: every score of a query moves by the same amount, which
     softmax ignores, and the stored values get smaller rounding errors.
     """

@@ -30,7 +30,7 @@ def human(n: float) -> str:
 def _tokens(db, owner) -> int:
     """``cache ls`` TOKENS of a :class:`kvchat.store.chunk_refs.OwnerUsage`: of a chat, what a resume restores
     from disk; of a document, its chunks' tokens (a document references exactly its prefix's chain)."""
-    from kvchat.kv_persist import restorable_tokens
+    from kvchat.engine.persistence import restorable_tokens
 
     if owner.token_ids is None:
         return owner.tokens
@@ -38,10 +38,10 @@ def _tokens(db, owner) -> int:
 
 
 def say_eviction(evicted) -> None:
-    """Print :func:`kvchat.disk_budget.eviction_note` on stderr when the budget evicted more than a few chunks."""
+    """Print :func:`kvchat.engine.disk_budget.eviction_note` on stderr when the budget evicted more than a few chunks."""
     import sys
 
-    from kvchat.disk_budget import eviction_note
+    from kvchat.engine.disk_budget import eviction_note
 
     if note := eviction_note(evicted):
         print(f"kvchat: note: {note}", file=sys.stderr)
@@ -49,7 +49,7 @@ def say_eviction(evicted) -> None:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     """Dispatch ``kvchat cache ls|stats|verify|gc|pin|unpin|purge|explain``; returns the exit code."""
-    from kvchat.disk_budget import budget_bytes, enforce, refresh_pins
+    from kvchat.engine.disk_budget import budget_bytes, enforce, refresh_pins
     from kvchat.store.chunk_refs import list_owners
 
     db = get_db()
@@ -106,8 +106,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def _explain(db, chat_id: str, kv_dtype: str) -> int:
     """Print the chat's chunk chain and where (and why) it stops."""
-    from kvchat.engine import expected_cache_fingerprint
-    from kvchat.kv_persist import CHUNK_TOKENS, find_chain, restorable_tokens
+    from kvchat.engine.cache_identity import expected_cache_fingerprint
+    from kvchat.engine.persistence import CHUNK_TOKENS, find_chain, restorable_tokens
     from kvchat.store.chunk_index import count_other_fingerprints
     from kvchat.store.conversations import get_conversation
 
@@ -141,7 +141,7 @@ def cmd_doc(args: argparse.Namespace) -> int:
     if args.doc_command == "rm":
         from pathlib import Path
 
-        from kvchat.kv_persist import release_owner
+        from kvchat.engine.persistence import release_owner
 
         path = str(Path(args.doc).expanduser().resolve())  # doc add stores the resolved path
         rows = find_documents(db, args.doc, path)
@@ -160,7 +160,7 @@ def _doc_add(args: argparse.Namespace) -> int:
     from kvchat.conversation.events import PrefillProgress
     from kvchat.conversation.service import ChatService
     from kvchat.documents import read_document
-    from kvchat.loader import load_runtime, set_threads
+    from kvchat.model.loader import load_runtime, set_threads
     from kvchat.paths import db_path
     from kvchat.store.db import require_writable
 

@@ -27,11 +27,11 @@ from typing import Sequence
 
 import torch
 
-from kvchat.block_manager import SeqBlocks
-from kvchat.disk_budget import Eviction
-from kvchat.disk_budget import enforce as enforce_budget
-from kvchat.engine import Engine
-from kvchat.kv_cache import KVPool
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.disk_budget import Eviction
+from kvchat.engine.disk_budget import enforce as enforce_budget
+from kvchat.engine.runner import Engine
+from kvchat.engine.kv_pool import KVPool
 from kvchat.index import get_db
 from kvchat.store import chunk_refs
 from kvchat.store.chunk_index import ChunkRow, add_chunk, delete_chunk, get_chunk, list_tails, read_row, touch
@@ -180,8 +180,7 @@ class KVPersist:
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
         pool, blocks = self.engine.pool, self.engine.blocks
-        pool.copy_blocks(blocks.reserve(seq, end))
-        pool.mark_written(seq.block_table[first // blocks.block_size : (end - 1) // blocks.block_size + 1])
+        self.engine.prepare_write(seq, first, end)
         staging = threading.local()
         capacity = self.layout.data_bytes(max(r.token_count for _, _, r in todo))  # read_chunk checks the counts
 
@@ -271,10 +270,8 @@ class KVPersist:
 
 
 def _slots(blocks, seq: SeqBlocks, start: int, end: int) -> torch.Tensor:
-    """Pool slots of tokens ``[start, end)`` (as :meth:`BlockManager.slot`, vectorized), int64 ``[end - start]``."""
-    pos = torch.arange(start, end)
-    table = torch.tensor(seq.block_table, dtype=torch.long)
-    return table[pos // blocks.block_size] * blocks.block_size + pos % blocks.block_size
+    """:meth:`BlockManager.slots` as an int64 tensor ``[end - start]``."""
+    return torch.tensor(blocks.slots(seq, start, end), dtype=torch.long)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

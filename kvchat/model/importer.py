@@ -36,8 +36,8 @@ Progress = Callable[[str, int, int], None]
 
 from tqdm import tqdm
 
-from kvchat.config import ModelConfig
-from kvchat.fingerprint import FINGERPRINT_VERSION, compute_fingerprint
+from kvchat.model.config import ModelConfig
+from kvchat.model.fingerprint import FINGERPRINT_VERSION, compute_fingerprint
 from kvchat.paths import models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -144,7 +144,7 @@ def import_model_file(path: Path, name: str, *, source: str, sha256: str | None 
     Raises:
         ModelImportError: bad name, name taken by another source, unreadable file.
         ChecksumMismatchError: the GGUF's sha256 differs from ``sha256``.
-        kvchat.config.UnsupportedModelError: the GGUF's model type is not supported.
+        kvchat.model.config.UnsupportedModelError: the GGUF's model type is not supported.
     """
     if not name or name.startswith(".") or any(c in name for c in "/\\:"):
         raise ModelImportError(f"invalid model name {name!r}")
@@ -227,7 +227,7 @@ def pull_model(from_path: Path | None, name: str | None) -> Path:
 
     Raises:
         ModelImportError: no such file, a file that fails its pin, ``name`` without ``from_path``.
-        kvchat.config.UnsupportedModelError: the GGUF's model type is not supported.
+        kvchat.model.config.UnsupportedModelError: the GGUF's model type is not supported.
     """
     if from_path is not None and not from_path.is_file():
         raise ModelImportError(f"--from {str(from_path)!r}: no such file")

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from kvchat import kernels
-from kvchat.chat_format import ChatFormat, ChatTemplateError
+from kvchat.model.chat_format import ChatFormat, ChatTemplateError
 from kvchat.cpu_threads import checked_threads
-from kvchat.engine import Engine
-from kvchat.kv_cache import KVCacheSpec, kv_torch_dtype
-from kvchat.kv_calibration import (
+from kvchat.engine.runner import Engine
+from kvchat.engine.kv_pool import KVCacheSpec, kv_torch_dtype
+from kvchat.engine.calibration import (
     CALIBRATION_TOKENS,
     KVCalibration,
     calibrate_k_mean,
@@ -21,7 +21,7 @@ from kvchat.kv_calibration import (
     make_calibration,
     save_calibration,
 )
-from kvchat.model_registry import ModelInfo, load_weights, resolve_model
+from kvchat.model.registry import ModelInfo, load_weights, resolve_model
 from kvchat.settings import device as env_device
 from kvchat.texts import CALIBRATION_MODULES, stdlib_text
 
@@ -67,8 +67,8 @@ def load_runtime(
     computed and stored on first use (:func:`ensure_calibration`).
 
     Raises:
-        kvchat.model_registry.ModelNotFoundError, kvchat.config.UnsupportedModelError,
-        kvchat.model_import.ModelImportError, kvchat.kv_cache.KVDtypeError,
+        kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError,
+        kvchat.model.importer.ModelImportError, kvchat.engine.kv_pool.KVDtypeError,
         kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (``device`` None), ``KVCHAT_ATTENTION``
             or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None); the first two before the weights load.
     """
@@ -97,7 +97,7 @@ def ensure_calibration(info: ModelInfo, weights: dict[str, torch.Tensor], tokeni
     """The model's fp8 K-centring calibration: loaded if stored, else computed once (a few seconds) and stored.
 
     Computed on a temporary bf16-pool engine over :data:`kvchat.texts.CALIBRATION_MODULES`'
-    docstrings (:func:`kvchat.kv_calibration.calibrate_k_mean`).
+    docstrings (:func:`kvchat.engine.calibration.calibrate_k_mean`).
 
     Args:
         info: the model.

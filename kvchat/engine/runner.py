@@ -16,13 +16,13 @@ from typing import Callable, Sequence
 import torch
 
 from kvchat import kernels, settings
-from kvchat.block_manager import BlockManager, SeqBlocks
-from kvchat.cache_id import cache_fingerprint
-from kvchat.config import ModelConfig
-from kvchat.dense_kv import DenseKV
-from kvchat.kv_cache import KVCacheSpec, KVPool, fp8_scheme_name
-from kvchat.kv_calibration import KVCalibration
-from kvchat.model import AttnMetadata, Transformer, rope_inv_freq
+from kvchat.engine.block_manager import BlockManager, SeqBlocks
+from kvchat.engine.cache_identity import engine_identity, sink_supported
+from kvchat.model.config import ModelConfig
+from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.kv_pool import KVCacheSpec, KVPool
+from kvchat.engine.calibration import KVCalibration
+from kvchat.model.transformer import AttnMetadata, Transformer, rope_inv_freq
 
 DEFAULT_CPU_POOL_BYTES = 512 * 2**20
 GPU_POOL_FRACTION = 0.5
@@ -56,41 +56,6 @@ def compute_dtype(device: torch.device, num_params: int) -> torch.dtype:
     if device.type == "cuda" or num_params > SMALL_MODEL_PARAMS:
         return torch.bfloat16
     return torch.float32
-
-
-def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device: torch.device | str | None = None) -> str:
-    """The cache fingerprint :func:`kvchat.loader.load_runtime`'s engine gets, without loading the model.
-
-    For fp8: K centring when the model's calibration is stored, the exact
-    sink where attention runs on the PyTorch path (as :class:`Engine` decides).
-
-    Raises:
-        kvchat.settings.SettingError: ``device`` is None and ``KVCHAT_DEVICE`` is bad, or ``KVCHAT_ATTENTION`` is.
-    """
-    from kvchat.kernels import FP8_DTYPE
-    from kvchat.kv_cache import BLOCK_SIZE
-    from kvchat.kv_calibration import stored_digest
-
-    if kv_dtype != "fp8":
-        return cache_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE)[1]
-    dev = torch.device(device) if device is not None else settings.device()
-    sink = sink_supported(torch.empty(0, dtype=FP8_DTYPE, device=dev))
-    return cache_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), sink, BLOCK_SIZE)[1]
-
-
-def cache_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: str | None, exact_sink: bool,
-                   block_size: int) -> tuple[str, str]:
-    """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only."""
-    if kv_dtype != "fp8":
-        return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size)
-    scheme = fp8_scheme_name(calibration_digest is not None, exact_sink)
-    return scheme, cache_fingerprint(model_fingerprint, kv_dtype, scheme, block_size, calibration_digest or "")
-
-
-def sink_supported(pool_tensor: torch.Tensor) -> bool:
-    """Whether attention over a pool like ``pool_tensor`` can read an exact sink (the PyTorch kernels can;
-    the Triton kernels cannot yet)."""
-    return kernels.backend_for(pool_tensor) == "torch"
 
 
 def chunk_plan(start: int, end: int, boundaries: Sequence[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> list[tuple[int, int]]:
@@ -163,13 +128,13 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink and sink_supported(self.pool.k)
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.scale_scheme, self.cache_fingerprint = cache_identity(
+        self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
             self.spec.block_size)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
-        self.dense = DenseKV(self.pool) if dense_kv else None
+        self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
 
@@ -226,6 +191,20 @@ class Engine:
             self._sinks[token_id] = sink
         return sink
 
+    def prepare_write(self, seq: SeqBlocks, start: int, end: int, dense: DenseKV | None = None,
+                      sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The write protocol, the one place of it: before tokens ``[start, end)`` of ``seq`` are written.
+
+        Reserve the slots up to ``end`` (shared or cached blocks are copied on
+        write first), let ``dense`` (the CPU read path's copy) catch up with the
+        pool as it still is, then count the blocks about to be written
+        (:meth:`KVPool.mark_written`), so a stale dense copy is detected.
+        """
+        self.pool.copy_blocks(self.blocks.reserve(seq, end))
+        if dense is not None:
+            dense.sync(seq, start, end, sink)
+        self.pool.mark_written(self.blocks.block_span(seq, start, end))
+
     def _forward(self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int, register: bool = True,
                  sink: tuple[torch.Tensor, torch.Tensor] | None = None, capture_sink: bool = False) -> torch.Tensor:
         """Write K/V for tokens ``[start, end)``; return their hidden states ``[end - start, hidden]``.
@@ -237,16 +216,11 @@ class Engine:
         if sink is None and self.exact_sink:
             sink = self.sink_kv(token_ids[0])
         dense = None if capture_sink else self.dense
-        copies = self.blocks.reserve(seq, end)
-        self.pool.copy_blocks(copies)
-        if dense is not None:
-            dense.sync(seq, start, end, sink)
-        bs = self.spec.block_size
-        self.pool.mark_written(seq.block_table[start // bs : (end - 1) // bs + 1])
+        self.prepare_write(seq, start, end, dense, sink)
         dev = self.device
         ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
         positions = torch.arange(start, end, device=dev)
-        slots = torch.tensor([self.blocks.slot(seq, p) for p in range(start, end)], dtype=torch.long, device=dev)
+        slots = torch.tensor(self.blocks.slots(seq, start, end), dtype=torch.long, device=dev)
         meta = AttnMetadata(
             slot_mapping=slots,
             block_table=torch.tensor([seq.block_table], dtype=torch.int32, device=dev),
@@ -323,7 +297,7 @@ class Engine:
 
         Decode's K/V are provisional: one token at a time they differ in the
         last bits from what a prefill chunk computes, so their blocks stay out
-        of the prefix cache and :meth:`kvchat.session.Session.send` recomputes
+        of the prefix cache and :meth:`kvchat.engine.session.Session.send` recomputes
         the answer as a chunk once it ends (see :func:`last_cut`).
         """
         n = len(token_ids)

@@ -6,15 +6,15 @@ import math
 import sys
 from pathlib import Path
 
-from kvchat.config import UnsupportedModelError
-from kvchat.fingerprint import tensor_entries
-from kvchat.model_import import ModelImportError, pull_model, read_manifest
-from kvchat.model_registry import list_models
+from kvchat.model.config import UnsupportedModelError
+from kvchat.model.fingerprint import tensor_entries
+from kvchat.model.importer import ModelImportError, pull_model, read_manifest
+from kvchat.model.registry import list_models
 
 
 def cmd_model_pull(from_path: str | None, name: str | None) -> int:
-    """``kvchat model pull [--from PATH] [--name NAME]``: :func:`kvchat.model_import.pull_model`, then the
-    model's fp8 calibration (:func:`kvchat.loader.ensure_calibration`), so its first chat does not wait for it.
+    """``kvchat model pull [--from PATH] [--name NAME]``: :func:`kvchat.model.importer.pull_model`, then the
+    model's fp8 calibration (:func:`kvchat.model.loader.ensure_calibration`), so its first chat does not wait for it.
 
     Returns 0, or 2 after one ``kvchat: error: …`` line on stderr.
     """
@@ -33,8 +33,8 @@ def _calibrate(model_dir: Path) -> None:
     """Make the fp8 K-centring calibration now (once per model), so the first load stays fast."""
     from transformers import AutoTokenizer
 
-    from kvchat.loader import ensure_calibration
-    from kvchat.model_registry import load_weights, resolve_model
+    from kvchat.model.loader import ensure_calibration
+    from kvchat.model.registry import load_weights, resolve_model
 
     info = resolve_model(str(model_dir), auto_pull=False)
     ensure_calibration(info, load_weights(info), AutoTokenizer.from_pretrained(str(info.path)))

@@ -173,9 +173,19 @@ class BlockManager:
         block = self.blocks[block_id]
         return block.ref_count > 1 or block.hash is not None
 
-    def slot(self, seq: SeqBlocks, position: int) -> int:
-        """Pool slot (block * block_size + offset) of token ``position``."""
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+    def slots(self, seq: SeqBlocks, start: int, end: int) -> list[int]:
+        """Pool slots of tokens ``[start, end)``: block * block_size + offset (the one place of that arithmetic)."""
+        if end <= start:
+            return []
+        bs = self.block_size
+        first = start // bs
+        flat = [s for b in self.block_span(seq, start, end) for s in range(b * bs, b * bs + bs)]
+        offset = start - first * bs
+        return flat[offset : offset + end - start]
+
+    def block_span(self, seq: SeqBlocks, start: int, end: int) -> list[int]:
+        """Ids of the blocks holding tokens ``[start, end)`` (``end > start``)."""
+        return seq.block_table[start // self.block_size : (end - 1) // self.block_size + 1]
 
     def commit(self, seq: SeqBlocks, token_ids: Sequence[int], num_computed: int, register: bool = True) -> None:
         """Record that the first ``num_computed`` tokens now have K/V in the pool.

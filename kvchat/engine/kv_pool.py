@@ -12,16 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.kernels import FP8_DTYPE, SCALE_SCHEME
+from kvchat.kernels import FP8_DTYPE
+from kvchat.engine.cache_identity import BLOCK_SIZE, KV_DTYPE_NAMES
 
-KV_DTYPES: dict[str, torch.dtype] = {"fp8": FP8_DTYPE, "bf16": torch.bfloat16, "fp16": torch.float16}
-BLOCK_SIZE = 16
-
-
-def fp8_scheme_name(k_centring: bool, exact_sink: bool) -> str:
-    """Name of an fp8 scheme: per-token, per-KV-head scales (``pth1``), then ``+kc`` (K centred,
-    :mod:`kvchat.kv_calibration`) and ``+sink`` (position 0 read exact, :meth:`kvchat.engine.Engine.sink_kv`)."""
-    return SCALE_SCHEME + ("+kc" if k_centring else "") + ("+sink" if exact_sink else "")
+KV_DTYPES: dict[str, torch.dtype] = dict(zip(KV_DTYPE_NAMES, (FP8_DTYPE, torch.bfloat16, torch.float16)))
 
 
 class KVDtypeError(ValueError):
@@ -47,11 +41,6 @@ class KVCacheSpec:
     block_size: int = BLOCK_SIZE
 
     @property
-    def scale_scheme(self) -> str:
-        """Name of the quantization scheme ("none" for 16-bit pools)."""
-        return SCALE_SCHEME if self.kv_dtype == "fp8" else "none"
-
-    @property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the pool, K + V + scales, all layers."""
         elem = kv_torch_dtype(self.kv_dtype).itemsize
@@ -74,7 +63,7 @@ class KVPool:
             float32 for fp8 pools, else ``None``.
         block_writes: per block, how many times anything was written into it;
             every writer calls :meth:`mark_written`, so a reader holding a copy
-            (``kvchat.dense_kv``) can tell whether a block changed since it read it.
+            (``kvchat.engine.dense_kv``) can tell whether a block changed since it read it.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"):

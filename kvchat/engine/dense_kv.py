@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from kvchat import kernels
-from kvchat.block_manager import SeqBlocks
-from kvchat.kv_cache import KVPool
+from kvchat.engine.block_manager import BlockManager, SeqBlocks
+from kvchat.engine.kv_pool import KVPool
 
 MIN_CAPACITY = 256  # tokens; capacity is a multiple of it
 HEADROOM_TOKENS = 512  # grown by this much beyond the need: a question after a prefill, or 512 decode steps, fit
@@ -36,8 +36,10 @@ class DenseKV:
         length: leading tokens that are valid.
     """
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, blocks: BlockManager):
+        """``blocks``: the pool's block manager (token → slot arithmetic, :meth:`BlockManager.slots`)."""
         self.pool = pool
+        self.blocks = blocks
         spec = pool.spec
         self._shape = (spec.num_layers, spec.num_kv_heads, 0, spec.head_dim)
         self.k = torch.empty(self._shape, device=pool.k.device)
@@ -82,7 +84,7 @@ class DenseKV:
         missing or whose blocks changed. ``seq.block_table`` must cover
         ``end`` tokens. ``sink``: the sequence's exact position-0 K/V
         (float32 ``[num_layers, num_kv_heads, head_dim]`` x2, see
-        :meth:`kvchat.engine.Engine.sink_kv`), kept in row 0 instead of the
+        :meth:`kvchat.engine.runner.Engine.sink_kv`), kept in row 0 instead of the
         pool's quantized values; the same for every forward of a sequence.
         """
         valid = self._valid_prefix(seq, start)
@@ -91,7 +93,7 @@ class DenseKV:
         self.length = valid
         self._reserve(end)
         if valid < start:
-            slots = self.slots(seq, valid, start)
+            slots = torch.tensor(self.blocks.slots(seq, valid, start), dtype=torch.long, device=self.k.device)
             pool = self.pool
             for dst, cache, scale in ((self.k, pool.k, pool.k_scale), (self.v, pool.v, pool.v_scale)):
                 kernels.read_slots(cache, scale, slots, out=dst[:, :, valid:start].transpose(1, 2))
@@ -121,9 +123,3 @@ class DenseKV:
         self._blocks = seq.block_table[: -(-end // bs)]
         self._writes = [self.pool.block_writes[b] for b in self._blocks]
         self.length = end
-
-    def slots(self, seq: SeqBlocks, start: int, end: int) -> torch.Tensor:
-        """int64 ``[end - start]`` pool slots of ``seq``'s tokens ``[start, end)``."""
-        bs = self.pool.spec.block_size
-        table = torch.tensor(seq.block_table[: -(-end // bs)], dtype=torch.long, device=self.k.device)
-        return (table[:, None] * bs + torch.arange(bs, device=self.k.device)).flatten()[start:end]

@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from kvchat.block_manager import SeqBlocks
-from kvchat.chat_format import ChatFormat, Segment, append_segment
-from kvchat.block_manager import PoolFullError
-from kvchat.engine import ContextOverflowError, Engine, last_cut
-from kvchat.sampling import Sampler
-from kvchat.turn import SamplingParams, TurnStats
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.model.chat_format import ChatFormat, Segment, append_segment
+from kvchat.engine.block_manager import PoolFullError
+from kvchat.engine.runner import ContextOverflowError, Engine, last_cut
+from kvchat.engine.sampling import Sampler
+from kvchat.engine.turn import SamplingParams, TurnStats
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. When documents are provided, answer from them and say so when they do not cover the question."
@@ -61,7 +61,7 @@ class Session:
     def new(cls, engine: Engine, fmt: ChatFormat, system: str, documents: list[tuple[str, str]], persist=None) -> "Session":
         """A fresh conversation whose prefix segment holds ``system`` and ``documents`` ``(title, text)``.
 
-        ``persist`` (a :class:`kvchat.kv_persist.KVPersist`) enables restoring
+        ``persist`` (a :class:`kvchat.engine.persistence.KVPersist`) enables restoring
         from and saving to snapshot files.
         """
         ids: list[int] = []
@@ -150,7 +150,7 @@ class Session:
 
         Raises:
             EmptyPromptError, ContextOverflowError: before anything changes.
-            kvchat.block_manager.PoolFullError: the pool cannot hold the conversation.
+            kvchat.engine.block_manager.PoolFullError: the pool cannot hold the conversation.
         """
         t0 = time.perf_counter()
         sampler = Sampler(params)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvchat.config import ModelConfig, UnsupportedModelError
-from kvchat.fingerprint import FINGERPRINT_VERSION, cached_fingerprint, compute_fingerprint, weight_files
-from kvchat.model_import import (
+from kvchat.model.config import ModelConfig, UnsupportedModelError
+from kvchat.model.fingerprint import FINGERPRINT_VERSION, cached_fingerprint, compute_fingerprint, weight_files
+from kvchat.model.importer import (
     DEFAULT_MODEL_NAME,
     import_default_model,
     import_model_file,
@@ -39,7 +39,7 @@ class ModelInfo:
     """A model ready to load.
 
     ``path`` is the directory with ``config.json``, ``*.safetensors`` and the
-    tokenizer files; ``fingerprint`` is :func:`kvchat.fingerprint.compute_fingerprint`'s
+    tokenizer files; ``fingerprint`` is :func:`kvchat.model.fingerprint.compute_fingerprint`'s
     hex digest; ``source`` is where it came from (package, file or directory).
     """
 
@@ -61,9 +61,9 @@ def resolve_model(spec: str | None, *, auto_pull: bool = True) -> ModelInfo:
 
     Raises:
         ModelNotFoundError: unknown name or path, or a directory without config/safetensors.
-        kvchat.config.UnsupportedModelError: the model type is not llama/mistral/qwen2/qwen3,
+        kvchat.model.config.UnsupportedModelError: the model type is not llama/mistral/qwen2/qwen3,
             or the checkpoint is quantized.
-        kvchat.model_import.ModelImportError: (and subclasses) an import failed.
+        kvchat.model.importer.ModelImportError: (and subclasses) an import failed.
     """
     name = DEFAULT_MODEL_NAME if spec is None else spec
     imported = models_dir() / name

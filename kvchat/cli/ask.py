@@ -1,0 +1,130 @@
+"""``kvchat ask``: one question (optionally about documents, or continuing a stored chat), streamed or as JSON.
+
+Everything is checked before the model loads; the turn runs through
+:class:`kvchat.conversation.service.ChatService`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from kvchat.progress import print_prefill_progress
+
+PROGRESS_MIN_TOKENS = 1024  # show prefill progress on stderr for prompts at least this long
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    """``kvchat ask``: validate everything, answer (streamed or as JSON), store the turn.
+
+    Ctrl-C only sets a flag from here on (a ``KeyboardInterrupt`` raised inside
+    a finalizer would be swallowed by Python and the turn carried on): before
+    the first token the turn is dropped (exit 130), during decode the partial
+    answer is kept and stored.
+    """
+    cancel = threading.Event()
+    old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
+    try:
+        return _ask(args, cancel)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
+    """:func:`cmd_ask` with its Ctrl-C flag ``cancel``."""
+    from kvchat.cpu_threads import checked_threads
+    from kvchat.documents import read_document
+    from kvchat.phase_trace import mark
+    from kvchat.engine.sampling import SamplingParams
+    from kvchat.engine.session import EmptyPromptError
+
+    if not args.prompt.strip():
+        raise EmptyPromptError("the prompt is empty")
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.max_tokens)
+    params.validate()
+    threads = checked_threads(args.threads)
+    if args.chat is not None and (args.doc or args.system is not None):
+        raise ValueError("--doc and --system set up a new chat; they cannot be used with --chat")
+    docs = [read_document(p) for p in args.doc]
+    conv = _find_chat(args.chat) if args.chat is not None else None
+    from kvchat.paths import db_path
+    from kvchat.store.db import require_writable
+
+    require_writable(db_path())  # the turn is stored: say so now, not after the answer
+
+    from kvchat.cli.cache import say_eviction
+    from kvchat.conversation.events import PrefillProgress, TokenBatch
+    from kvchat.conversation.service import ChatService
+    from kvchat.model.loader import load_runtime, set_threads
+
+    set_threads(threads)
+    rt = load_runtime(args.model or (conv.model_name if conv else None), args.kv_dtype)
+    service = ChatService(rt, batch_interval_s=0)  # every piece to stdout as it is decoded
+    streamed = False
+
+    def emit(event) -> None:
+        nonlocal streamed
+        if isinstance(event, PrefillProgress):
+            if cancel.is_set():  # Ctrl-C during prefill: nothing generated yet, so drop the turn
+                raise KeyboardInterrupt
+            if not args.json and event.total >= PROGRESS_MIN_TOKENS:
+                print_prefill_progress(event.done, event.total)
+        elif isinstance(event, TokenBatch):
+            if not streamed:
+                mark("decoding")
+            streamed = True
+            if not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+
+    try:
+        if conv is not None:  # restored in the turn, so its stats say what was reused and why not more
+            service.open_chat(conv.id, restore=False)
+        else:  # the documents' prefix is prefilled with the first message
+            service.start_chat(args.system, docs, emit, prefill_now=False)
+        mark("loaded")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
+        if cancel.is_set():  # Ctrl-C while loading: nothing generated yet
+            raise KeyboardInterrupt
+        try:
+            done = service.send(args.prompt, params, cancel, emit)
+        finally:
+            if streamed and not args.json:
+                print()  # end the answer's line before any note or error
+    finally:
+        evicted = service.close()
+    mark("flushed")
+    for err in service.persist.errors[:1]:
+        print(f"kvchat: warning: {err}", file=sys.stderr)
+    say_eviction(evicted)
+    s = done.stats
+    if args.json:
+        print(json.dumps({
+            "text": done.text, "chat_id": done.chat_id, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
+            "scale_scheme": rt.engine.scale_scheme, "prompt_tokens": s.prompt_tokens,
+            "reused_tokens": s.reused_tokens, "from_memory": s.from_memory, "from_disk": s.from_disk,
+            "restore_ms": round(s.restore_ms, 2), "bytes_read": s.bytes_read, "miss_reason": s.miss_reason,
+            "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens,
+            "ttft_ms": round(s.ttft_ms, 2), "prefill_ms": round(s.prefill_ms, 2),
+            "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
+            "context_tokens": done.context_used, "context_limit": done.context_limit,
+        }))
+    else:
+        if s.miss_reason:  # stored history recomputed, or a corrupt chunk dropped: say why
+            print(f"kvchat: note: {s.miss_reason}", file=sys.stderr)
+        print(f"[chat {done.chat_id}] continue with: kvchat ask --chat {done.chat_id} \"...\"", file=sys.stderr)
+    return 0
+
+
+def _find_chat(chat_id: str):
+    """Look a chat up without creating anything in the data dir."""
+    from kvchat.paths import db_path
+    from kvchat.store.conversations import get_conversation
+    from kvchat.index import get_db
+    from kvchat.store.errors import ConversationNotFoundError
+
+    if not db_path().exists():
+        raise ConversationNotFoundError(f"no conversation with id {chat_id!r}")
+    return get_conversation(get_db(), chat_id)
