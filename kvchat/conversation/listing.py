@@ -17,13 +17,13 @@ from kvchat.documents import doc_id
 from kvchat.engine.disk_budget import budget_bytes, refresh_pins
 from kvchat.engine.persistence import release_owner, restorable_tokens
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
+from kvchat.conversation import records
 from kvchat.conversation.cache_state import all_in_memory, disk_bytes, state
 from kvchat.conversation.search import search_conversation_ids
 from kvchat.conversation.views import CacheReport, CacheRow, ChatSummary, DocumentSummary
 from kvchat.index import get_db
 from kvchat.store.chunk_index import totals
 from kvchat.store.conversations import (
-    delete_conversation,
     histories,
     list_conversations,
     pin_conversation,
@@ -102,8 +102,7 @@ def delete_chat(chats: ChatService | None, chat_id: str) -> None:
     """
     if chats is not None:
         chats.forget(chat_id)
-    delete_conversation(get_db(), chat_id)
-    release_owner(chat_id)
+    records.delete_chat(get_db(), chat_id)
 
 
 def cache_report(chats: ChatService | None) -> CacheReport:

@@ -104,6 +104,12 @@ class ChatService:
         return why_not_restored(db, chat_id, self.persist.fingerprint, self.rt.info.fingerprint, e.spec.kv_dtype,
                                 e.spec.block_size)
 
+    def _shortfall(self, chat_id: str, history_tokens: int, reused_tokens: int) -> str | None:
+        """:func:`kvchat.engine.cache_miss.shortfall_reason` for this engine."""
+        e = self.rt.engine
+        return shortfall_reason(get_db(), chat_id, history_tokens, reused_tokens, self.persist.fingerprint,
+                                self.rt.info.fingerprint, e.spec.kv_dtype, e.spec.block_size)
+
     @property
     def bytes_per_token(self) -> int:
         """KV bytes per token in the pool (K + V + scales, all layers)."""
@@ -205,9 +211,7 @@ class ChatService:
         stats, t0 = TurnStats(prompt_tokens=len(session.token_ids)), time.perf_counter()
         session.attach_cached_prefix(stats)
         ms = (time.perf_counter() - t0) * 1e3
-        e = self.rt.engine
-        shortfall = shortfall_reason(get_db(), conv.id, len(session.token_ids), stats.reused_tokens,
-                                     self.persist.fingerprint, self.rt.info.fingerprint, e.spec.kv_dtype, e.spec.block_size)
+        shortfall = self._shortfall(conv.id, len(session.token_ids), stats.reused_tokens)
         prefill = 0 if shortfall is None else len(session.token_ids) - 1 - stats.reused_tokens
         stats.miss_reason = stats.miss_reason or shortfall
         resume = _resume(stats, ms, prefill)
@@ -283,11 +287,9 @@ class ChatService:
 
     def _name_shortfall(self, chat: _Chat, stored: int) -> None:
         """After the first turn of a lazily opened chat: why stored history was recomputed, if it was."""
-        stats, e = chat.session.last_turn.stats, self.rt.engine
+        stats = chat.session.last_turn.stats
         if stats.miss_reason is None:
-            stats.miss_reason = shortfall_reason(get_db(), chat.chat_id, stored, stats.reused_tokens,
-                                                 self.persist.fingerprint, self.rt.info.fingerprint,
-                                                 e.spec.kv_dtype, e.spec.block_size)
+            stats.miss_reason = self._shortfall(chat.chat_id, stored, stats.reused_tokens)
 
     def cache_document(self, doc: Document, system: str | None, emit: Emit) -> tuple[str, TurnStats, int]:
         """Prefill ``doc`` as a prefix (``system`` + the document) and snapshot it for new chats.
