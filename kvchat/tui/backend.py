@@ -1,6 +1,6 @@
 """The one typed boundary between the TUI and the engine: operations, events, errors.
 
-Contract (checked for both implementations by ``tests/test_tui_backend_contract.py``):
+Contract (checked for both implementations by ``tests/tui/test_tui_backend_contract.py``):
 
 - Every operation except :meth:`Backend.status` may block (model load, prefill,
   decode, SQLite); the UI calls them from ``@work(thread=True)`` workers, never

@@ -7,7 +7,7 @@ until ``cancel`` is set, so a test can press Esc mid-answer deterministically.
 ``import_steps`` scripts a first-run model import in :meth:`FakeBackend.load`
 (one ``LoadProgress`` per step); with ``step_gate`` each step waits for one
 ``release()`` before the next (or the load) goes on, so a test can look at every step.
-The contract suite (``tests/test_tui_backend_contract.py``) runs the same
+The contract suite (``tests/tui/test_tui_backend_contract.py``) runs the same
 checks against this and the real backend.
 """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
 
 
 def run_cli(args: list[str], home: Path, models: Path, timeout: int = 600) -> subprocess.CompletedProcess:

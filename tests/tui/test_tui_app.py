@@ -1,6 +1,6 @@
 """The TUI driven with Pilot: the scripted FakeBackend for the flows, one short run on the real model.
 
-The fake obeys the same contract as the real engine (tests/test_tui_backend_contract.py).
+The fake obeys the same contract as the real engine (tests/tui/test_tui_backend_contract.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SVG snapshots (pytest-textual-snapshot) of the main, cache and help screens at 110x32, on the FakeBackend.
 
-Update after an intended UI change with ``pytest tests/test_tui_snapshots.py --snapshot-update``
-and review the SVGs in ``tests/__snapshots__/``.
+Update after an intended UI change with ``pytest tests/tui/test_tui_snapshots.py --snapshot-update``
+and review the SVGs in ``tests/tui/__snapshots__/``.
 """
 
 from __future__ import annotations

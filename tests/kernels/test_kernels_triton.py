@@ -43,7 +43,7 @@ if DEVICE.type == "cpu" and not (triton_write.INTERPRETED and triton_decode.INTE
 FP8 = torch.float8_e4m3fn
 HAS_FP8 = DEVICE.type == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
 POOLS = ([FP8] if HAS_FP8 else []) + [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

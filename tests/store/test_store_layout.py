@@ -11,7 +11,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SQL = re.compile(
     r"\bSELECT\b[\s\S]*\bFROM\b|\bINSERT\s+(?:OR\s+[A-Z]+\s+)?INTO\b|\bUPDATE\s+\S+\s+SET\b|\bDELETE\s+FROM\b"
     r"|\bCREATE\s+(?:VIRTUAL\s+)?TABLE\b|\bPRAGMA\s+\w+"

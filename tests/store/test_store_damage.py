@@ -17,7 +17,7 @@ from kvchat.store.conversations import NewMessage, append_turn, create_conversat
 from kvchat.store.db import backups_dir, close_thread_dbs, connect, database_error_line
 from kvchat.index import get_db
 
-from test_tui_robustness import assert_one_error_line, run_kvchat, tree
+from process_helpers import assert_one_error_line, run_kvchat, tree
 
 pytestmark = pytest.mark.fault
 

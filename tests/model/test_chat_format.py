@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat, ChatTemplateError, Segment, append_segment, document_message
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 DATE = "26 Jul 2024"
 SYSTEM = "You are kvchat. Answer from the documents."
 DOCS = [("notes.txt", "PagedAttention stores the KV cache in fixed-size blocks.\n"),

@@ -10,7 +10,7 @@ the same argument specialization (divisibility by 16, ints equal to 1) as a
 real launch and are compiled down to a cubin by the ptxas that ships with
 Triton. Each compiled kernel's spill stack is read with the bundled cuobjdump.
 
-Run directly: ``python tests/test_kernels_compile.py 90``.
+Run directly: ``python tests/kernels/test_kernels_compile.py 90``.
 """
 
 from __future__ import annotations

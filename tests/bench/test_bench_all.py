@@ -20,7 +20,7 @@ from kvchat.bench.resume import summarise
 from kvchat.cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _tiny(name: str) -> argparse.Namespace:
