@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvchat.store.chunk_index import gc, list_chunks, totals, verify_chunks
 from kvchat.progress import print_prefill_progress
-from kvchat.index import get_db
-from kvchat.store.db import write_transaction
-from kvchat.store.documents import delete_document, find_documents, list_documents
 
 EXIT_DAMAGED = 1  # `cache verify` found (and dropped) corrupt chunks, as fsck and `git fsck` exit non-zero
 
@@ -27,16 +23,6 @@ def human(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _tokens(db, owner) -> int:
-    """``cache ls`` TOKENS of a :class:`kvchat.store.chunk_refs.OwnerUsage`: of a chat, what a resume restores
-    from disk; of a document, its chunks' tokens (a document references exactly its prefix's chain)."""
-    from kvchat.engine.persistence import restorable_tokens
-
-    if owner.token_ids is None:
-        return owner.tokens
-    return restorable_tokens(db, owner.owner, owner.token_ids)
-
-
 def say_eviction(evicted) -> None:
     """Print :func:`kvchat.engine.disk_budget.eviction_note` on stderr when the budget evicted more than a few chunks."""
     import sys
@@ -49,108 +35,66 @@ def say_eviction(evicted) -> None:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     """Dispatch ``kvchat cache ls|stats|verify|gc|pin|unpin|purge|explain``; returns the exit code."""
-    from kvchat.engine.disk_budget import budget_bytes, enforce, refresh_pins
-    from kvchat.store.chunk_refs import list_owners
+    from kvchat.conversation import cache_admin
 
-    db = get_db()
     sub = args.cache_command
     if sub == "ls":
+        rows = cache_admin.owners()  # before the header: a damaged index prints nothing but its error line
         print(f"{'OWNER':10} {'TOKENS':>7} {'CHUNKS':>6} {'SIZE':>9}  PIN  TITLE")
-        for o in list_owners(db):
-            print(f"{o.owner:10} {_tokens(db, o):>7} {o.chunks:>6} {human(o.bytes):>9}  {'yes' if o.pinned else '   '}  {printable(o.title[:50])}")
+        for o in rows:
+            print(f"{o.owner:10} {o.tokens:>7} {o.chunks:>6} {human(o.bytes):>9}  {'yes' if o.pinned else '   '}  {printable(o.title[:50])}")
     elif sub == "stats":
-        t = totals(db)
-        print(f"chunks {t.count}, {human(t.bytes)} of a {human(budget_bytes(db))} budget; pinned {t.pinned_count} ({human(t.pinned_bytes)})")
+        t = cache_admin.store_totals()
+        print(f"chunks {t.chunks}, {human(t.bytes)} of a {human(t.budget_bytes)} budget; pinned {t.pinned_chunks} ({human(t.pinned_bytes)})")
     elif sub == "verify":  # like fsck: exit 1 when anything was damaged
-        from kvchat.paths import db_path
-        from kvchat.store.db import check_database
-
-        check_database(db, db_path(), full=True)
-        bad = verify_chunks(db, drop=True)
-        for exc in bad:
-            print(f"dropped: {exc}")
-        print(f"database ok (integrity_check); verified {totals(db).count} chunks; {len(bad)} corrupt chunk(s) "
+        dropped, verified = cache_admin.verify()
+        for line in dropped:
+            print(f"dropped: {line}")
+        print(f"database ok (integrity_check); verified {verified} chunks; {len(dropped)} corrupt chunk(s) "
               "dropped (their tokens will be recomputed)")
-        return EXIT_DAMAGED if bad else 0
+        return EXIT_DAMAGED if dropped else 0
     elif sub == "gc":
-        r = gc(db)
-        evicted = enforce(db)
+        r = cache_admin.collect_garbage()
         print(f"removed {r.files_removed} stray file(s) ({human(r.bytes_freed)}), {r.rows_removed} row(s) without a file, "
-              f"evicted {evicted.chunks} chunk(s) over budget")
-        say_eviction(evicted)
+              f"evicted {r.evicted.chunks} chunk(s) over budget")
+        say_eviction(r.evicted)
     elif sub in ("pin", "unpin"):
-        from kvchat.store.conversations import pin_conversation
-        from kvchat.store.documents import pin_document
-
-        pin = pin_conversation if args.owner.startswith("c_") else pin_document
-        try:
-            with write_transaction(db):
-                pin(db, args.owner, sub == "pin")
-                refresh_pins(db)
-        except LookupError:  # ConversationNotFoundError, DocumentNotFoundError
-            raise LookupError(f"no chat or document with id {args.owner!r}") from None
+        cache_admin.pin_owner(args.owner, sub == "pin")
         print(f"{sub}ned {args.owner}")
     elif sub == "purge":
-        from kvchat.store.chunk_index import delete_chunk
-        from kvchat.store.chunk_refs import drop_dangling_refs
-
-        keys = [r.key for r in list_chunks(db) if args.all or not r.pinned]
-        for key in keys:
-            delete_chunk(db, key)
-        drop_dangling_refs(db)
-        print(f"purged {len(keys)} chunk(s)")
+        print(f"purged {cache_admin.purge(args.all)} chunk(s)")
     elif sub == "explain":
-        return _explain(db, args.chat, args.kv_dtype)
+        _explain(cache_admin.explain_chain(args.chat, args.kv_dtype))
     return 0
 
 
-def _explain(db, chat_id: str, kv_dtype: str) -> int:
-    """Print the chat's chunk chain and where (and why) it stops."""
-    from kvchat.engine.cache_identity import expected_cache_fingerprint
-    from kvchat.engine.persistence import CHUNK_TOKENS, find_chain, restorable_tokens
-    from kvchat.store.chunk_index import count_other_fingerprints
-    from kvchat.store.conversations import get_conversation
-
-    conv = get_conversation(db, chat_id)
-    fp = expected_cache_fingerprint(conv.model_fingerprint or "", kv_dtype)
-    rows = find_chain(db, fp, conv.token_ids)
-    print(f"chat {conv.id}: {len(conv.token_ids)} tokens, cache fingerprint {fp[:12]} ({kv_dtype})")
-    start = 0
-    for row in rows:
-        kind = "tail" if row.token_count < CHUNK_TOKENS else "chunk"
-        print(f"  [{start:>6}, {start + row.token_count:>6})  {kind:5} {row.key[:12]}  {human(row.bytes):>9}  on disk")
-        start += row.token_count
-    print(f"restorable from disk: {restorable_tokens(db, conv.id, conv.token_ids, fp)} of {len(conv.token_ids)} tokens "
+def _explain(r) -> None:
+    """Print a :class:`kvchat.conversation.views.ChainReport`: the chunk chain and where (and why) it stops."""
+    print(f"chat {r.chat_id}: {r.tokens} tokens, cache fingerprint {r.fingerprint[:12]} ({r.kv_dtype})")
+    for link in r.links:
+        print(f"  [{link.start:>6}, {link.end:>6})  {'tail' if link.tail else 'chunk':5} {link.key[:12]}  {human(link.bytes):>9}  on disk")
+    print(f"restorable from disk: {r.restorable_tokens} of {r.tokens} tokens "
           f"(a resume always recomputes the last token and what the previous answer never ran through the model)")
-    if start + CHUNK_TOKENS <= len(conv.token_ids) - 1 or not rows:
-        print(f"chain stops at token {start}: the next chunk is not on disk (never written, evicted LRU, or dropped as corrupt)")
-    n_other = count_other_fingerprints(db, fp)
-    if n_other:
-        print(f"{n_other} chunk(s) belong to other cache fingerprints (another model, KV dtype or scale scheme): never used here")
-    return 0
+    if r.stops_at is not None:
+        print(f"chain stops at token {r.stops_at}: the next chunk is not on disk (never written, evicted LRU, or dropped as corrupt)")
+    if r.other_fingerprints:
+        print(f"{r.other_fingerprints} chunk(s) belong to other cache fingerprints (another model, KV dtype or scale scheme): never used here")
 
 
 def cmd_doc(args: argparse.Namespace) -> int:
     """``kvchat doc add|list|rm``; returns the exit code."""
-    db = get_db()
+    from kvchat.conversation import cache_admin
+    from kvchat.conversation.listing import list_documents
+
     if args.doc_command == "list":
+        rows = list_documents(None)  # before the header, as `cache ls`
         print(f"{'ID':12} {'TOKENS':>7}  TITLE")
-        for d in list_documents(db):
-            print(f"{d.id:12} {d.token_count:>7}  {printable(d.title)}")
+        for d in rows:
+            print(f"{d.id:12} {d.tokens:>7}  {printable(d.title)}")
         return 0
     if args.doc_command == "rm":
-        from pathlib import Path
-
-        from kvchat.engine.persistence import release_owner
-
-        path = str(Path(args.doc).expanduser().resolve())  # doc add stores the resolved path
-        rows = find_documents(db, args.doc, path)
-        if not rows:
-            raise LookupError(f"no document {args.doc!r} (see kvchat doc list)")
-        for r in rows:
-            deleted = release_owner(r.id)
-            delete_document(db, r.id)
-            print(f"removed {r.id} and {len(deleted)} chunk(s) nobody else uses")
+        for r in cache_admin.remove_document(args.doc):
+            print(f"removed {r.id} and {r.chunks_deleted} chunk(s) nobody else uses")
         return 0
     return _doc_add(args)
 

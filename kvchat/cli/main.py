@@ -47,7 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     keep = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)", **keep)
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for torch (default: all usable cores; more than that is capped, with a note)", **keep)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_model_pull(args.from_path, args.name) if args.model_command == "pull" else cmd_model_list()
         if args.command == "plan":
-            from kvchat.plan import cmd_plan
+            from kvchat.cli.plan import cmd_plan
 
             return cmd_plan(args)
         if args.command in ("cache", "doc"):
@@ -146,27 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_cache(args) if args.command == "cache" else cmd_doc(args)
         if args.command == "bench":
-            if args.bench_command == "fidelity":
-                from kvchat.bench.fidelity import cmd_bench_fidelity
+            from kvchat.cli.bench import cmd_bench
 
-                return cmd_bench_fidelity(args)
-            if args.bench_command == "resume":
-                from kvchat.bench.resume import cmd_bench_resume
-
-                return cmd_bench_resume(args)
-            if args.bench_command in ("memory", "all", "peers"):
-                from kvchat.bench.all import cmd_bench_all
-                from kvchat.bench.memory import cmd_bench_memory
-                from kvchat.bench.peers import cmd_bench_peers
-
-                return {"memory": cmd_bench_memory, "all": cmd_bench_all, "peers": cmd_bench_peers}[args.bench_command](args)
-            if args.bench_command == "startup":
-                from kvchat.bench.startup import cmd_bench_startup
-
-                return cmd_bench_startup(args)
-            from kvchat.bench.engine import cmd_bench_engine
-
-            return cmd_bench_engine(args)
+            return cmd_bench(args)
     except KeyboardInterrupt:
         print("kvchat: interrupted", file=sys.stderr)
         return 130

@@ -9,7 +9,10 @@ fingerprint exist, ``"none"`` otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kvchat.engine.disk_budget import Eviction
 
 CacheState = Literal["memory", "disk", "none"]
 SYSTEM_PROMPT_FIXED = "the system prompt starts the chat's cached prefix; it can be set only before the first message"
@@ -169,3 +172,77 @@ class CacheReport:
     pool_bytes: int = 0
     pool_blocks_used: int = 0
     pool_blocks_total: int = 0
+
+
+@dataclass(slots=True)
+class OwnerRow:
+    """A row of ``kvchat cache ls``: one chat or document and the snapshot chunks it references.
+
+    ``tokens``: what a resume restores from disk (a chat) or the chunks' tokens (a document); ``bytes``: the chunks'
+    size on disk.
+    """
+
+    owner: str
+    title: str
+    tokens: int
+    chunks: int
+    bytes: int
+    pinned: bool
+
+
+@dataclass(slots=True)
+class StoreTotals:
+    """All snapshot chunks (bytes) against the disk budget (:func:`kvchat.engine.disk_budget.budget_bytes`)."""
+
+    chunks: int
+    bytes: int
+    pinned_chunks: int
+    pinned_bytes: int
+    budget_bytes: int
+
+
+@dataclass(slots=True)
+class GcResult:
+    """What ``kvchat cache gc`` removed: stray files (and their bytes), rows without a file, and the budget pass."""
+
+    files_removed: int
+    bytes_freed: int
+    rows_removed: int
+    evicted: Eviction
+
+
+@dataclass(slots=True)
+class ChainLink:
+    """One snapshot chunk of a chat's chain: tokens ``[start, end)``; ``tail``: a partial chunk at the chain's end."""
+
+    start: int
+    end: int
+    tail: bool
+    key: str
+    bytes: int
+
+
+@dataclass(slots=True)
+class ChainReport:
+    """``kvchat cache explain``: the chat's chain on disk under ``fingerprint`` and where it stops.
+
+    ``stops_at``: the first token no chunk covers while more could be stored (None: the chain is whole);
+    ``other_fingerprints``: chunks of other models, KV dtypes or scale schemes, never used by this one.
+    """
+
+    chat_id: str
+    tokens: int
+    fingerprint: str
+    kv_dtype: str
+    links: list[ChainLink]
+    restorable_tokens: int
+    stops_at: int | None
+    other_fingerprints: int
+
+
+@dataclass(slots=True)
+class RemovedDocument:
+    """A document ``kvchat doc rm`` deleted and the chunk files that went with it (those no one else uses)."""
+
+    id: str
+    chunks_deleted: int

@@ -1,0 +1,50 @@
+"""``kvchat plan``: print the memory plan of :mod:`kvchat.plan` as text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from kvchat.model.config import ModelConfig
+from kvchat.plan import ARTICLE, GIB, MemoryPlan, load_plan_config, plan_memory
+
+
+def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
+    """The plan as text: the inputs, the formula with this model's numbers, one row per KV dtype."""
+    lines = [
+        (f"{plan.model}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim; "
+         f"{plan.context}-token chats; GPU {plan.gpu_bytes / 1e9:g} GB = {plan.gpu_bytes / GIB:.2f} GiB"),
+        (f"weights: {plan.params / 1e9:.2f} B params -> {plan.weight_bytes / GIB:.2f} GiB; "
+         f"reserved {plan.reserve_bytes / GIB:.2f} GiB; left for KV: {plan.kv_budget_bytes / GIB:.2f} GiB"),
+        (f"KV bytes/token = 2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
+         f"(head_dim {cfg.head_dim} x bytes/value + 4-byte scale for fp8)"),
+        "",
+        f"{'kv dtype':<9}{'bytes/token':>12}{'per chat':>12}{'chats':>7}",
+    ]
+    for r in plan.rows:
+        lines.append(f"{r.kv_dtype:<9}{r.bytes_per_token:>12,}{r.bytes_per_chat / GIB:>8.3f} GiB{r.chats:>7}")
+    if plan.kv_budget_bytes <= 0:
+        lines.append("the weights alone do not fit on this GPU")
+    if plan.reserve_bytes == 0:
+        lines.append(f"activations are not counted (as in the 40 GB example of the article {ARTICLE}); "
+                     "set --reserve-gb to hold memory back for them")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``kvchat plan``: print (or ``--json``) the memory plan. Returns 0.
+
+    Args (argparse): ``model``, ``context``, ``gpu_gb``, ``params``, ``weight_dtype``, ``reserve_gb``, ``json``.
+    Raises:
+        kvchat.plan.PlanInputError, kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError.
+    """
+    name, cfg, counted = load_plan_config(args.model)
+    params = int(args.params) if args.params is not None else counted
+    plan = plan_memory(cfg, context=args.context, gpu_gb=args.gpu_gb, params=params,
+                       weight_dtype=args.weight_dtype, reserve_gb=args.reserve_gb, model=name)
+    if args.json:
+        print(json.dumps(asdict(plan) | {"kv_budget_bytes": plan.kv_budget_bytes}))
+    else:
+        print(format_plan(plan, cfg))
+    return 0
