@@ -17,7 +17,7 @@ import torch
 
 from kvchat import kernels, settings
 from kvchat.engine.block_manager import BlockManager, SeqBlocks
-from kvchat.engine.cache_identity import engine_identity, sink_supported
+from kvchat.engine.cache_identity import engine_identity
 from kvchat.model.config import ModelConfig
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
@@ -126,7 +126,7 @@ class Engine:
         if self.calibration is not None:
             for layer, shift in zip(model.layers, self.calibration.k_mean):
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
-        self.exact_sink = fp8 and exact_sink and sink_supported(self.pool.k)
+        self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
