@@ -225,6 +225,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: to
     return splits_for(num_seqs, num_kv_heads, max_len, num_sms(device))
 
 
+def merge_block(num_splits: int) -> int:
+    """The merge kernel's ``BLOCK_S`` (a compile-time size) for ``num_splits`` > 1 splits."""
+    return triton.next_power_of_2(num_splits)
+
+
 def fp8_bits_default(device: torch.device) -> bool:
     """Whether fp8 pools on ``device`` are read by bit conversion: CUDA below compute capability 8.9."""
     if device.type != "cuda":
@@ -299,7 +304,7 @@ def paged_decode(
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, head_dim, num_heads, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=merge_block(num_splits), BLOCK_D=block_d,
         )
     return out
 

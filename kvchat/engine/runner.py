@@ -22,6 +22,7 @@ from kvchat.model.config import ModelConfig
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.calibration import KVCalibration
+from kvchat.kernels.warmup import warm_up
 from kvchat.model.transformer import AttnMetadata, Transformer, rope_inv_freq
 
 DEFAULT_CPU_POOL_BYTES = 512 * 2**20
@@ -135,6 +136,7 @@ class Engine:
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
+        warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink)  # GPU only
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
 
