@@ -40,7 +40,7 @@ from .reference import FP8_DTYPE
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per tile: a multiple of 16 (and of 32 for 8-bit dot operands)
 MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 128
+MAX_SPLITS = 128  # splits per sequence at most (the merge kernel reads them as one tile)
 NATIVE_FP8_CAPABILITY = (8, 9)  # Triton's float8e4nv needs sm_89+; below it the kernels convert fp8 bits
 
 
