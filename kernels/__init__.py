@@ -21,10 +21,15 @@ Backend choice per call:
   decorates its own library functions and kvchat's kernels). Where Triton
   cannot run (not installed, or CPU tensors without the interpreter) the
   first dispatch raises :class:`kvchat.settings.SettingError`.
-- unset: Triton for CUDA tensors, the reference otherwise. FP8 pools on a
-  GPU below compute capability 8.9 (where Triton has no float8e4nv) and CUDA
-  without an importable Triton fall back to the reference with a one-time
-  logged notice.
+- unset: Triton for CUDA tensors, the reference otherwise. CUDA without an
+  importable Triton falls back to the reference with a one-time logged
+  notice. FP8 pools stay on Triton on every CUDA GPU: below compute
+  capability 8.9 (where Triton has no float8e4nv) the kernels convert the fp8
+  bytes with integer bit operations (``triton_decode.fp8_bits_default``).
+
+Both backends read an exact attention sink (position 0's fp32 K/V per
+sequence) when the caller passes one, so an engine's scale scheme does not
+depend on the backend.
 """
 
 from __future__ import annotations
@@ -57,7 +62,6 @@ __all__ = [
     "FP8_EPS",
     "FP8_MAX",
     "SCALE_SCHEME",
-    "KernelBackendError",
     "backend_for",
     "decode_attention",
     "dense_attention",
@@ -69,13 +73,8 @@ __all__ = [
 ]
 
 ENV_VAR = settings.ATTENTION
-FP8_MIN_CAPABILITY = (8, 9)
 _log = logging.getLogger(__name__)
 _noticed: set[str] = set()
-
-
-class KernelBackendError(RuntimeError):
-    """The Triton kernels cannot serve this call (an exact attention sink)."""
 
 
 def _notice_once(message: str) -> None:
@@ -87,11 +86,6 @@ def _notice_once(message: str) -> None:
 @functools.cache
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def backend_for(cache: torch.Tensor) -> str:
@@ -110,10 +104,6 @@ def backend_for(cache: torch.Tensor) -> str:
         return "torch"
     if not _triton_importable():
         _notice_once("kvchat: Triton is not installed; attention runs on the PyTorch reference path")
-        return "torch"
-    index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
-    if cache.dtype == FP8_DTYPE and _capability(index) < FP8_MIN_CAPABILITY:
-        _notice_once("kvchat: FP8 KV cache needs compute capability >= 8.9 for Triton; using the PyTorch path")
         return "torch"
     return "triton"
 
@@ -169,13 +159,12 @@ def decode_attention(
 
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
-        KernelBackendError: ``sink`` on the Triton backend.
     """
     if backend_for(k_cache) == "triton":
-        _no_sink_on_triton(sink)
         fn = _triton_module("triton_decode", k_cache).decode_attention
-        return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale)
-    return reference.decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, sink)
+    else:
+        fn = reference.decode_attention
+    return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, sink)
 
 
 def extend_attention(
@@ -194,15 +183,9 @@ def extend_attention(
 
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
-        KernelBackendError: ``sink`` on the Triton backend.
     """
-    args = (query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale)
     if backend_for(k_cache) == "triton":
-        _no_sink_on_triton(sink)
-        return _triton_module("triton_extend", k_cache).extend_attention(*args)
-    return reference.extend_attention(*args, sink)
-
-
-def _no_sink_on_triton(sink) -> None:
-    if sink is not None:  # the engine never asks (its scheme drops "+sink" on this backend)
-        raise KernelBackendError("the Triton kernels do not read an exact attention sink yet")
+        fn = _triton_module("triton_extend", k_cache).extend_attention
+    else:
+        fn = reference.extend_attention
+    return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, sink)

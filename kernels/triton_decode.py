@@ -14,9 +14,18 @@ Same signature and result as :func:`kvchat.kernels.reference.decode_attention`.
   log-sum-exp, so one long sequence still fills the GPU.
 - fp32 online softmax in base 2 (Dao, "FlashAttention-2", 2023); the fp8 K
   scale multiplies the scores and the V scale the probabilities.
+- fp8 bytes are converted either by Triton's float8e4nv cast (compute
+  capability >= 8.9) or, below it where Triton has no fp8 type, by integer
+  bit operations (``FP8_BITS``, as :func:`kvchat.kernels.reference.fp8_bits_to_f16`):
+  the byte becomes an fp16 bit pattern worth ``2**-8`` of the value, and the
+  ``256`` is folded into the scale. Both are exact for every finite value.
+- Exact attention sink (``HAS_SINK``, Xiao et al. 2023): position 0's fp32
+  K/V, one row per sequence, replace the stored position 0. Its score and
+  value are taken in fp32 (no ``tl.dot``) and start the online softmax of the
+  split holding position 0, whose tiles then skip that position.
 
-:func:`load_kv_tile` is shared with the extend kernel so both read the pool
-identically.
+:func:`load_kv_tile` and :func:`sink_init` are shared with the extend kernel
+so both read the pool and the sink identically.
 """
 
 from __future__ import annotations
@@ -31,28 +40,40 @@ from .reference import FP8_DTYPE
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per tile: a multiple of 16 (and of 32 for 8-bit dot operands)
 MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 128  # splits per sequence at most (the merge kernel reads them as one tile)
+NATIVE_FP8_CAPABILITY = (8, 9)  # Triton's float8e4nv needs sm_89+; below it the kernels convert fp8 bits
 
 
 @triton.jit
 def load_kv_tile(
     cache_ptr, scale_ptr, bt_row_ptr, pos, pos_mask, kv_head, offs_d, d_mask,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, FP8_BITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
 ):
     """Gather tokens ``pos`` (``[BLOCK_N]``) of one sequence and KV head from a pool.
 
     Returns ``(x, scale)``: ``x`` ``[BLOCK_N, BLOCK_D]`` in ``COMPUTE_DTYPE``
     (raw fp8 values converted exactly; zero where masked) and ``scale``
-    ``[BLOCK_N]`` fp32 (the fp8 scale; zero where masked; 1 for 16-bit pools).
+    ``[BLOCK_N]`` fp32 (the fp8 scale; zero where masked; 1 for 16-bit pools),
+    with ``x * scale`` the stored value. ``FP8_BITS``: convert by integer bit
+    operations, ``x`` then holds ``2**-8`` of the fp8 value and ``scale`` 256
+    times the stored one (the bytes 0x7F/0xFF, NaN in e4m3fn, read as
+    ±480 as in the reference; the cache write never stores them).
     """
     block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
     offset = pos % BLOCK_SIZE
     rows = block * stride_cb + offset * stride_cs + kv_head * stride_ch
     x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=pos_mask[:, None] & d_mask[None, :], other=0)
     if IS_FP8:
-        x = x.to(tl.float8e4nv, bitcast=True).to(COMPUTE_DTYPE)
+        if FP8_BITS:  # sign to bit 15, exponent+mantissa up by 7: re-biases 7 -> 15, value x 2**-8
+            i = x.to(tl.int32)
+            x = (((i & 0x7F) << 7) | ((i & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(COMPUTE_DTYPE)
+        else:
+            x = x.to(tl.float8e4nv, bitcast=True).to(COMPUTE_DTYPE)
         scale = tl.load(scale_ptr + block * stride_sb + offset * stride_ss + kv_head * stride_sh,
                         mask=pos_mask, other=0.0)
+        if FP8_BITS:
+            scale = scale * 256.0
     else:
         x = x.to(COMPUTE_DTYPE)
         scale = tl.where(pos_mask, 1.0, 0.0)
@@ -60,14 +81,33 @@ def load_kv_tile(
 
 
 @triton.jit
+def sink_init(q, sink_k_ptr, sink_v_ptr, sink_row, offs_d, d_mask, qk_scale, use):
+    """Online-softmax state ``(m, l_sum, acc)`` after the exact sink, for query rows ``q`` ``[R, BLOCK_D]``.
+
+    ``sink_row``: offset of this sequence's and KV head's row in the fp32 sink
+    tensors. ``use`` (scalar): these rows see position 0; if false, the empty
+    state (``-inf``, 0, 0). The score ``q . k0 * qk_scale`` (base 2) is summed in
+    fp32, as the reference does; ``acc`` is ``v0`` with weight ``2**(s - m) = 1``.
+    """
+    k0 = tl.load(sink_k_ptr + sink_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    v0 = tl.load(sink_v_ptr + sink_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    s0 = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * qk_scale
+    m = tl.where(use, s0, float("-inf"))
+    l_sum = tl.where(use, tl.full(s0.shape, 1.0, tl.float32), 0.0)
+    acc = tl.where(use, tl.zeros(q.shape, tl.float32) + v0[None, :], 0.0)
+    return m, l_sum, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    sink_k_ptr, sink_v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, group, head_dim, num_splits,
     stride_qs, stride_qh, stride_os, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt, stride_ks, stride_kh,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, IS_FP8: tl.constexpr, FP8_BITS: tl.constexpr, HAS_SINK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_G >= 16)  # GPU tl.dot minimums: M, N, K >= 16 (K >= 32 for 8-bit operands)
     tl.static_assert(BLOCK_N >= 32)
@@ -90,21 +130,28 @@ def _decode_split_kernel(
     compute_dtype = q.dtype
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if HAS_SINK:  # the split holding position 0 starts from the exact sink
+        m, l_sum, acc = sink_init(q, sink_k_ptr, sink_v_ptr, seq.to(tl.int64) * stride_ks + kv_head * stride_kh,
+                                  offs_d, d_mask, qk_scale, (start == 0) & (end > 0))
+    else:
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for t0 in range(start, end, BLOCK_N):  # empty when the split holds no tokens
         pos = t0 + tl.arange(0, BLOCK_N)
         pos_mask = pos < end
+        if HAS_SINK:  # position 0 came from the sink
+            pos_mask = pos_mask & (pos > 0)
         k, ks = load_kv_tile(k_cache_ptr, k_scale_ptr, bt_row, pos, pos_mask, kv_head, offs_d, d_mask,
                              stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                             BLOCK_SIZE, IS_FP8, compute_dtype)
+                             BLOCK_SIZE, IS_FP8, FP8_BITS, compute_dtype)
         v, vs = load_kv_tile(v_cache_ptr, v_scale_ptr, bt_row, pos, pos_mask, kv_head, offs_d, d_mask,
                              stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                             BLOCK_SIZE, IS_FP8, compute_dtype)
+                             BLOCK_SIZE, IS_FP8, FP8_BITS, compute_dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks * qk_scale)[None, :]
         s = tl.where(pos_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile has a valid token
+        # finite: every tile has a valid token, or follows the sink (a tile of position 0 alone)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
@@ -152,16 +199,51 @@ INTERPRETED: bool = isinstance(_decode_split_kernel, InterpretedFunction)
 """True when this module was imported with ``TRITON_INTERPRET=1`` (kernels then run on CPU tensors)."""
 
 
+def splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
+    """Splits per sequence so that about 4 programs per SM exist, each with >= 256 tokens (at most 128).
+
+    Args:
+        num_seqs, num_kv_heads: the grid's first two dimensions.
+        max_len: the block table's capacity in tokens (width x block_size).
+        num_sms: the GPU's streaming multiprocessors (1 for the interpreter).
+    """
+    want = triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 1 for anything else (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Splits per sequence so that about 4 programs per GPU SM exist, each with >= 256 tokens.
+    """:func:`splits_for` on ``device``.
 
     Uses only host-side numbers (``max_len`` is the block table's capacity in
     tokens), so no device sync and a fixed value under CUDA graph capture.
-    The interpreter counts as one SM.
     """
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    want = triton.cdiv(4 * sms, max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_len, MIN_TOKENS_PER_SPLIT), 128))
+    return splits_for(num_seqs, num_kv_heads, max_len, num_sms(device))
+
+
+def merge_block(num_splits: int) -> int:
+    """The merge kernel's ``BLOCK_S`` (a compile-time size) for ``num_splits`` > 1 splits."""
+    return triton.next_power_of_2(num_splits)
+
+
+def fp8_bits_default(device: torch.device) -> bool:
+    """Whether fp8 pools on ``device`` are read by bit conversion: CUDA below compute capability 8.9."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) < NATIVE_FP8_CAPABILITY
+
+
+def sink_args(sink, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(sink K, sink V, seq stride, head stride)`` for a kernel launch; the placeholder when no sink."""
+    if sink is None:
+        return placeholder, placeholder, 0, 0
+    k0, v0 = (t if t.dtype == torch.float32 and t.stride(-1) == 1 else t.float().contiguous() for t in sink)
+    assert k0.stride() == v0.stride(), "sink K and V must share strides"
+    return k0, v0, k0.stride(0), k0.stride(1)
 
 
 def paged_decode(
@@ -173,11 +255,18 @@ def paged_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
+    fp8_bits: bool | None = None,
 ) -> torch.Tensor:
-    """:func:`decode_attention` with an explicit split count (``None``: :func:`choose_num_splits`).
+    """:func:`decode_attention` with an explicit split count and fp8 conversion.
 
-    Splits beyond a sequence's length stay empty and carry zero weight in the merge.
+    Args:
+        num_splits: splits per sequence (``None``: :func:`choose_num_splits`).
+            Splits beyond a sequence's length stay empty and carry zero weight in the merge.
+        fp8_bits: read fp8 bytes by integer bit conversion instead of Triton's
+            float8e4nv cast (``None``: :func:`fp8_bits_default`; the switch lets
+            the interpreter test the pre-8.9 path on CPU).
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -187,12 +276,15 @@ def paged_decode(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_table.shape[1] * block_size, query.device)
+    if fp8_bits is None:
+        fp8_bits = fp8_bits_default(query.device)
     query = query if query.stride(-1) == 1 else query.contiguous()
     is_fp8 = k_cache.dtype == FP8_DTYPE
     if is_fp8:
         kc, vc, ks, vs = k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
     else:  # no scales: pass the pools as placeholders, never dereferenced
         kc, vc, ks, vs = k_cache, v_cache, k_cache, v_cache
+    sink_k, sink_v, stride_ks, stride_kh = sink_args(sink, query)
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
@@ -200,19 +292,19 @@ def paged_decode(
     else:
         part_out = part_lse = out
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, kc, vc, ks, vs, block_table, seq_lens, out, part_out, part_lse,
+        query, kc, vc, ks, vs, block_table, seq_lens, sink_k, sink_v, out, part_out, part_lse,
         sm_scale * LOG2E, group, head_dim, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        block_table.stride(0),
+        block_table.stride(0), stride_ks, stride_kh,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, DIRECT_OUT=num_splits == 1, IS_FP8=is_fp8,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_N=BLOCK_N, DIRECT_OUT=num_splits == 1, IS_FP8=is_fp8, FP8_BITS=is_fp8 and fp8_bits,
+        HAS_SINK=sink is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, head_dim, num_heads, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=merge_block(num_splits), BLOCK_D=block_d,
         )
     return out
 
@@ -226,6 +318,7 @@ def decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached sequence (paged, split-KV).
 
@@ -238,8 +331,11 @@ def decode_attention(
         block_table: int32 ``[num_seqs, max_blocks]`` (unit stride on blocks).
         seq_lens: int32 ``[num_seqs]`` tokens in the pool, the query's own included.
         sm_scale: softmax scale, usually ``head_dim ** -0.5``.
+        sink: optional exact position-0 K/V, float32 ``([num_seqs, num_kv_heads, head_dim], same)``
+            (same strides), read instead of the stored position 0, as in
+            :func:`kvchat.kernels.reference.decode_attention`.
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 softmax and
         accumulation; zeros for a zero-length sequence).
     """
-    return paged_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale)
+    return paged_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, sink)

@@ -11,7 +11,11 @@ One program handles ``BLOCK_Q`` consecutive query tokens times all
 ``group`` query heads of one KV head (GQA), flattened into ``BLOCK_R`` rows,
 and walks the keys ``0 .. last query position`` in ``BLOCK_N`` tiles with
 an fp32 online softmax in base 2 (Dao, "FlashAttention-2", 2023). The fp8
-K scale multiplies the scores and the V scale the probabilities.
+K scale multiplies the scores and the V scale the probabilities. fp8 bytes
+are converted as in the decode kernel (``FP8_BITS`` below compute capability
+8.9), and with an exact sink (``HAS_SINK``) every row starts from position
+0's fp32 K/V (:func:`kvchat.kernels.triton_decode.sink_init`; key 0 is visible
+to every query) and the tiles skip position 0.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .reference import FP8_DTYPE
-from .triton_decode import BLOCK_N, LOG2E, load_kv_tile
+from .triton_decode import BLOCK_N, LOG2E, sink_args, fp8_bits_default, load_kv_tile, sink_init
 
 BLOCK_R = 64  # query rows (tokens x heads of a group) per program
 
@@ -30,11 +34,12 @@ BLOCK_R = 64  # query rows (tokens x heads of a group) per program
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr,
-    out_ptr, qk_scale, group, head_dim,
+    sink_k_ptr, sink_v_ptr, out_ptr, qk_scale, group, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt, stride_ks, stride_kh,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr, FP8_BITS: tl.constexpr, HAS_SINK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * BLOCK_G >= 16)  # GPU tl.dot minimums: M, N, K >= 16 (K >= 32 for 8-bit operands)
     tl.static_assert(BLOCK_N >= 32)
@@ -63,20 +68,26 @@ def _extend_kernel(
         kv_end = prefix_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
 
-        m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+        if HAS_SINK:  # every row sees key 0: start from the exact sink
+            m, l_sum, acc = sink_init(q, sink_k_ptr, sink_v_ptr, seq.to(tl.int64) * stride_ks + kv_head * stride_kh,
+                                      offs_d, d_mask, qk_scale, kv_end > 0)
+        else:
+            m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+            l_sum = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
         for t0 in range(0, kv_end, BLOCK_N):
             pos = t0 + tl.arange(0, BLOCK_N)
             pos_mask = pos < kv_end
+            if HAS_SINK:  # position 0 came from the sink
+                pos_mask = pos_mask & (pos > 0)
             k, ks = load_kv_tile(k_cache_ptr, k_scale_ptr, bt_row, pos, pos_mask, kv_head, offs_d, d_mask,
                                  stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                                 BLOCK_SIZE, IS_FP8, compute_dtype)
+                                 BLOCK_SIZE, IS_FP8, FP8_BITS, compute_dtype)
             v, vs = load_kv_tile(v_cache_ptr, v_scale_ptr, bt_row, pos, pos_mask, kv_head, offs_d, d_mask,
                                  stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                                 BLOCK_SIZE, IS_FP8, compute_dtype)
+                                 BLOCK_SIZE, IS_FP8, FP8_BITS, compute_dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks * qk_scale)[None, :]
-            # key 0 is visible to every row, so each row's max is finite after the first tile
+            # key 0 (or the sink) is visible to every row, so each row's max is finite after the first tile
             s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
@@ -105,6 +116,8 @@ def extend_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     sm_scale: float,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8_bits: bool | None = None,
 ) -> torch.Tensor:
     """A chunk of new tokens per sequence attending to the cached prefix and causally to itself.
 
@@ -119,6 +132,10 @@ def extend_attention(
         cu_seqlens_q: int32 ``[num_seqs + 1]`` offsets of each sequence's new
             tokens in ``query``; they sit at positions ``seq_len - q_len .. seq_len - 1``.
         sm_scale: softmax scale.
+        sink: optional exact position-0 K/V, float32 ``([num_seqs, num_kv_heads, head_dim], same)``,
+            as in :func:`kvchat.kernels.reference.extend_attention`.
+        fp8_bits: read fp8 bytes by integer bit conversion (``None``: below
+            compute capability 8.9; see :func:`kvchat.kernels.triton_decode.paged_decode`).
     Returns:
         ``[total_q, num_heads, head_dim]`` in ``query.dtype``.
 
@@ -132,22 +149,26 @@ def extend_attention(
     out = torch.empty_like(query)
     if total_q == 0 or num_seqs == 0:
         return out
+    if fp8_bits is None:
+        fp8_bits = fp8_bits_default(query.device)
     query = query if query.stride(-1) == 1 else query.contiguous()
     is_fp8 = k_cache.dtype == FP8_DTYPE
     if is_fp8:
         kc, vc, ks, vs = k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
     else:  # no scales: pass the pools as placeholders, never dereferenced
         kc, vc, ks, vs = k_cache, v_cache, k_cache, v_cache
+    sink_k, sink_v, stride_ks, stride_kh = sink_args(sink, query)
     block_g = triton.next_power_of_2(group)
     block_q = max(1, BLOCK_R // block_g)
     _extend_kernel[(num_seqs, num_kv_heads, triton.cdiv(total_q, block_q))](
-        query, kc, vc, ks, vs, block_table, seq_lens, cu_seqlens_q, out,
+        query, kc, vc, ks, vs, block_table, seq_lens, cu_seqlens_q, sink_k, sink_v, out,
         sm_scale * LOG2E, group, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        block_table.stride(0),
+        block_table.stride(0), stride_ks, stride_kh,
         BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_Q=block_q,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N, IS_FP8=is_fp8,
+        FP8_BITS=is_fp8 and fp8_bits, HAS_SINK=sink is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=8 if head_dim > 64 else 4,  # 4 warps spill registers at head_dim 128 on sm_80
     )

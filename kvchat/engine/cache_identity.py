@@ -10,7 +10,7 @@ fingerprint's inputs, the fp8 scheme names, what an engine gets
 (:func:`engine_identity`), what a model and KV dtype would get without
 loading it (:func:`expected_cache_fingerprint`), and every variant a store
 may hold (:func:`fingerprint_variants`). Importing this module imports no
-torch; the functions that name fp8 schemes or look at a device do.
+torch; the functions that name fp8 schemes do.
 """
 
 from __future__ import annotations
@@ -75,31 +75,15 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int)
             for kc in ({False, True} if digest else {False}) for sink in (False, True)}
 
 
-def sink_supported(pool_tensor) -> bool:
-    """Whether attention over a pool like ``pool_tensor`` can read an exact sink (the PyTorch kernels can;
-    the Triton kernels cannot yet)."""
-    from kvchat import kernels
+def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str) -> str:
+    """The cache fingerprint :func:`kvchat.model.loader.load_runtime`'s engine gets, without loading the model.
 
-    return kernels.backend_for(pool_tensor) == "torch"
-
-
-def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=None) -> str:
-    """The cache fingerprint (``device``: a torch device or its name; None: ``KVCHAT_DEVICE``) :func:`kvchat.model.loader.load_runtime`'s engine gets, without loading the model.
-
-    For fp8: K centring when the model's calibration is stored, the exact
-    sink where attention runs on the PyTorch path (as :class:`Engine` decides).
-
-    Raises:
-        kvchat.settings.SettingError: ``device`` is None and ``KVCHAT_DEVICE`` is bad, or ``KVCHAT_ATTENTION`` is.
+    For fp8: K centring when the model's calibration is stored, and the exact
+    sink, which every attention backend reads (PyTorch and Triton, CPU and
+    GPU alike), so the fingerprint does not depend on the device.
     """
-    import torch
-
-    from kvchat import settings
     from kvchat.engine.calibration import stored_digest
-    from kvchat.kernels import FP8_DTYPE
 
     if kv_dtype != "fp8":
         return engine_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE)[1]
-    dev = torch.device(device) if device is not None else settings.device()
-    sink = sink_supported(torch.empty(0, dtype=FP8_DTYPE, device=dev))
-    return engine_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), sink, BLOCK_SIZE)[1]
+    return engine_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), True, BLOCK_SIZE)[1]

@@ -17,11 +17,12 @@ import torch
 
 from kvchat import kernels, settings
 from kvchat.engine.block_manager import BlockManager, SeqBlocks
-from kvchat.engine.cache_identity import engine_identity, sink_supported
+from kvchat.engine.cache_identity import engine_identity
 from kvchat.model.config import ModelConfig
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.calibration import KVCalibration
+from kvchat.kernels.warmup import warm_up
 from kvchat.model.transformer import AttnMetadata, Transformer, rope_inv_freq
 
 DEFAULT_CPU_POOL_BYTES = 512 * 2**20
@@ -126,7 +127,7 @@ class Engine:
         if self.calibration is not None:
             for layer, shift in zip(model.layers, self.calibration.k_mean):
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
-        self.exact_sink = fp8 and exact_sink and sink_supported(self.pool.k)
+        self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
@@ -135,6 +136,7 @@ class Engine:
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
+        warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink)  # GPU only
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
 

@@ -105,15 +105,30 @@ def test_exact_sink_is_deterministic_close_to_the_stored_value_and_read_by_both_
         assert (x - y).abs().max() > 1e-3
 
 
-def test_exact_sink_is_off_where_the_triton_kernels_run(tiny, monkeypatch):
+def test_triton_engines_read_the_exact_sink_under_the_torch_fingerprint(tiny, monkeypatch):
+    """Both backends run ``pth1+sink`` under one fingerprint (a chat made on one restores on the other),
+    agree on the logits, and the Triton kernels read the sink, not the pool's position 0."""
+    ids = torch.randint(0, 97, (40,)).tolist()
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    torch_engine = _engine(tiny)
     monkeypatch.setenv(kernels.ENV_VAR, "triton")
-    engine = _engine(tiny)
-    assert not engine.exact_sink and engine.scale_scheme == "pth1"
-    kc, vc, ks, vs = engine.pool.layer(0)
-    sink = (torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
-    with pytest.raises(kernels.KernelBackendError, match="sink"):
-        kernels.decode_attention(torch.zeros(1, 6, 16), kc, vc, ks, vs, torch.zeros(1, 1, dtype=torch.int32),
-                                 torch.ones(1, dtype=torch.int32), 0.25, sink)
+    triton_engine = _engine(tiny)
+    assert triton_engine.exact_sink and triton_engine.dense is None
+    assert (triton_engine.scale_scheme, triton_engine.cache_fingerprint) == (
+        torch_engine.scale_scheme, torch_engine.cache_fingerprint)
+    assert triton_engine.scale_scheme == "pth1+sink"
+    logits = []
+    for backend, engine in (("torch", torch_engine), ("triton", triton_engine)):
+        monkeypatch.setenv(kernels.ENV_VAR, backend)
+        logits.append(engine.prefill(SeqBlocks(), ids).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4 * logits[0].abs().max().item())
+    seq = SeqBlocks()
+    triton_engine.prefill(seq, ids)
+    before = triton_engine.decode(seq, ids + [5])
+    with torch.inference_mode():  # the sink was made inside the prefill's inference mode
+        triton_engine.sink_kv(ids[0])[1].mul_(3.0)
+    seq.num_computed -= 1
+    assert (triton_engine.decode(seq, ids + [5]) - before).abs().max() > 1e-3
 
 
 def test_calibration_is_computed_once_stored_and_recomputed_if_damaged(smol_info, tmp_path, monkeypatch):

@@ -1,0 +1,161 @@
+"""Compile the Triton kernels at engine start for every variant a chat will launch (no compile stall mid-chat).
+
+Triton compiles one binary per *specialization* of a kernel: its constexpr
+arguments (for decode ``DIRECT_OUT = num_splits == 1`` and the merge's
+``BLOCK_S = next_pow2(num_splits)``) plus, for every plain integer
+argument, whether it equals 1 (then a compile-time constant) or is a
+multiple of 16 (marked divisible), as ``triton.runtime.jit`` specializes
+them. During a chat the integers that vary are the block table's width (its
+row stride: one column per block, growing with the sequence) and the decode
+split count (:func:`kvchat.kernels.triton_decode.splits_for`, which grows with
+the width until about 4 programs per SM exist). Everything else (head
+counts, head_dim, pool strides, dtypes, the sink) is fixed per engine.
+
+:func:`plan_warmup` lists one launch per variant those widths and split
+counts reach up to the engine's context limit; :func:`launch_warmup` runs
+them on all-zero inputs (sequence lengths 0 and empty chunks, so nothing is
+read or written beyond the outputs); :func:`warm_up` is the engine's one
+call, a no-op unless the pool is on a GPU and the Triton backend serves it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvchat import kernels
+
+DECODE_BATCHES = (1,)  # decode batch sizes an engine runs (the batching server passes its buckets)
+_log = logging.getLogger(__name__)
+
+
+def int_class(n: int) -> str:
+    """How Triton specializes an integer argument: ``"1"`` (a constant), ``"D"`` (multiple of 16), ``""``."""
+    return "1" if n == 1 else "D" if n % 16 == 0 else ""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    """One decode launch: ``num_seqs`` queries, a block table ``width`` columns wide, ``num_splits`` splits."""
+
+    num_seqs: int
+    width: int
+    num_splits: int
+
+    @property
+    def variant(self) -> tuple[str, int, str]:
+        """What selects the compiled binaries (split kernel and merge): split-count class, merge
+        ``BLOCK_S`` (0: no merge, a single split), block-table-width class."""
+        from .triton_decode import merge_block
+
+        merge = merge_block(self.num_splits) if self.num_splits > 1 else 0
+        return int_class(self.num_splits), merge, int_class(self.width)
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendLaunch:
+    """One extend (prefill chunk) launch with a block table ``width`` columns wide."""
+
+    width: int
+
+    @property
+    def variant(self) -> str:
+        """The block-table-width class, the only launch integer that varies."""
+        return int_class(self.width)
+
+
+def plan_warmup(num_kv_heads: int, block_size: int, max_context: int, num_sms: int,
+                batch_sizes: Sequence[int] = DECODE_BATCHES) -> list[DecodeLaunch | ExtendLaunch]:
+    """One launch per kernel variant that sequences of 1 .. ``max_context`` tokens reach.
+
+    Args:
+        num_kv_heads, block_size: the pool's.
+        max_context: longest sequence in tokens (the engine's context limit).
+        num_sms: the GPU's SM count (sets the split counts, see ``triton_decode.splits_for``).
+        batch_sizes: numbers of sequences decoded together.
+    Returns:
+        Decode launches (the first width reaching each variant, per variant) then extend launches.
+    """
+    from .triton_decode import splits_for
+
+    max_width = -(-max_context // block_size)
+    decode: dict[tuple, DecodeLaunch] = {}
+    extend: dict[str, ExtendLaunch] = {}
+    for width in range(1, max_width + 1):
+        extend.setdefault(ExtendLaunch(width).variant, ExtendLaunch(width))
+        for b in batch_sizes:
+            launch = DecodeLaunch(b, width, splits_for(b, num_kv_heads, width * block_size, num_sms))
+            decode.setdefault(launch.variant, launch)
+    return [*decode.values(), *extend.values()]
+
+
+def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_heads: int, dtype: torch.dtype,
+                  exact_sink: bool) -> None:
+    """Launch every planned variant of decode and extend (and the cache write once) on zero inputs.
+
+    Args:
+        k_cache, v_cache, k_scale, v_scale: one layer of the engine's pool (see ``kvchat.kernels.reference``).
+        num_heads: query heads; dtype: the activations' dtype (the engine's compute dtype).
+        exact_sink: pass a float32 sink, as the engine's attention calls do.
+
+    Queries are views into ``[T, num_heads + num_kv_heads, head_dim]`` rows, the
+    layout the model hands the kernels (q is the front of the rotated q/k rows),
+    so their strides specialize alike. Lengths are 0 and chunks empty: the
+    kernels write zero outputs and read no K/V.
+    """
+    from .triton_decode import paged_decode
+    from .triton_extend import extend_attention
+    from .triton_write import write_kv
+
+    device = k_cache.device
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+
+    def queries(n: int) -> torch.Tensor:
+        return torch.zeros(n, num_heads + num_kv_heads, head_dim, dtype=dtype, device=device)[:, :num_heads]
+
+    def sink(n: int):
+        return tuple(torch.zeros(n, num_kv_heads, head_dim, device=device) for _ in range(2)) if exact_sink else None
+
+    def table(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:  # block table, sequence lengths 0
+        return (torch.zeros(n, width, dtype=torch.int32, device=device),
+                torch.zeros(n, dtype=torch.int32, device=device))
+
+    kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
+    write_kv(kv, kv, k_cache, v_cache, k_scale, v_scale, torch.full((1,), -1, dtype=torch.long, device=device))
+    for launch in plan:
+        if isinstance(launch, DecodeLaunch):
+            n = launch.num_seqs
+            paged_decode(queries(n), k_cache, v_cache, k_scale, v_scale, *table(n, launch.width), head_dim**-0.5,
+                         sink(n), num_splits=launch.num_splits)
+        else:
+            extend_attention(queries(1), k_cache, v_cache, k_scale, v_scale, *table(1, launch.width),
+                             torch.zeros(2, dtype=torch.int32, device=device), head_dim**-0.5, sink(1))
+
+
+def warm_up(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], num_heads: int,
+            dtype: torch.dtype, max_context: int, exact_sink: bool,
+            batch_sizes: Sequence[int] = DECODE_BATCHES) -> list[DecodeLaunch | ExtendLaunch]:
+    """Compile every kernel variant an engine will launch, at its start; the launches made.
+
+    A no-op (``[]``) unless ``layer`` (one layer's ``(k_cache, v_cache, k_scale,
+    v_scale)``) is on a CUDA device and the Triton backend serves it. On a GPU
+    the first start compiles (about 20 variants); later starts find Triton's
+    on-disk cache. See :func:`plan_warmup` for the arguments.
+    """
+    k_cache = layer[0]
+    if not k_cache.is_cuda or kernels.backend_for(k_cache) != "triton":
+        return []
+    from .triton_decode import num_sms
+
+    t0 = time.perf_counter()
+    plan = plan_warmup(k_cache.shape[2], k_cache.shape[1], max_context, num_sms(k_cache.device), batch_sizes)
+    with torch.cuda.device(k_cache.device):
+        launch_warmup(plan, *layer, num_heads, dtype, exact_sink)
+        torch.cuda.synchronize()
+    _log.info("kvchat: %d Triton kernel variants ready in %.1f s", len(plan), time.perf_counter() - t0)
+    return plan

@@ -1,0 +1,82 @@
+"""The kernel warm-up: which variants it compiles at engine start, and that it is a no-op on CPU.
+
+That a warmed-up chat compiles nothing new is checked against Triton's own
+compiler by tests/kernels/test_kernels_compile.py (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported (see test_kernels_triton.py)
+
+from kvchat.kernels import triton_decode  # noqa: E402
+from kvchat.kernels.warmup import DecodeLaunch, ExtendLaunch, launch_warmup, plan_warmup, warm_up  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _variants(plan, kind):
+    return [launch.variant for launch in plan if isinstance(launch, kind)]
+
+
+@pytest.mark.parametrize("num_kv_heads, max_context, num_sms, batches", [
+    (3, 8192, 132, (1, 2, 4, 8)),  # SmolLM2 on an H100/H200, the server's batch buckets
+    (8, 131072, 108, (1,)),  # a Llama-3.1-8B layer on an A100, its full context
+    (8, 4096, 1, (1, 16)),  # the interpreter counts as one SM
+])
+def test_plan_covers_every_launch_of_a_growing_chat_once(num_kv_heads, max_context, num_sms, batches):
+    plan = plan_warmup(num_kv_heads, 16, max_context, num_sms, batches)
+    decode = _variants(plan, DecodeLaunch)
+    assert len(decode) == len(set(decode)) and len(_variants(plan, ExtendLaunch)) == 3  # widths 1, 16k, others
+    for width in range(1, max_context // 16 + 1):
+        for b in batches:
+            splits = triton_decode.splits_for(b, num_kv_heads, width * 16, num_sms)
+            assert DecodeLaunch(b, width, splits).variant in decode, (b, width, splits)
+    assert all(launch.width <= max_context // 16 for launch in plan)
+
+
+def test_plan_for_smollm2_on_132_sms_by_hand():
+    """Batch 1: num_splits = ceil(width / 16) up to 32 at 8192 tokens (4 x 132 programs / 3 KV heads caps at 176).
+
+    One split: widths 1, 2..15 and 16 (three classes); 2..32 splits: merge sizes 2, 4, 8, 16, 32, the counts
+    16 and 32 being multiples of 16 (two classes under 16 and 32), each with widths that are and are not
+    multiples of 16: 3 + 7 x 2 = 17 decode variants.
+    """
+    plan = plan_warmup(3, 16, 8192, 132, (1,))
+    assert len(_variants(plan, DecodeLaunch)) == 17
+    assert {merge for _, merge, _ in _variants(plan, DecodeLaunch)} == {0, 2, 4, 8, 16, 32}
+    assert max(launch.num_splits for launch in plan if isinstance(launch, DecodeLaunch)) == 32
+
+
+def test_warm_up_is_a_no_op_on_cpu(monkeypatch):
+    layer = (torch.zeros(4, 16, 2, 64, dtype=FP8), torch.zeros(4, 16, 2, 64, dtype=FP8),
+             torch.zeros(4, 16, 2), torch.zeros(4, 16, 2))
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVCHAT_ATTENTION", backend)
+        assert warm_up(layer, 6, torch.float32, 8192, True) == []
+
+
+@pytest.mark.parametrize("pool_dtype, sink", [(FP8, True), (torch.float16, False)])
+def test_every_planned_launch_runs_and_leaves_the_pool_alone(pool_dtype, sink):
+    """Under the interpreter (or on a GPU): zero-length launches of every planned variant, nothing written."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = (4, 16, 2, 64)
+    k_cache = torch.randn(shape).to(pool_dtype).to(device)
+    v_cache = torch.randn(shape).to(pool_dtype).to(device)
+    scales = [torch.rand(shape[:3], device=device) for _ in range(2)] if pool_dtype == FP8 else [None, None]
+    before = [t.clone() for t in (k_cache, v_cache, *scales) if t is not None]
+    plan = plan_warmup(2, 16, 1024, 2, (1, 2))  # up to 4 splits; 3 and 4 share one variant (merge size 4)
+    assert {launch.num_splits for launch in plan if isinstance(launch, DecodeLaunch)} == {1, 2, 3}
+    launch_warmup(plan, k_cache, v_cache, *scales, 6, torch.float16, sink)
+    after = [t for t in (k_cache, v_cache, *scales) if t is not None]
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)
+               for a, b in zip(after, before))
