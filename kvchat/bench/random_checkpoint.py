@@ -23,6 +23,9 @@ SHAPES = {  # name -> LlamaConfig fields
     # ~66M parameters, 0.13 GB in bf16: the load-memory test
     "test": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
+    # a few hundred KB: warms a process's imports before a measured load
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -54,9 +54,16 @@ def plan_pool(spec: KVCacheSpec, max_position: int, device: torch.device, activa
         n = DEFAULT_CPU_POOL_BYTES
         return PoolPlan(n, f"KV pool {n / 2**20:,.0f} MiB ({n // spec.bytes_per_token:,} tokens; CPU default)")
     chats = settings.resident_chats()
-    want = chats * max_position * spec.bytes_per_token
     free, _ = torch.cuda.mem_get_info(device)
     act = int(activation_bytes()) if activation_bytes is not None else 0
+    return gpu_plan(spec, max_position, chats, free, act)
+
+
+def gpu_plan(spec: KVCacheSpec, max_position: int, chats: int, free_bytes: int, activation_bytes: int) -> PoolPlan:
+    """The CUDA rule of :func:`plan_pool` on given numbers: ``min(chats x max_position x bytes_per_token,
+    GPU_MEMORY_FRACTION x (free_bytes - activation_bytes))``, at least one block."""
+    free, act = free_bytes, activation_bytes
+    want = chats * max_position * spec.bytes_per_token
     cap = int(max(free - act, 0) * GPU_MEMORY_FRACTION)
     n = max(min(want, cap), spec.bytes_per_block)
     why = (f"{chats} chats x {max_position:,} tokens (KVCHAT_RESIDENT_CHATS)" if want <= cap else

@@ -57,13 +57,15 @@ class AttnMetadata:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float32, with llama3/linear scaling if configured.
+    """Inverse frequencies ``[head_dim // 2]`` float32 on the CPU, with llama3/linear scaling if configured.
 
     Raises:
         ValueError: an unsupported ``rope_scaling`` type.
     """
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # on the CPU whatever the default device: under build_model's meta device, meta ops would pull in
+    # ~900 modules (~150 MB) of torch's meta machinery for a 64-float vector
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv.float()
