@@ -180,8 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         print("kvchat: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as on SIGPIPE
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except Exception as exc:  # noqa: BLE001 - the known user errors below become one line

@@ -9,8 +9,17 @@ second copy of the weights:
   read (``readinto``) straight into the parameter's memory (a fused q/k/v or
   gate/up parameter gets each part read into its row slice);
 - otherwise a tensor is read into a host staging buffer of its stored dtype
-  (pinned when the parameter is on CUDA), converted on the host when the
-  dtypes differ, and copied to the parameter: one tensor in flight.
+  (for CUDA one pinned buffer, reused, the size of the largest tensor),
+  converted on the host when the dtypes differ, and copied to the parameter:
+  one tensor in flight, on the host.
+
+Device memory while loading (CUDA, reasoned; measured by ``bench/gpu.py`` (d)):
+``to_empty`` allocates every parameter once in the compute dtype, which is
+the bf16 weight bytes for a bf16 load; each copy lands in its parameter (a
+fused q/k/v or gate/up in its row slice), so nothing else is allocated on the
+device until the pool: peak = weight bytes (+ RoPE's few KB), within the
+issue's bf16 bytes + 10%. (Before: fp32 build then cast, ~2x the bf16 bytes
+plus a second engine for calibration.)
 
 Why plain reads, not ``safe_open``'s memory map: every page of a mapped file
 that a read touches counts in the process's resident set until the map is
@@ -55,6 +64,7 @@ class CheckpointReader:
             if e.dtype not in SAFETENSORS_DTYPES:
                 raise WeightFileError(f"{e.file}: tensor {e.name!r} has dtype {e.dtype}, which kvchat cannot load")
         self._files: dict[Path, object] = {}
+        self._pinned: torch.Tensor | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -82,11 +92,22 @@ class CheckpointReader:
         if out.device.type == "cpu" and out.dtype == stored and out.is_contiguous():
             self._read(e, out)
             return
-        staging = torch.empty(e.shape, dtype=stored, pin_memory=out.device.type == "cuda" and torch.cuda.is_available())
+        staging = self._staging_for(e, stored, pinned=out.device.type == "cuda")
         self._read(e, staging)
         if stored != out.dtype:
             staging = staging.to(out.dtype)  # on the host: the device never holds the stored dtype's copy
         out.copy_(staging.view(out.shape), non_blocking=False)
+
+    def _staging_for(self, e: TensorEntry, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A host tensor of ``e``'s shape and stored dtype over one reused buffer (pinned for CUDA copies,
+        which are synchronous here, so the next tensor may overwrite it), grown to the largest tensor."""
+        nbytes = e.end - e.begin
+        buf = self._pinned if pinned else None
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            if pinned:
+                self._pinned = buf
+        return buf[:nbytes].view(dtype).view(e.shape)
 
     def _read(self, e: TensorEntry, out: torch.Tensor) -> None:
         """Read ``e``'s bytes into contiguous CPU ``out`` of the stored dtype."""
@@ -103,10 +124,11 @@ class CheckpointReader:
             done += n
 
     def close(self) -> None:
-        """Close the open files (reading again reopens them)."""
+        """Close the open files and free the staging buffer (reading again reopens them)."""
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self._pinned = None
 
 
 class DictReader:

@@ -328,11 +328,12 @@ def test_bench_script_tiny_run(capsys, tmp_path, monkeypatch):
     rc = bench.main(["--tiny", "--json", str(tmp_path / "out.json")])
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    assert printed.count(" ok") == 6 and "FAIL" not in printed
+    pools = bench.kv_dtypes(DEVICE, names=True)  # fp8 only where the device has it (sm_89+, the interpreter)
+    assert printed.count(" ok") == 3 * len(pools) and "FAIL" not in printed
     result = json.loads((tmp_path / "out.json").read_text())
     assert {(r["what"], r["batch"]) for r in result["rows"]} == {("decode", 1), ("decode", 2), ("write", 1)}
     assert all(r["ms"] > 0 and r["gbps"] > 0 for r in result["rows"])
-    assert set(result["engine_decode_tokens_per_s"]) == {"fp8", "fp16"}
+    assert set(result["engine_decode_tokens_per_s"]) == set(pools)  # bf16 on a GPU, fp16 on the CPU
     assert all(tps > 0 for tps in result["engine_decode_tokens_per_s"].values())
 
 
