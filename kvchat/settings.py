@@ -168,8 +168,8 @@ def attention() -> str | None:
 def kv_budget_mb() -> float | None:
     """``KVCHAT_KV_BUDGET_MB``: the KV pool's size in MiB (2**20 bytes), a positive number.
 
-    Default (None): :class:`kvchat.engine.runner.Engine` takes half the free GPU memory on
-    CUDA, 512 MiB on CPU.
+    Default (None): :func:`kvchat.engine.pool_size.plan_pool`: on CUDA ``KVCHAT_RESIDENT_CHATS``
+    chats of full context, capped by the memory left after weights and activations; 512 MiB on CPU.
 
     Raises:
         SettingError: not a positive finite number.
