@@ -12,8 +12,8 @@ leaving out position 0 (the attention sink, an outlier the engine keeps exact
 anyway).
 
 Computed on first use by :func:`kvchat.model.loader.ensure_calibration`, on the
-engine being built (its weights, a throw-away 16-bit pool of 1,024 tokens,
-:mod:`kvchat.engine.scratch`, freed afterwards), and stored once per model fingerprint as
+engine being built (its weights, a throw-away 16-bit pool of 1,024 tokens:
+:func:`kvchat.engine.scratch.calibrate_k_mean`, freed afterwards), and stored once per model fingerprint as
 ``models_dir()/.calibration/<fingerprint>.safetensors``;
 its digest is part of the cache fingerprint, so a different calibration never
 restores K/V stored under another.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,6 @@ import torch
 from kvchat.paths import models_dir
 
 CALIBRATION_TOKENS = 1024
-CALIBRATION_CHUNK_TOKENS = 512  # the prefill chunk the stored calibrations were computed with (runner's default then)
 CALIBRATION_VERSION = 1
 CALIBRATION_DIR = ".calibration"
 
@@ -66,34 +64,6 @@ def make_calibration(k_mean: torch.Tensor, source: str) -> KVCalibration:
     """Wrap a ``k_mean`` ``[num_layers, num_kv_heads, head_dim]`` with its digest (moved to CPU float32)."""
     k_mean = k_mean.detach().to("cpu", torch.float32).contiguous()
     return KVCalibration(k_mean, _digest(k_mean), source)
-
-
-@torch.inference_mode()
-def calibrate_k_mean(engine, token_ids: Sequence[int]) -> torch.Tensor:
-    """Mean post-RoPE K per layer and KV head over positions 1.., as a bf16 pool stores them.
-
-    Runs ``engine``'s model over a throw-away bf16 pool (:func:`kvchat.engine.scratch.scratch_prefill`,
-    chunks of :data:`CALIBRATION_CHUNK_TOKENS`), so the mean is not shaped by fp8 rounding and
-    the engine's own pool and block tables are untouched (it may be an engine still being built:
-    only ``model``, ``cfg`` and ``device`` are used). The scratch pool is freed on return.
-
-    Args:
-        engine: a :class:`kvchat.engine.runner.Engine` (or one being built) whose model has no K shift yet.
-        token_ids: calibration text, ids (never the evaluation text).
-    Returns:
-        float32 ``[num_layers, num_kv_heads, head_dim]`` on the CPU.
-    Raises:
-        ValueError: the model already subtracts a K shift, or fewer than 2 tokens.
-    """
-    from kvchat.engine.scratch import scratch_prefill
-
-    if any(layer.self_attn.k_shift is not None for layer in engine.model.layers):
-        raise ValueError("calibrate K on a model without K centring")
-    if len(token_ids) < 2:
-        raise ValueError("calibration needs at least 2 tokens")
-    pool = scratch_prefill(engine.model, engine.cfg, token_ids, engine.device, CALIBRATION_CHUNK_TOKENS)
-    k = pool.k.flatten(1, 2)[:, 1 : len(token_ids)]  # [L, T-1, Hkv, D]
-    return k.float().mean(dim=1).cpu()
 
 
 def load_calibration(model_fingerprint: str, shape: tuple[int, int, int]) -> KVCalibration | None:

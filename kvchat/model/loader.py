@@ -12,12 +12,12 @@ from kvchat import kernels
 from kvchat.model.chat_format import ChatFormat, ChatTemplateError
 from kvchat.cpu_threads import checked_threads
 from kvchat.engine.runner import Engine
+from kvchat.engine.scratch import calibrate_k_mean
 from kvchat.engine.kv_pool import KVCacheSpec, kv_torch_dtype
 from kvchat.model.weights import CheckpointReader
 from kvchat.engine.calibration import (
     CALIBRATION_TOKENS,
     KVCalibration,
-    calibrate_k_mean,
     load_calibration,
     make_calibration,
     save_calibration,
@@ -101,7 +101,7 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None) -> KVCal
     """The model's fp8 K-centring calibration: loaded if stored, else computed once (a few seconds) and stored.
 
     Computed over :data:`kvchat.texts.CALIBRATION_MODULES`' docstrings
-    (:func:`kvchat.engine.calibration.calibrate_k_mean`, a throw-away 16-bit
+    (:func:`kvchat.engine.scratch.calibrate_k_mean`, a throw-away 16-bit
     pool over the model's weights).
 
     Args:

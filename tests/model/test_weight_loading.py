@@ -15,7 +15,8 @@ from kvchat import settings
 from kvchat.bench.load import RSS_FACTOR, measure_load, weight_bytes
 from kvchat.bench.random_checkpoint import write_checkpoint
 from kvchat.engine.block_manager import SeqBlocks
-from kvchat.engine.calibration import calibrate_k_mean, make_calibration
+from kvchat.engine.calibration import make_calibration
+from kvchat.engine.scratch import calibrate_k_mean
 from kvchat.engine.runner import Engine
 from kvchat.model.config import ModelConfig
 from kvchat.model.weights import CheckpointReader
