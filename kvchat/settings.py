@@ -5,6 +5,8 @@
 - ``KVCHAT_DEVICE``: ``cpu``, ``cuda`` or ``cuda:N``.
 - ``KVCHAT_ATTENTION``: ``torch`` or ``triton`` attention kernels.
 - ``KVCHAT_KV_BUDGET_MB``: the KV pool's size, MiB.
+- ``KVCHAT_DTYPE``: the compute dtype of the weights and activations.
+- ``KVCHAT_RESIDENT_CHATS``: how many chats of full context the default KV pool is sized for.
 - ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
@@ -17,7 +19,8 @@ work. The paths (``KVCHAT_HOME``, ``KVCHAT_MODELS``, ``KVCHAT_PHASE_TRACE``)
 take any value; :mod:`kvchat.paths` refuses a data or models dir that is a
 file. ``KVCHAT_CRASH_AT`` stays in the store (which imports nothing from
 kvchat outside it) and is not checked: an unknown name just never crashes.
-Torch-free at import.
+Torch-free and platformdirs-free at import (``bench/gpu.py`` imports the
+engine on machines without platformdirs; only the default dirs need it).
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import platformdirs
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +42,10 @@ ATTENTION = "KVCHAT_ATTENTION"
 KV_BUDGET_MB = "KVCHAT_KV_BUDGET_MB"
 CACHE_BUDGET_GB = "KVCHAT_CACHE_BUDGET_GB"
 PHASE_TRACE = "KVCHAT_PHASE_TRACE"
+DTYPE = "KVCHAT_DTYPE"
+RESIDENT_CHATS = "KVCHAT_RESIDENT_CHATS"
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
+DEFAULT_RESIDENT_CHATS = 4
 ATTENTION_CHOICES = ("torch", "triton")
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -80,7 +85,11 @@ def home() -> Path:
     Default: platformdirs' user data dir for "kvchat" (``~/.local/share/kvchat`` on Linux).
     """
     value = _raw(HOME)
-    return Path(value).expanduser() if value else Path(platformdirs.user_data_dir(APP_NAME))
+    if value:
+        return Path(value).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir(APP_NAME))
 
 
 def models() -> Path:
@@ -89,7 +98,11 @@ def models() -> Path:
     Default: platformdirs' user cache dir for "kvchat" + ``/models`` (``~/.cache/kvchat/models`` on Linux).
     """
     value = _raw(MODELS)
-    return Path(value).expanduser() if value else Path(platformdirs.user_cache_dir(APP_NAME)) / "models"
+    if value:
+        return Path(value).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir(APP_NAME)) / "models"
 
 
 def _device_spec() -> str | None:
@@ -155,8 +168,8 @@ def attention() -> str | None:
 def kv_budget_mb() -> float | None:
     """``KVCHAT_KV_BUDGET_MB``: the KV pool's size in MiB (2**20 bytes), a positive number.
 
-    Default (None): :class:`kvchat.engine.runner.Engine` takes half the free GPU memory on
-    CUDA, 512 MiB on CPU.
+    Default (None): :func:`kvchat.engine.pool_size.plan_pool`: on CUDA ``KVCHAT_RESIDENT_CHATS``
+    chats of full context, capped by the memory left after weights and activations; 512 MiB on CPU.
 
     Raises:
         SettingError: not a positive finite number.
@@ -176,6 +189,41 @@ def cache_budget_gb() -> float | None:
     return _positive(CACHE_BUDGET_GB, "GB")
 
 
+def compute_dtype() -> str:
+    """``KVCHAT_DTYPE``: the dtype weights and activations are computed in, ``auto``, ``bf16``, ``fp16`` or
+    ``fp32`` (case-insensitive); ``kvchat --dtype`` sets it for the command it runs.
+
+    Default ``auto``: :func:`kvchat.engine.runner.compute_dtype` (bf16 on CUDA; on CPU fp32 for models
+    up to 2B parameters, bf16 above).
+
+    Raises:
+        SettingError: any other value.
+    """
+    value = _raw(DTYPE)
+    if value is None:
+        return "auto"
+    if value.lower() not in DTYPE_CHOICES:
+        raise SettingError(f"{DTYPE} must be auto, bf16, fp16 or fp32, got {os.environ[DTYPE]!r}")
+    return value.lower()
+
+
+def resident_chats() -> int:
+    """``KVCHAT_RESIDENT_CHATS``: how many chats of the model's full context the default KV pool holds at
+    once, a whole number >= 1 (:func:`kvchat.engine.pool_size.default_pool_bytes` caps it by memory).
+
+    Default: :data:`DEFAULT_RESIDENT_CHATS`.
+
+    Raises:
+        SettingError: not a whole number >= 1.
+    """
+    value = _raw(RESIDENT_CHATS)
+    if value is None:
+        return DEFAULT_RESIDENT_CHATS
+    if not value.isdigit() or int(value) < 1:
+        raise SettingError(f"{RESIDENT_CHATS} must be a whole number of chats >= 1, got {os.environ[RESIDENT_CHATS]!r}")
+    return int(value)
+
+
 def phase_trace() -> Path | None:
     """``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends one line per phase to (fault-injection runs,
     :mod:`kvchat.phase_trace`). Default (None): no trace."""
@@ -193,4 +241,6 @@ def check() -> None:
     _device_spec()
     attention()
     kv_budget_mb()
+    compute_dtype()
+    resident_chats()
     cache_budget_gb()

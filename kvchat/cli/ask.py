@@ -110,6 +110,7 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
             "ttft_ms": round(s.ttft_ms, 2), "prefill_ms": round(s.prefill_ms, 2),
             "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
             "context_tokens": done.context_used, "context_limit": done.context_limit,
+            "compute_dtype": str(rt.engine.dtype).removeprefix("torch."), "kv_pool": rt.engine.pool_plan.text,
         }))
     else:
         if s.miss_reason:  # stored history recomputed, or a corrupt chunk dropped: say why

@@ -28,6 +28,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvchat.bench.peers import cmd_bench_peers
 
         return cmd_bench_peers(args)
+    if sub == "load":
+        from kvchat.bench.load import cmd_bench_load
+
+        return cmd_bench_load(args)
     if sub == "startup":
         from kvchat.bench.startup import cmd_bench_startup
 

@@ -8,6 +8,7 @@ argument, bad value) and bad ``KVCHAT_*`` variables (:mod:`kvchat.settings`) too
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvchat import __version__
@@ -43,10 +44,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
-    """``--model --kv-dtype --threads``; on sub-commands they default to the top-level values."""
+    """``--model --kv-dtype --dtype --threads``; on sub-commands they default to the top-level values."""
     keep = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="compute dtype of the weights (default: KVCHAT_DTYPE, else auto)", **keep)
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads for torch (default: all usable cores; more than that is capped, with a note)", **keep)
 
@@ -121,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvchat`` script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "dtype", None):  # --dtype wins over KVCHAT_DTYPE, for this process and the ones it starts
+        os.environ["KVCHAT_DTYPE"] = args.dtype
     try:
         from kvchat.settings import check
 
@@ -154,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
         print("kvchat: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as on SIGPIPE
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except Exception as exc:  # noqa: BLE001 - the known user errors below become one line

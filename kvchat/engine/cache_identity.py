@@ -24,7 +24,8 @@ LAYOUT_VERSION = 1
 NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomputed as prefill chunks
 
 
-def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, block_size: int, calibration: str = "") -> str:
+def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, block_size: int, calibration: str = "",
+                      compute: str = "") -> str:
     """Hex blake2b-128 over the canonical JSON of every input that shapes the K/V bytes.
 
     Args:
@@ -33,6 +34,10 @@ def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, 
         scale_scheme: name of the FP8 scale scheme ("none" for 16-bit pools).
         block_size: tokens per block.
         calibration: digest of any calibration data the scheme uses ("" if none).
+        compute: the compute dtype name when it is not the one ``auto`` picks (``--dtype``/``KVCHAT_DTYPE``
+            override: K/V computed in another dtype differ in their last bits); "" for ``auto``'s, so it
+            enters the hashed document only then and every fingerprint made before the override existed
+            stays the same.
     """
     doc = {
         "model": model_fingerprint,
@@ -43,6 +48,8 @@ def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, 
         "layout": LAYOUT_VERSION,
         "numerics": NUMERICS_VERSION,
     }
+    if compute:
+        doc["compute"] = compute
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
@@ -56,12 +63,14 @@ def fp8_scheme_name(k_centring: bool, exact_sink: bool) -> str:
 
 
 def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: str | None, exact_sink: bool,
-                    block_size: int) -> tuple[str, str]:
-    """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only."""
+                    block_size: int, compute: str | None = None) -> tuple[str, str]:
+    """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only;
+    ``compute``: an overridden compute dtype's name (None: the one ``auto`` picks)."""
     if kv_dtype != "fp8":
-        return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size)
+        return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=compute or "")
     scheme = fp8_scheme_name(calibration_digest is not None, exact_sink)
-    return scheme, cache_fingerprint(model_fingerprint, kv_dtype, scheme, block_size, calibration_digest or "")
+    return scheme, cache_fingerprint(model_fingerprint, kv_dtype, scheme, block_size, calibration_digest or "",
+                                     compute or "")
 
 
 def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int) -> set[str]:

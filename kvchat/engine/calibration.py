@@ -11,8 +11,9 @@ taken with a bf16 pool over text the fidelity benchmark never evaluates on
 leaving out position 0 (the attention sink, an outlier the engine keeps exact
 anyway).
 
-Computed on first use by :func:`kvchat.model.loader.ensure_calibration` (it builds
-the bf16 engine) and stored once per model fingerprint as
+Computed on first use by :func:`kvchat.model.loader.ensure_calibration`, on the
+engine being built (its weights, a throw-away 16-bit pool of 1,024 tokens:
+:func:`kvchat.engine.scratch.calibrate_k_mean`, freed afterwards), and stored once per model fingerprint as
 ``models_dir()/.calibration/<fingerprint>.safetensors``;
 its digest is part of the cache fingerprint, so a different calibration never
 restores K/V stored under another.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,34 +64,6 @@ def make_calibration(k_mean: torch.Tensor, source: str) -> KVCalibration:
     """Wrap a ``k_mean`` ``[num_layers, num_kv_heads, head_dim]`` with its digest (moved to CPU float32)."""
     k_mean = k_mean.detach().to("cpu", torch.float32).contiguous()
     return KVCalibration(k_mean, _digest(k_mean), source)
-
-
-@torch.inference_mode()
-def calibrate_k_mean(engine, token_ids: Sequence[int]) -> torch.Tensor:
-    """Mean post-RoPE K per layer and KV head over positions 1.., read back from ``engine``'s pool.
-
-    Args:
-        engine: a :class:`kvchat.engine.runner.Engine` with a 16-bit pool (bf16 or fp16)
-            and no calibration of its own, so the mean is not shaped by fp8 rounding.
-        token_ids: calibration text, ids (never the evaluation text).
-    Returns:
-        float32 ``[num_layers, num_kv_heads, head_dim]``.
-    Raises:
-        ValueError: the engine's pool is fp8, or fewer than 2 tokens.
-    """
-    from kvchat.engine.block_manager import SeqBlocks
-
-    if engine.spec.kv_dtype == "fp8":
-        raise ValueError("calibrate K on a 16-bit pool, not fp8")
-    if len(token_ids) < 2:
-        raise ValueError("calibration needs at least 2 tokens")
-    seq = SeqBlocks()
-    engine.prefill(seq, list(token_ids))
-    blocks = torch.tensor(seq.block_table, device=engine.pool.k.device)
-    k = engine.pool.k[:, blocks].flatten(1, 2)[:, 1 : len(token_ids)]  # [L, T-1, Hkv, D]
-    mean = k.float().mean(dim=1)
-    engine.release(seq)
-    return mean
 
 
 def load_calibration(model_fingerprint: str, shape: tuple[int, int, int]) -> KVCalibration | None:

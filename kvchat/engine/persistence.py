@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -32,6 +31,7 @@ from kvchat.engine.disk_budget import Eviction
 from kvchat.engine.disk_budget import enforce as enforce_budget
 from kvchat.engine.runner import Engine
 from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.timing import DeviceTimer
 from kvchat.index import get_db
 from kvchat.store import chunk_refs
 from kvchat.store.chunk_index import ChunkRow, add_chunk, delete_chunk, get_chunk, list_tails, read_row, touch
@@ -161,7 +161,7 @@ class KVPersist:
         the prefill that recomputes them. Skipped entirely when reading would
         be slower than prefilling the same tokens.
         """
-        t0 = time.perf_counter()
+        timer = DeviceTimer(self.engine.device).start()  # restore_ms counts the copies into the pool done
         res = RestoreResult()
         limit = len(token_ids) - 1
         rows = self.find(token_ids)
@@ -210,7 +210,7 @@ class KVPersist:
         blocks.commit(seq, token_ids, last)
         self._queue.put(("touch", res.keys))  # LRU stamps: one commit, off the critical path
         res.from_disk = last - first
-        res.restore_ms = (time.perf_counter() - t0) * 1e3
+        res.restore_ms = timer.stop()
         if res.bytes_read > 1e6:
             self.read_bytes_per_s = res.bytes_read / max(res.restore_ms / 1e3, 1e-6)
         return res

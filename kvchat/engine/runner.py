@@ -9,7 +9,6 @@ the same computations; :meth:`Engine.decode` runs one token.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -23,10 +22,13 @@ from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.calibration import KVCalibration
 from kvchat.kernels.warmup import warm_up
-from kvchat.model.transformer import AttnMetadata, Transformer, rope_inv_freq
+from kvchat.engine.device import activate, check_device, device_guard
+from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
+from kvchat.engine.timing import DeviceTimer
+from kvchat.model.transformer import AttnMetadata, build_model
+from kvchat.model.weights import weight_reader
 
-DEFAULT_CPU_POOL_BYTES = 512 * 2**20
-GPU_POOL_FRACTION = 0.5
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
 PREFILL_CHUNK_TOKENS = 512
 SMALL_MODEL_PARAMS = 2_000_000_000
 DEFAULT_PREFILL_TOKENS_PER_S = 150.0  # until measured; CPU-conservative
@@ -43,7 +45,7 @@ class PrefillResult:
     Attributes:
         logits: float32 ``[vocab_size]`` for the last token.
         prefilled_tokens: tokens run through the model.
-        prefill_ms: wall time of those forwards, ms.
+        prefill_ms: time of those forwards on the device (synced: :class:`kvchat.engine.timing.DeviceTimer`), ms.
     """
 
     logits: torch.Tensor
@@ -51,9 +53,12 @@ class PrefillResult:
     prefill_ms: float
 
 
-def compute_dtype(device: torch.device, num_params: int) -> torch.dtype:
-    """bf16 on GPU; on CPU fp32 for small models (CPUs without bf16 units are
-    several times slower in bf16), bf16 for large ones (never an fp32 blow-up)."""
+def compute_dtype(device: torch.device, num_params: int, name: str = "auto") -> torch.dtype:
+    """``name`` (``bf16|fp16|fp32``, see :data:`COMPUTE_DTYPES`) or, for ``auto``: bf16 on GPU; on CPU fp32
+    for small models (CPUs without bf16 units are several times slower in bf16), bf16 for large ones
+    (never an fp32 blow-up)."""
+    if name != "auto":
+        return COMPUTE_DTYPES[name]
     if device.type == "cuda" or num_params > SMALL_MODEL_PARAMS:
         return torch.bfloat16
     return torch.float32
@@ -90,9 +95,17 @@ def last_cut(num_tokens: int, boundaries: Sequence[int], chunk_tokens: int = PRE
 class Engine:
     """Weights + paged KV pool + block manager for one model on one device.
 
+    ``weights``: a ``{name: tensor}`` mapping or a :mod:`kvchat.model.weights` reader (streamed into
+    a model built on the meta device, :func:`kvchat.model.transformer.build_model`). ``dtype``: the
+    compute dtype name (None: ``KVCHAT_DTYPE``). ``calibration``: a :class:`KVCalibration`, or a callable
+    given the engine once its model is loaded (before its pool exists) that returns one
+    (:func:`kvchat.model.loader.ensure_calibration` computes it on this engine's weights).
+
     Raises:
         kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (used when ``device`` is None),
-            ``KVCHAT_KV_BUDGET_MB`` (when ``pool_bytes`` is None) or ``KVCHAT_ATTENTION``.
+            ``KVCHAT_KV_BUDGET_MB`` (when ``pool_bytes`` is None), ``KVCHAT_DTYPE``, ``KVCHAT_RESIDENT_CHATS``
+            or ``KVCHAT_ATTENTION``.
+        kvchat.engine.device.DeviceError: ``device`` names a CUDA device that does not exist here.
     """
 
     def __init__(
@@ -106,48 +119,47 @@ class Engine:
         device: torch.device | str | None = None,
         name: str = "",
         dense_kv: bool | None = None,
-        calibration: KVCalibration | None = None,
+        calibration: KVCalibration | Callable[["Engine"], KVCalibration] | None = None,
         exact_sink: bool = True,
+        dtype: str | None = None,
     ):
         self.cfg = cfg
         self.name = name
-        self.device = torch.device(device) if device is not None else settings.device()
-        num_params = sum(t.numel() for t in weights.values())
-        self.dtype = compute_dtype(self.device, num_params)
-        t0 = time.perf_counter()
-        with torch.device(self.device):
-            model = Transformer(cfg).to(self.dtype)
-        model.load_hf_state_dict(weights)
-        model.inv_freq = rope_inv_freq(cfg).to(self.device)  # keep fp32 after the dtype cast
-        self.model = model.eval()
+        self.device = check_device(device if device is not None else settings.device())
+        activate(self.device)
+        weights = weight_reader(weights)
+        dtype_name = dtype or settings.compute_dtype()
+        self.dtype = compute_dtype(self.device, weights.num_params(), dtype_name)
+        timer = DeviceTimer(self.device).start()
+        self.model = model = build_model(cfg, weights, self.device, self.dtype)
+        weights.close()
         self.spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
-        self.pool = KVPool.from_budget(self.spec, pool_bytes or self._default_pool_bytes(), self.device)
         fp8 = kv_dtype == "fp8"
+        if callable(calibration):
+            calibration = calibration(self) if fp8 else None
+        if pool_bytes is not None:
+            self.pool_plan = PoolPlan(pool_bytes, f"KV pool {pool_bytes / 2**20:,.0f} MiB (set by the caller)")
+        else:  # after the weights and any calibration: on CUDA it reads the memory left
+            self.pool_plan = plan_pool(self.spec, cfg.max_position_embeddings, self.device,
+                                       lambda: activation_peak_bytes(model, cfg, self.device, PREFILL_CHUNK_TOKENS))
+        self.pool = KVPool.from_budget(self.spec, self.pool_plan.bytes, self.device)
         self.calibration = calibration if fp8 else None
         if self.calibration is not None:
             for layer, shift in zip(model.layers, self.calibration.k_mean):
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        auto = compute_dtype(self.device, weights.num_params())
         self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.spec.block_size)
+            self.spec.block_size, None if self.dtype == auto else dtype_name)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
         warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink)  # GPU only
-        self.load_ms = (time.perf_counter() - t0) * 1e3
+        self.load_ms = timer.stop()
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
-
-    def _default_pool_bytes(self) -> int:
-        mb = settings.kv_budget_mb()
-        if mb is not None:
-            return int(mb * 2**20)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * GPU_POOL_FRACTION)
-        return DEFAULT_CPU_POOL_BYTES
 
     @property
     def max_context(self) -> int:
@@ -217,6 +229,11 @@ class Engine:
         """
         if sink is None and self.exact_sink:
             sink = self.sink_kv(token_ids[0])
+        with device_guard(self.device):
+            return self._forward_on_device(seq, token_ids, start, end, register, sink, capture_sink)
+
+    def _forward_on_device(self, seq, token_ids, start, end, register, sink, capture_sink) -> torch.Tensor:
+        """:meth:`_forward`'s body, run with the engine's device current."""
         dense = None if capture_sink else self.dense
         self.prepare_write(seq, start, end, dense, sink)
         dev = self.device
@@ -265,14 +282,14 @@ class Engine:
         self.check_fits(len(token_ids))
         start = min(seq.num_computed, len(token_ids) - 1)
         seq.num_computed = start
-        t0 = time.perf_counter()
+        timer = DeviceTimer(self.device).start()
         hidden = None
         for a, b in chunk_plan(start, len(token_ids), boundaries):
             hidden = self._forward(seq, token_ids, a, b)
             if progress:
                 progress(b - start, len(token_ids) - start)
         logits = self.model.logits(hidden[-1:])[0]
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = timer.stop()
         if len(token_ids) - start >= 64:
             self.prefill_tokens_per_s = (len(token_ids) - start) / (ms / 1e3)
         return PrefillResult(logits, len(token_ids) - start, ms)

@@ -1,6 +1,6 @@
 """Model fingerprint: one hex digest naming a model's behaviour, not its files.
 
-The digest is blake2b-256 over length-framed canonical bytes of
+The digest is a hash (see "Versions") over length-framed canonical bytes of
 
 1. the weights' content: every tensor, sorted by name, as (name, dtype, shape,
    raw little-endian bytes) — independent of directory, file names and
@@ -16,7 +16,36 @@ The digest is blake2b-256 over length-framed canonical bytes of
 Weight bytes are streamed from each safetensors file's data section
 (format: 8-byte little-endian header length, JSON header with
 ``data_offsets``, then the data), so no model is held in RAM by hashing.
-Bump :data:`FINGERPRINT_VERSION` whenever the canonical bytes change.
+Bump :data:`FINGERPRINT_VERSION` whenever the canonical bytes or the hash change.
+
+Versions (:data:`HASHES`): 1 is blake2b-256 (64 hex characters), about
+0.5-0.6 GB/s on this machine's cores: 16 GB of 8B weights took ~30 s, slower
+than the disk. 2 (new fingerprints) is xxh3-128 (32 hex characters, the
+``xxhash`` package), which hashes at memory bandwidth, so a first use is
+bound by the disk read. A non-cryptographic hash is enough here: the
+fingerprint names the user's own files so that caches of different weights
+never mix; nobody gains from forging a collision with their own checkpoint,
+and 128 bits make an accidental one negligible (birthday bound ~2**64 models).
+
+Old fingerprints stay valid: the cache fingerprint of every stored KV chunk
+is derived from the model fingerprint (:func:`kvchat.engine.cache_identity.cache_fingerprint`),
+so recomputing a model's fingerprint with a new hash would orphan every chat
+on disk made with it. Hence:
+
+- models kvchat imports (GGUF, wheels: :mod:`kvchat.model.importer`) are
+  fingerprinted with version 1 (:data:`IMPORT_FINGERPRINT_VERSION`), now and
+  later: a data dir made with the default model resumes after the model is
+  imported again on another machine (``tests/test_data_dir_compat.py``: CI
+  imports it fresh). The import writes every byte anyway, so blake2b's
+  0.5 s per 270 MB is not what a user waits for;
+- an imported model keeps the fingerprint its manifest records while its
+  ``fingerprint_version`` is one of :data:`HASHES`;
+- a Hugging Face checkpoint used in place (the 16 GB first-use case) is
+  fingerprinted with version 2 (:data:`FINGERPRINT_VERSION`), and keeps a
+  version-1 fingerprint cached before (:func:`cached_fingerprint`) while its
+  files are unchanged.
+
+The two versions' digests differ in length, so they can never be equal.
 """
 
 from __future__ import annotations
@@ -30,12 +59,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import xxhash
 from tqdm import tqdm
 
 from kvchat.model.config import ModelConfig
 from kvchat.paths import models_dir
 
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # checkpoints used in place (see "Versions")
+IMPORT_FINGERPRINT_VERSION = 1  # models kvchat imports: stays 1 so data dirs made with them keep resuming
+HASHES = {1: lambda: hashlib.blake2b(digest_size=32), 2: lambda: xxhash.xxh3_128()}  # version -> new hasher
 _READ_BYTES = 8 << 20
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "add_bos_token", "add_eos_token")
@@ -119,40 +151,42 @@ def tensor_entries(model_dir: Path) -> list[TensorEntry]:
     return [entries[n] for n in sorted(entries)]
 
 
-def compute_fingerprint(model_dir: Path, *, progress: bool = True) -> str:
+def compute_fingerprint(model_dir: Path, *, progress: bool = True, version: int = FINGERPRINT_VERSION) -> str:
     """Fingerprint a model directory (see module docstring for the bytes hashed).
 
     Args:
         model_dir: holds ``config.json``, ``*.safetensors`` and tokenizer files.
         progress: show a bytes/s bar on stderr while hashing the weights.
+        version: a key of :data:`HASHES` (older ones only to check a stored fingerprint).
 
     Returns:
-        64 hex characters (blake2b, 32-byte digest).
+        hex digest: 32 characters (version 2, xxh3-128) or 64 (version 1, blake2b-256).
 
     Raises:
         WeightFileError: missing or malformed weights.
         kvchat.model.config.UnsupportedModelError: ``config.json``'s model type.
     """
-    h = hashlib.blake2b(digest_size=32)
-    _frame(h, b"kvchat-model-fingerprint", str(FINGERPRINT_VERSION).encode())
+    h = HASHES[version]()
+    _frame(h, b"kvchat-model-fingerprint", str(version).encode())
     entries = tensor_entries(model_dir)
     total = sum(e.end - e.begin for e in entries)
     handles: dict[Path, BinaryIO] = {}
+    buf = memoryview(bytearray(_READ_BYTES))  # one reused buffer: no allocation per read
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="fingerprint", file=sys.stderr, disable=not progress) as bar:
             for e in entries:
-                f = handles.get(e.file) or handles.setdefault(e.file, open(e.file, "rb"))
+                f = handles.get(e.file) or handles.setdefault(e.file, open(e.file, "rb", buffering=0))
                 _frame(h, b"tensor", _canonical({"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}))
                 h.update(struct.pack("<Q", e.end - e.begin))
                 f.seek(e.begin)
                 left = e.end - e.begin
                 while left:
-                    chunk = f.read(min(left, _READ_BYTES))
-                    if not chunk:
+                    n = f.readinto(buf[: min(left, _READ_BYTES)])
+                    if not n:
                         raise WeightFileError(f"{e.file}: truncated inside tensor {e.name!r}")
-                    h.update(chunk)
-                    left -= len(chunk)
-                    bar.update(len(chunk))
+                    h.update(buf[:n])
+                    left -= n
+                    bar.update(n)
     finally:
         for f in handles.values():
             f.close()
@@ -188,16 +222,20 @@ def cached_fingerprint(model_dir: Path, *, progress: bool = True) -> str:
 
     Cached in ``models_dir()/fingerprints.json`` under the directory's
     absolute path, valid while every input file keeps its name, size (bytes)
-    and mtime (ns) and :data:`FINGERPRINT_VERSION` is unchanged.
+    and mtime (ns). The key starts with the version that computed it; an entry
+    of any version in :data:`HASHES` stays valid (see "Versions" in the module
+    doc: caches stored under it keep resuming), a changed file gets a new
+    fingerprint of the current version.
     """
     model_dir = model_dir.resolve()
     inputs = [*weight_files(model_dir)] + [
         model_dir / n for n in (*_TOKENIZER_FILES, "tokenizer_config.json", "chat_template.jinja", "config.json")
     ]
-    key = [FINGERPRINT_VERSION] + [[p.name, st.st_size, st.st_mtime_ns] for p in inputs if p.is_file() for st in [p.stat()]]
+    files = [[p.name, st.st_size, st.st_mtime_ns] for p in inputs if p.is_file() for st in [p.stat()]]
+    key = [FINGERPRINT_VERSION] + files
     cache_path = models_dir() / _CACHE_FILE
     hit = _read_cache(cache_path).get(str(model_dir))
-    if hit and hit.get("key") == key:
+    if hit and isinstance(hit.get("key"), list) and hit["key"][:1] and hit["key"][0] in HASHES and hit["key"][1:] == files:
         return hit["fingerprint"]
     fingerprint = compute_fingerprint(model_dir, progress=progress)
     cache = _read_cache(cache_path)  # re-read: another process may have added entries meanwhile
@@ -216,7 +254,7 @@ def _read_cache(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _frame(h: "hashlib._Hash", label: bytes, data: bytes) -> None:
+def _frame(h, label: bytes, data: bytes) -> None:
     """Feed ``label`` and ``data`` to ``h``, each prefixed by its 8-byte length."""
     for part in (label, data):
         h.update(struct.pack("<Q", len(part)))

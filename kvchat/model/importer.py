@@ -37,7 +37,7 @@ Progress = Callable[[str, int, int], None]
 from tqdm import tqdm
 
 from kvchat.model.config import ModelConfig
-from kvchat.model.fingerprint import FINGERPRINT_VERSION, compute_fingerprint
+from kvchat.model.fingerprint import IMPORT_FINGERPRINT_VERSION, compute_fingerprint
 from kvchat.paths import models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -181,12 +181,12 @@ def import_model_file(path: Path, name: str, *, source: str, sha256: str | None 
             _write_dense_model(gguf, out)
             finished()
             step("fingerprint")
-            fingerprint = compute_fingerprint(out, progress=not quiet)
+            fingerprint = compute_fingerprint(out, progress=not quiet, version=IMPORT_FINGERPRINT_VERSION)
             finished()
             step("write")
             manifest = {
                 "name": name, "source": source, "fingerprint": fingerprint,
-                "fingerprint_version": FINGERPRINT_VERSION, "format_version": FORMAT_VERSION,
+                "fingerprint_version": IMPORT_FINGERPRINT_VERSION, "format_version": FORMAT_VERSION,
                 "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
             (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

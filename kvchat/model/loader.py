@@ -12,17 +12,19 @@ from kvchat import kernels
 from kvchat.model.chat_format import ChatFormat, ChatTemplateError
 from kvchat.cpu_threads import checked_threads
 from kvchat.engine.runner import Engine
+from kvchat.engine.scratch import calibrate_k_mean
 from kvchat.engine.kv_pool import KVCacheSpec, kv_torch_dtype
+from kvchat.model.weights import CheckpointReader
 from kvchat.engine.calibration import (
     CALIBRATION_TOKENS,
     KVCalibration,
-    calibrate_k_mean,
     load_calibration,
     make_calibration,
     save_calibration,
 )
-from kvchat.model.registry import ModelInfo, load_weights, resolve_model
-from kvchat.settings import device as env_device
+from kvchat.model.registry import ModelInfo, resolve_model
+from kvchat.engine.device import check_device
+from kvchat.settings import compute_dtype, device as env_device
 from kvchat.texts import CALIBRATION_MODULES, stdlib_text
 
 
@@ -63,27 +65,29 @@ def load_runtime(
 ) -> Runtime:
     """Resolve (importing on first use), load weights, build the engine and tokenizer.
 
-    For an fp8 pool the model's K-centring calibration is loaded, or
-    computed and stored on first use (:func:`ensure_calibration`).
+    The weights stream from the safetensors files into a model built on the
+    meta device in the compute dtype (``KVCHAT_DTYPE``, :mod:`kvchat.model.weights`):
+    no whole copy of them exists in host RAM besides the model itself. For an
+    fp8 pool the model's K-centring calibration is loaded, or computed on this
+    engine's weights and stored on first use (:func:`ensure_calibration`).
 
     Raises:
         kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError,
         kvchat.model.importer.ModelImportError, kvchat.engine.kv_pool.KVDtypeError,
-        kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (``device`` None), ``KVCHAT_ATTENTION``
-            or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None); the first two before the weights load.
+        kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (``device`` None), ``KVCHAT_ATTENTION``,
+            ``KVCHAT_DTYPE`` or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None); the first three before the weights load.
+        kvchat.engine.device.DeviceError: ``device`` names a CUDA device that does not exist here.
     """
     from transformers import AutoTokenizer
 
     kv_torch_dtype(kv_dtype)
-    dev = torch.device(device) if device is not None else env_device()
+    dev = check_device(device if device is not None else env_device())
     kernels.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
+    compute_dtype()
     info = resolve_model(model)
-    weights = load_weights(info)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
-    calibration = ensure_calibration(info, weights, tokenizer, dev) if kv_dtype == "fp8" else None
-    engine = Engine(info.config, weights, info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
-                    device=dev, name=info.name, calibration=calibration)
-    del weights
+    engine = Engine(info.config, CheckpointReader(info.path), info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
+                    device=dev, name=info.name, calibration=lambda e: ensure_calibration(info, e, tokenizer))
     runtime = Runtime(info, engine, tokenizer)
     if engine.exact_sink:  # every chat starts with the template's first token: its sink now, not in the first TTFT
         try:
@@ -93,16 +97,19 @@ def load_runtime(
     return runtime
 
 
-def ensure_calibration(info: ModelInfo, weights: dict[str, torch.Tensor], tokenizer, device=None) -> KVCalibration:
+def ensure_calibration(info: ModelInfo, source, tokenizer, device=None) -> KVCalibration:
     """The model's fp8 K-centring calibration: loaded if stored, else computed once (a few seconds) and stored.
 
-    Computed on a temporary bf16-pool engine over :data:`kvchat.texts.CALIBRATION_MODULES`'
-    docstrings (:func:`kvchat.engine.calibration.calibrate_k_mean`).
+    Computed over :data:`kvchat.texts.CALIBRATION_MODULES`' docstrings
+    (:func:`kvchat.engine.scratch.calibrate_k_mean`, a throw-away 16-bit
+    pool over the model's weights).
 
     Args:
         info: the model.
-        weights: its Hugging Face-named tensors (the temporary engine is built from them).
+        source: the :class:`Engine` being built (its model is used, nothing is built), or
+            Hugging Face-named weights (benchmarks holding them: a temporary bf16-pool engine is built).
         tokenizer: its tokenizer (encodes the calibration text).
+        device: where a temporary engine runs (``source`` weights only).
     Raises:
         kvchat.texts.TextSourceError: the standard library has no sources to read text from.
     """
@@ -114,11 +121,15 @@ def ensure_calibration(info: ModelInfo, weights: dict[str, torch.Tensor], tokeni
     print(f"kvchat: calibrating fp8 K centring for {info.name} (once per model) …", file=sys.stderr, flush=True)
     text = stdlib_text(CALIBRATION_MODULES)
     ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
-    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bf16")
-    engine = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", device=device, dense_kv=False,
-                    pool_bytes=spec.bytes_per_block * (len(ids) // spec.block_size + 2))
+    engine = source
+    if not isinstance(source, Engine):
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bf16")
+        engine = Engine(cfg, source, info.fingerprint, kv_dtype="bf16", device=device, dense_kv=False,
+                        pool_bytes=spec.bytes_per_block)
     cal = make_calibration(calibrate_k_mean(engine, ids), f"{text.name} ({len(ids)} tokens, sha256 {text.sha256[:12]})")
     del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the scratch pool and activations go back to the device
     try:
         save_calibration(info.fingerprint, cal)
     except OSError as exc:  # a read-only models dir: use it for this run, compute again next time

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.model.config import ModelConfig, UnsupportedModelError
-from kvchat.model.fingerprint import FINGERPRINT_VERSION, cached_fingerprint, compute_fingerprint, weight_files
+from kvchat.model.fingerprint import HASHES, IMPORT_FINGERPRINT_VERSION, cached_fingerprint, compute_fingerprint, weight_files
 from kvchat.model.importer import (
     DEFAULT_MODEL_NAME,
     import_default_model,
@@ -40,7 +40,7 @@ class ModelInfo:
 
     ``path`` is the directory with ``config.json``, ``*.safetensors`` and the
     tokenizer files; ``fingerprint`` is :func:`kvchat.model.fingerprint.compute_fingerprint`'s
-    hex digest; ``source`` is where it came from (package, file or directory).
+    hex digest (of the version it was first computed with); ``source`` is where it came from (package, file or directory).
     """
 
     name: str
@@ -124,11 +124,13 @@ def load_weights(info: ModelInfo, dtype: torch.dtype | None = None) -> dict[str,
 
 
 def _imported_info(model_dir: Path) -> ModelInfo:
-    """ModelInfo of an imported model; refreshes a fingerprint made by an older algorithm."""
+    """ModelInfo of an imported model; its recorded fingerprint is kept while its version is a known one
+    (:data:`kvchat.model.fingerprint.HASHES`: stored caches derive from it), else recomputed."""
     manifest = read_manifest(model_dir)
     hf = _read_config(model_dir)
-    if manifest.get("fingerprint_version") != FINGERPRINT_VERSION:
-        manifest |= {"fingerprint": compute_fingerprint(model_dir), "fingerprint_version": FINGERPRINT_VERSION}
+    if manifest.get("fingerprint_version") not in HASHES:
+        manifest |= {"fingerprint": compute_fingerprint(model_dir, version=IMPORT_FINGERPRINT_VERSION),
+                     "fingerprint_version": IMPORT_FINGERPRINT_VERSION}
         write_manifest(model_dir, manifest)
     return ModelInfo(manifest["name"], model_dir, manifest["fingerprint"], ModelConfig.from_hf(hf), hf, manifest["source"])
 

@@ -57,13 +57,15 @@ class AttnMetadata:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float32, with llama3/linear scaling if configured.
+    """Inverse frequencies ``[head_dim // 2]`` float32 on the CPU, with llama3/linear scaling if configured.
 
     Raises:
         ValueError: an unsupported ``rope_scaling`` type.
     """
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # on the CPU whatever the default device: under build_model's meta device, meta ops would pull in
+    # ~900 modules (~150 MB) of torch's meta machinery for a 64-float vector
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv.float()
@@ -238,31 +240,71 @@ class Transformer(nn.Module):
         """``[T, hidden_size]`` -> float32 logits ``[T, vocab_size]``."""
         return self.lm_head(hidden).float()
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up.
+    def load_hf_state_dict(self, sd) -> None:
+        """Fill every parameter from Hugging Face-named weights, fusing q/k/v and gate/up.
+
+        ``sd``: a ``{name: tensor}`` mapping or a :mod:`kvchat.model.weights` reader
+        (tensors streamed one at a time into the parameters, each part of a fused
+        parameter into its row slice). A tied model's ``lm_head`` shares the
+        embedding's storage.
 
         Raises:
             KeyError: a tensor the config requires is missing.
         """
-        cfg = self.cfg
+        from kvchat.model.weights import weight_reader
+
+        cfg, src = self.cfg, weight_reader(sd)
+
+        def fill(param: torch.Tensor, *names: str) -> None:
+            row = 0
+            for name in names:
+                rows = src.shape(name)[0]
+                src.read_into(name, param[row : row + rows])
+                row += rows
+
         with torch.no_grad():
-            self.embed_tokens.copy_(sd["model.embed_tokens.weight"])
-            head = sd.get("lm_head.weight")
-            if head is None or cfg.tie_word_embeddings:
-                head = sd["model.embed_tokens.weight"]
-            self.lm_head.weight.copy_(head)
-            self.norm.weight.copy_(sd["model.norm.weight"])
+            fill(self.embed_tokens, "model.embed_tokens.weight")
+            if "lm_head.weight" in src and not cfg.tie_word_embeddings:
+                fill(self.lm_head.weight, "lm_head.weight")
+            else:
+                self.lm_head.weight = self.embed_tokens
+            fill(self.norm.weight, "model.norm.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 att = layer.self_attn
-                att.qkv.weight.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+                fill(att.qkv.weight, *(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
                 if cfg.attention_bias:
-                    att.qkv.bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
-                att.o_proj.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+                    fill(att.qkv.bias, *(p + f"self_attn.{n}_proj.bias" for n in "qkv"))
+                fill(att.o_proj.weight, p + "self_attn.o_proj.weight")
                 if cfg.qk_norm:
-                    att.q_norm.weight.copy_(sd[p + "self_attn.q_norm.weight"])
-                    att.k_norm.weight.copy_(sd[p + "self_attn.k_norm.weight"])
-                layer.mlp.gate_up.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
-                layer.mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
-                layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
-                layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+                    fill(att.q_norm.weight, p + "self_attn.q_norm.weight")
+                    fill(att.k_norm.weight, p + "self_attn.k_norm.weight")
+                fill(layer.mlp.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                fill(layer.mlp.down_proj.weight, p + "mlp.down_proj.weight")
+                fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
+                fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+
+
+def build_model(cfg: ModelConfig, weights, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """A :class:`Transformer` in ``dtype`` on ``device`` with ``weights`` loaded, never materialised in fp32.
+
+    Built on the ``meta`` device (no memory), given uninitialised storage in
+    ``dtype`` on ``device`` (the weights' bytes in ``dtype``, nothing more),
+    then filled tensor by tensor (:meth:`Transformer.load_hf_state_dict`), so
+    peak memory is the weights in ``dtype`` plus one tensor in flight. RoPE's
+    ``inv_freq`` stays float32.
+
+    Args:
+        weights: a ``{name: tensor}`` mapping or a :mod:`kvchat.model.weights` reader.
+    """
+    from kvchat.model.weights import weight_reader
+
+    src = weight_reader(weights)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in src:
+        model.lm_head.weight = None  # shares the embedding (load_hf_state_dict): no storage of its own
+    model = model.to(dtype).to_empty(device=device)
+    model.load_hf_state_dict(src)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()

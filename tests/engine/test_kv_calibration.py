@@ -15,7 +15,8 @@ from kvchat.engine.block_manager import SeqBlocks
 from kvchat.model.config import ModelConfig
 from kvchat.engine.runner import Engine
 from kvchat.kernels import reference as ref
-from kvchat.engine.calibration import calibrate_k_mean, calibration_path, load_calibration, make_calibration
+from kvchat.engine.calibration import calibration_path, load_calibration, make_calibration
+from kvchat.engine.scratch import calibrate_k_mean
 from kvchat.model.loader import ensure_calibration
 
 

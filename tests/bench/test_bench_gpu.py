@@ -1,0 +1,65 @@
+"""``bench/gpu.py --tiny``: the device script's code paths on the CPU (Triton interpreter), on a machine
+that has only what the GPU machine has (platformdirs, sqlite-utils, textual and gguf made unimportable)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCKED = ("platformdirs", "sqlite_utils", "textual", "gguf")
+# runs a script with BLOCKED unimportable: ``sys.modules[name] = None`` makes ``import name`` raise ImportError
+_RUNNER = ("import runpy, sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in BLOCKED)
+           + "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def _run(args: list[str], tmp_path: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVCHAT_HOME": str(tmp_path / "home"),
+           "KVCHAT_MODELS": str(tmp_path / "models"), "OPENBLAS_NUM_THREADS": "1"}
+    env.pop("KVCHAT_ATTENTION", None)
+    return subprocess.run([sys.executable, "-c", _RUNNER, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=tmp_path)
+
+
+@pytest.mark.timeout(900)
+def test_gpu_script_tiny_runs_every_section_without_the_app_only_packages(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = _run([str(ROOT / "bench" / "gpu.py"), "--tiny", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sections = json.loads(out.read_text())["sections"]
+    assert list(sections) == ["a_checks", "b_copy", "c_attention", "d_engine", "e_restore"]
+    assert all(s["status"] == "ok" for s in sections.values()), {k: s["result"] for k, s in sections.items()}
+    checks = sections["a_checks"]["result"]
+    assert len(checks) == 6 and all(c["ok"] for c in checks)  # fp8 + fp16 pools x write/decode/extend
+    assert sections["b_copy"]["result"]["gbps"] > 0
+    assert {(r["what"], r["batch"]) for r in sections["c_attention"]["result"]} == {("decode", 1), ("decode", 2), ("write", 1)}
+    pools = sections["d_engine"]["result"]["tiny"]["pools"]
+    assert set(pools) == {"fp8", "fp16"}
+    for pool in pools.values():
+        assert pool["load"]["weight_bytes"] > 0 and pool["load"]["load_s"] > 0
+        assert [r["context"] for r in pool["runs"]] == [64, 160]
+        assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_graphs"] == "not built"
+                   for r in pool["runs"])
+    # without sqlite-utils the restore section says why instead of crashing
+    restore = sections["e_restore"]["result"]
+    assert restore["status"] == "not run" and "sqlite_utils" in restore["reason"]
+
+
+def test_kernel_bench_engine_step_runs_without_platformdirs(tmp_path):
+    """bench/kernels.py's step (d) imports the engine; it used to need platformdirs (settings at import)."""
+    script = tmp_path / "step_d.py"
+    script.write_text(
+        "import importlib.util, sys, torch\n"
+        f"spec = importlib.util.spec_from_file_location('kvchat_bench_kernels', {str(ROOT / 'bench' / 'kernels.py')!r})\n"
+        "bench = importlib.util.module_from_spec(spec); sys.modules[spec.name] = bench; spec.loader.exec_module(bench)\n"
+        "tps, steps = bench.engine_decode_tokens_per_s(torch.device('cpu'), tiny=True, kv_dtype='fp8')\n"
+        "assert tps > 0 and steps == 3\n"
+        "assert 'platformdirs' not in sys.modules or sys.modules['platformdirs'] is None\n"
+        "print('ok')\n")
+    proc = _run([str(script)], tmp_path, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
