@@ -43,6 +43,9 @@ class AttnMetadata:
             position 0 (see :meth:`kvchat.engine.runner.Engine.sink_kv`); None: read the pool.
         capture_sink: fill ``sink`` from this forward's token 0 (a one-token
             forward at position 0), layer by layer before attention reads it.
+            A batched decode passes ``sink`` as ``[num_seqs, num_layers, num_kv_heads, head_dim]`` x2.
+        dense_batch: a batched decode on the CPU read path: per sequence (its own
+            dense copy, position of its new token); attention runs per sequence.
     """
 
     slot_mapping: torch.Tensor
@@ -54,6 +57,7 @@ class AttnMetadata:
     q_start: int = 0
     sink: tuple[torch.Tensor, torch.Tensor] | None = None
     capture_sink: bool = False
+    dense_batch: list[tuple[DenseKV, int]] | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -166,7 +170,13 @@ class Attention(nn.Module):
             key, value = meta.dense.append(self.layer_id, meta.slot_mapping, meta.q_start)
             out = kernels.dense_attention(q, key, value, meta.q_start, self.sm_scale)
             return self.o_proj(out.reshape(t, self.q_size))
-        sink = None if meta.sink is None else (meta.sink[0][self.layer_id][None], meta.sink[1][self.layer_id][None])
+        if meta.dense_batch is not None:  # one new token per sequence, each over its own dense copy
+            outs = [kernels.dense_attention(q[i : i + 1], *dense.append(self.layer_id, meta.slot_mapping[i : i + 1], pos),
+                                            pos, self.sm_scale) for i, (dense, pos) in enumerate(meta.dense_batch)]
+            return self.o_proj(torch.cat(outs).reshape(t, self.q_size))
+        sink = None
+        if meta.sink is not None:  # [num_layers, ...] for one sequence, [num_seqs, num_layers, ...] batched
+            sink = tuple(x.reshape(-1, *x.shape[-3:])[:, self.layer_id] for x in meta.sink)
         if meta.is_decode:
             out = kernels.decode_attention(q, *args, self.sm_scale, sink)
         else:
