@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                 from kvchat.bench.peers import cmd_bench_peers
 
                 return {"memory": cmd_bench_memory, "all": cmd_bench_all, "peers": cmd_bench_peers}[args.bench_command](args)
+            if args.bench_command == "serve":
+                from kvchat.bench.serve import cmd_bench_serve
+
+                return cmd_bench_serve(args)
             if args.bench_command == "startup":
                 from kvchat.bench.startup import cmd_bench_startup
 

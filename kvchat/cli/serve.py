@@ -11,6 +11,8 @@ import argparse
 import ipaddress
 import sys
 
+GRACEFUL_S = 5  # at SIGINT/SIGTERM, open streams get this long before they are cancelled (their turns stored)
+
 
 def is_loopback(host: str) -> bool:
     """``host`` only reaches this machine (``localhost``, 127.0.0.0/8, ::1)."""
@@ -63,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvchat: serving {rt.info.name} at http://{args.host}:{args.port}/v1 "
           f"(KV {rt.engine.spec.kv_dtype}, context {rt.engine.max_context} tokens)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                            access_log=args.verbose, lifespan="on")
+                            access_log=args.verbose, lifespan="on", timeout_graceful_shutdown=GRACEFUL_S)
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 2

@@ -213,7 +213,8 @@ class Scheduler:
         req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
         service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store)
         found = conversations_with_prefix(db, rendered.token_ids, fp, exact=True, limit=1) if req.turns else []
-        if found and self.store:
+        busy = {j.service.chat.chat_id for j in [*self.running, *self.queued] if j.service and j.service.chat}
+        if found and self.store and found[0] not in busy:  # a chat answered by another request now: branch off
             service.open_chat(found[0], restore=False)
         else:
             service.start_given_chat(req.system, settings, rendered.history)
