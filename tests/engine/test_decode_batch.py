@@ -17,7 +17,7 @@ from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.session import Session
 from kvchat.model.loader import load_runtime
 
-PROMPTS = ["Name a fruit.", "What is two plus two?", "Say hello in French.", "Describe the sky in one line."]
+PROMPTS = ["Name a fruit.", "What is two plus two?", "Say hello in French."]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +33,14 @@ def test_batched_turns_equal_single_turns(rt):
     alone = []
     for p in PROMPTS:
         s = _session(rt)
-        list(s.send(p, SamplingParams(max_tokens=12)))
+        list(s.send(p, SamplingParams(max_tokens=8)))
         alone.append(list(s.token_ids))
         s.close()
 
     sessions = [_session(rt) for _ in PROMPTS]
     for s in sessions:
         s.sequence.dense = DenseKV(rt.engine.pool, rt.engine.blocks)
-    steps = [s.turn(p, SamplingParams(max_tokens=12)) for s, p in zip(sessions, PROMPTS)]
+    steps = [s.turn(p, SamplingParams(max_tokens=8)) for s, p in zip(sessions, PROMPTS)]
     waiting, forwards, widest = {}, 0, 0
     with torch.inference_mode():
         for i, g in enumerate(steps):  # prefill each, up to its first decode step
