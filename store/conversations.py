@@ -287,6 +287,17 @@ def histories(db: Database, conv_ids: Sequence[str]) -> dict[str, list[int]]:
     return {r["id"]: decode_token_ids(r["token_ids"]) for r in rows}
 
 
+def conversations_with_prefix(db: Database, token_ids: Sequence[int], model_fingerprint: str, *,
+                              exact: bool = False, limit: int = 8) -> list[str]:
+    """Ids of ``model_fingerprint``'s conversations whose token ids start with ``token_ids`` and are longer
+    (``exact``: equal to them), most recently updated first, at most ``limit``."""
+    blob = encode_token_ids(token_ids)
+    length = "length(token_ids) = ?" if exact else "length(token_ids) > ?"
+    sql = (f"SELECT id FROM conversations WHERE model_fingerprint = ? AND substr(token_ids, 1, ?) = ? AND {length}"
+           " ORDER BY updated DESC LIMIT ?")
+    return [r["id"] for r in db.query(sql, [model_fingerprint, len(blob), blob, len(blob), limit])]
+
+
 def search_conversations(db: Database, fts_query: str) -> set[str]:
     """Ids of conversations whose title or any message matches the FTS5 query ``fts_query`` (migration m003)."""
     sql = (

@@ -1,7 +1,7 @@
 """``kvchat bench all``: every benchmark on one model, one JSON each plus PNG plots, in one folder.
 
 Runs, in this order, ``memory``, ``engine``, ``fidelity`` (with the
-long-context retrieval probe), ``resume``, ``startup`` and — when
+long-context retrieval probe), ``resume``, ``startup``, ``serve`` and — when
 ``llama-cpp-python`` is installed — ``peers``; each with the settings its own
 sub-command uses by default, or with the small ``--quick`` settings
 (:data:`QUICK`: a plumbing check that finishes in a few minutes on 2 cores;
@@ -30,6 +30,7 @@ QUICK: dict[str, dict] = {
     "fidelity": {"tokens": 384, "retrieval_tokens": 768},
     "resume": {"tokens": [256, 768], "repeats": 1, "cold_repeats": 1},
     "startup": {"repeats": 1},
+    "serve": {"history_tokens": 512, "decode_tokens": 8, "streams": [1, 2]},
     "peers": {"context": 512, "decode_tokens": 8, "repeats": 1, "resume_tokens": 512},
 }
 
@@ -70,6 +71,10 @@ def run_one(name: str, ns: argparse.Namespace, quick: bool) -> tuple[dict, str]:
 
         res = run_startup(ns, quick=quick)
         format_report = lambda r: json.dumps(r["summary"])  # noqa: E731 - startup prints its own table in its command
+    elif name == "serve":
+        from kvchat.bench.serve import format_report, run_serve
+
+        res = run_serve(ns, quick=quick)
     elif name == "peers":
         from kvchat.bench.peers import format_report, run_peers
 

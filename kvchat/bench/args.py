@@ -14,9 +14,10 @@ from kvchat.bench.load import add_load_args
 from kvchat.bench.memory import add_memory_args
 from kvchat.bench.peers import add_peers_args
 from kvchat.bench.resume import add_resume_args
+from kvchat.bench.serve import add_serve_bench_args
 from kvchat.bench.startup import add_startup_args
 
-BENCHES = ("memory", "engine", "fidelity", "resume", "startup", "peers")
+BENCHES = ("memory", "engine", "fidelity", "resume", "startup", "serve", "peers")
 """What ``kvchat bench all`` runs, in this order."""
 
 
@@ -56,6 +57,7 @@ COMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...]
     ("resume", "reopen an N-token chat from its disk snapshot vs cold prefill (fresh processes)", add_resume_args),
     ("startup", "time to first frame and to ready, in fresh processes", add_startup_args),
     ("load", "peak RSS and time of loading a random checkpoint; fingerprint hash speed", add_load_args),
+    ("serve", "kvchat serve through HTTP: TTFT of turn N cold/warm/after restart, tok/s at 1-8 streams", add_serve_bench_args),
     ("memory", "KV bytes/token per dtype (allocated tensors), chats that fit, paged waste", add_memory_args),
     ("peers", "llama.cpp (llama-cpp-python) vs kvchat: tok/s and resume TTFT, same GGUF and threads", add_peers_args),
     ("all", "every benchmark on the default model: one JSON each plus PNG plots in --out", add_all_args),

@@ -32,6 +32,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvchat.bench.load import cmd_bench_load
 
         return cmd_bench_load(args)
+    if sub == "serve":
+        from kvchat.bench.serve import cmd_bench_serve
+
+        return cmd_bench_serve(args)
     if sub == "startup":
         from kvchat.bench.startup import cmd_bench_startup
 

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("chat")
     explain.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPE_NAMES)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible local server whose chats resume from disk")
+    _add_model_args(serve)
+    from kvchat.cli.serve import add_serve_args
+
+    add_serve_args(serve)
+
     bench = sub.add_parser("bench", help="benchmarks (printed tables and JSON)")
     from kvchat.bench.args import add_bench_commands
 
@@ -151,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvchat.cli.cache import cmd_cache, cmd_doc
 
             return cmd_cache(args) if args.command == "cache" else cmd_doc(args)
+        if args.command == "serve":
+            from kvchat.cli.serve import cmd_serve
+
+            return cmd_serve(args)
         if args.command == "bench":
             from kvchat.cli.bench import cmd_bench
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Sequence
 
 from sqlite_utils import Database
 
@@ -50,16 +51,28 @@ class SavedChat:
 
 
 def save_new_chat(db: Database, rt: Runtime, session: Session, system: str, settings: dict,
-                  user_text: str) -> SavedChat:
-    """Store a just-finished first turn (prefix, user, assistant) in one transaction."""
+                  user_text: str, history: Sequence[tuple[str, str]] = ()) -> SavedChat:
+    """Store a just-finished first turn (prefix, user, assistant) in one transaction.
+
+    ``history``: (user, assistant) texts of turns before it that the chat was given (an API client's
+    earlier messages), one per user/assistant segment pair after the prefix.
+    """
+    first = history[0][0] if history else user_text
     with write_transaction(db):
         conv = create_conversation(
-            db, title=user_text.strip().splitlines()[0][:TITLE_CHARS], model_fingerprint=rt.info.fingerprint,
+            db, title=first.strip().splitlines()[0][:TITLE_CHARS], model_fingerprint=rt.info.fingerprint,
             model_name=rt.info.name, system_prompt=system, settings=settings,
         )
         prefix = session.segments[0]
         version = append_turn(db, conv.id, session.token_ids[prefix.start : prefix.end], [], segment_kind="prefix")
-        version = _append_last_turn(db, conv.id, session, user_text, prefix.end, version)
+        given = session.segments[1 : 1 + 2 * len(history)]
+        for (user, answer), seg_u, seg_a in zip(history, given[::2], given[1::2]):
+            for seg, role, text in ((seg_u, "user", user), (seg_a, "assistant", answer)):
+                n = seg.end - seg.start
+                version = append_turn(db, conv.id, session.token_ids[seg.start : seg.end], [NewMessage(role, text, 0, n)],
+                                      segment_kind=seg.kind, expected_version=version)
+        base = given[-1].end if given else prefix.end
+        version = _append_last_turn(db, conv.id, session, user_text, base, version)
     return SavedChat(conv.id, conv.title, version)
 
 

@@ -32,6 +32,10 @@ from kvchat.conversation.listing import register_documents
 from kvchat.conversation.rewind import carry_over, turn_spans
 from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
 from kvchat.engine.turn import SamplingParams, TurnStats
+from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.model.chat_format import append_segment
+
+import torch
 
 
 @dataclass(slots=True)
@@ -45,6 +49,7 @@ class _Chat:
     resume: ResumeInfo | None = None
     version: int = 0  # the stored token_ids_version the session's history matches
     lazy: bool = False  # opened without restoring: the next turn restores, and names any shortfall
+    history: list[tuple[str, str]] = field(default_factory=list)  # (user, assistant) texts of a new chat's given turns
 
     @property
     def stored_len(self) -> int:
@@ -63,11 +68,15 @@ class ChatService:
     """The runtime, its snapshot store (``KVPersist``), the one open chat, the last turn's counters, and
     the prefix ids of documents prefilled in this process."""
 
-    def __init__(self, rt: Runtime, batch_interval_s: float = 0.04):
-        """``batch_interval_s``: answer text is emitted at most this often (0: every piece, as a CLI streams)."""
+    def __init__(self, rt: Runtime, batch_interval_s: float = 0.04, persist: KVPersist | None = None,
+                 store: bool = True):
+        """``batch_interval_s``: answer text is emitted at most this often (0: every piece, as a CLI streams).
+        ``persist``: share another service's snapshot store (the server: one service per request).
+        ``store``: store turns and their snapshots (``kvchat serve --no-store``: False, nothing is written)."""
         self.rt = rt
+        self.store = store
         self.batch_interval_s = batch_interval_s
-        self.persist = KVPersist(rt.engine)
+        self.persist = persist or KVPersist(rt.engine)
         self.chat: _Chat | None = None
         self.last: TurnStats | None = None
         self.doc_prefixes: dict[str, list[int]] = {}
@@ -194,6 +203,25 @@ class ChatService:
             session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
         return self._switch(_Chat(session, None, "New chat", system, settings, resume=resume))
 
+    def start_given_chat(self, system: str, settings: dict, history: Sequence[tuple[str, str, list[int]]]) -> ChatView:
+        """A new chat (stored at its first turn) whose history was given, not generated here: an API client's
+        earlier messages, ``(user text, assistant text, assistant ids)`` per turn; ``settings`` as from
+        :func:`kvchat.conversation.records.new_settings`, the ones the ids were rendered with.
+
+        The assistant ids are appended as given (the ids kvchat produced, when the caller mapped the text
+        back to them), so the token list matches the cached prefix token-exactly.
+        """
+        fmt = self.rt.chat_format(settings)
+        session = Session.new(self.rt.engine, fmt, system, [], self.persist)
+        messages = []
+        for user, text, ids in history:
+            append_segment(session.token_ids, session.segments, "user", fmt.user_turn_ids(user))
+            append_segment(session.token_ids, session.segments, "assistant", ids)
+            messages += [ChatMessage("user", user), ChatMessage("assistant", text)]
+        title = history[0][0] if history else "New chat"
+        chat = _Chat(session, None, title, system, settings, messages, history=[(u, t) for u, t, _ in history])
+        return self._switch(chat)
+
     def open_chat(self, chat_id: str, restore: bool = True) -> ChatView:
         """Open a stored chat. ``restore``: map its cached KV now (:attr:`ChatView.resume`), else the first
         turn does, and its stats say what it reused and why stored history was recomputed.
@@ -247,8 +275,30 @@ class ChatService:
             self.open_chat(chat.chat_id)  # the store still has the old turn: resync from it
             raise
 
+    def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit):
+        """:meth:`send` as engine steps (:meth:`kvchat.engine.session.Session.turn`), for a scheduler that
+        runs several chats at once: it answers each ``DecodeStep`` with logits; the generator returns the
+        :class:`TurnDone` (also emitted). Same checks, storing and rollback as :meth:`send`."""
+        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None)
+
     def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
+        steps, engine, reply = self._turn_steps(chat, text, gs, cancel, emit, rewind), self.rt.engine, None
+        timer = PrefillTimer(emit)
+        while True:
+            try:
+                with torch.inference_mode():
+                    item = steps.send(reply)
+            except StopIteration as done:
+                return done.value
+            reply = None
+            if isinstance(item, DecodeStep):
+                reply = engine.decode(item.sequence.blocks, item.token_ids, item.sequence.dense)
+            elif isinstance(item, PrefillChunk):
+                timer(item.done, item.total)
+
+    def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
+                    rewind: tuple[int, int] | None):
         session, stored = chat.session, chat.stored_len
         try:
             user_ids = session.check_turn_fits(text)
@@ -259,13 +309,23 @@ class ChatService:
         self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
         try:
             batcher = TokenBatcher(emit, self.batch_interval_s)
-            for piece in session.send(text, SamplingParams(**asdict(gs)), cancel, PrefillTimer(emit)):
-                batcher.add(piece)
+            steps, reply = session.turn(text, SamplingParams(**asdict(gs)), cancel), None
+            while True:
+                try:
+                    item = steps.send(reply)
+                except StopIteration:
+                    break
+                if isinstance(item, str):
+                    batcher.add(item)
+                    reply = None
+                else:
+                    reply = yield item
             batcher.flush()
             mark("generated")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
             if chat.lazy:
                 self._name_shortfall(chat, stored)
-            self._store_turn(chat, text, rewind, stored)
+            if self.store:
+                self._store_turn(chat, text, rewind, stored)
             chat.lazy = False
             mark("committed")
         except ConversationConflictError:  # another process changed the chat: show what is stored now
@@ -280,7 +340,8 @@ class ChatService:
         self.last = turn.stats
         chat.messages += [ChatMessage("user", text),
                           ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
-        session.save_snapshot(chat.chat_id)
+        if self.store:
+            session.save_snapshot(chat.chat_id)
         done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
         emit(done)
         return done
@@ -322,7 +383,7 @@ class ChatService:
         """
         db = get_db()
         if chat.chat_id is None:
-            saved = save_new_chat(db, self.rt, chat.session, chat.system, chat.settings, text)
+            saved = save_new_chat(db, self.rt, chat.session, chat.system, chat.settings, text, chat.history)
             chat.chat_id, chat.title, chat.version = saved.id, saved.title, saved.version
             self._stored = True
             return

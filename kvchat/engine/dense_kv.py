@@ -109,10 +109,15 @@ class DenseKV:
         Returns:
             ``(k, v)`` float32 ``[num_kv_heads, start + T, head_dim]`` views.
         """
-        end = start + slots.numel()
         k_cache, v_cache, k_scale, v_scale = self.pool.layer(layer)
-        self.k[layer, :, start:end] = kernels.read_slots(k_cache, k_scale, slots).transpose(0, 1)
-        self.v[layer, :, start:end] = kernels.read_slots(v_cache, v_scale, slots).transpose(0, 1)
+        return self.put(layer, start, kernels.read_slots(k_cache, k_scale, slots), kernels.read_slots(v_cache, v_scale, slots))
+
+    def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`append` with the new tokens already read back from the pool: float32 ``k``, ``v``
+        ``[T, num_kv_heads, head_dim]`` (a batched decode reads every sequence's new token at once)."""
+        end = start + k.shape[0]
+        self.k[layer, :, start:end] = k.transpose(0, 1)
+        self.v[layer, :, start:end] = v.transpose(0, 1)
         if start == 0 and self._sink is not None:
             self.k[layer, :, 0], self.v[layer, :, 0] = self._sink[0][layer], self._sink[1][layer]
         return self.k[layer, :, :end], self.v[layer, :, :end]

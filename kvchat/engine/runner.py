@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvchat import kernels, settings
-from kvchat.engine.block_manager import BlockManager, SeqBlocks
+from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
 from kvchat.engine.cache_identity import engine_identity
 from kvchat.model.config import ModelConfig
 from kvchat.engine.dense_kv import DenseKV
@@ -27,6 +27,7 @@ from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
 from kvchat.engine.timing import DeviceTimer
 from kvchat.model.transformer import AttnMetadata, build_model
 from kvchat.model.weights import weight_reader
+from kvchat.engine.sequence import DecodeStep, PrefillChunk
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
 PREFILL_CHUNK_TOKENS = 512
@@ -220,21 +221,23 @@ class Engine:
         self.pool.mark_written(self.blocks.block_span(seq, start, end))
 
     def _forward(self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int, register: bool = True,
-                 sink: tuple[torch.Tensor, torch.Tensor] | None = None, capture_sink: bool = False) -> torch.Tensor:
+                 sink: tuple[torch.Tensor, torch.Tensor] | None = None, capture_sink: bool = False,
+                 dense_kv: DenseKV | None = None) -> torch.Tensor:
         """Write K/V for tokens ``[start, end)``; return their hidden states ``[end - start, hidden]``.
 
         ``register``: full blocks enter the prefix cache (see :meth:`BlockManager.commit`).
         ``sink``/``capture_sink``: used by :meth:`sink_kv` (which fills ``sink``
         layer by layer, on the paged path so the sequence's dense copy is kept).
+        ``dense_kv``: the sequence's own dense copy (several running at once), else the engine's.
         """
         if sink is None and self.exact_sink:
             sink = self.sink_kv(token_ids[0])
         with device_guard(self.device):
-            return self._forward_on_device(seq, token_ids, start, end, register, sink, capture_sink)
+            return self._forward_on_device(seq, token_ids, start, end, register, sink, capture_sink, dense_kv)
 
-    def _forward_on_device(self, seq, token_ids, start, end, register, sink, capture_sink) -> torch.Tensor:
+    def _forward_on_device(self, seq, token_ids, start, end, register, sink, capture_sink, dense_kv) -> torch.Tensor:
         """:meth:`_forward`'s body, run with the engine's device current."""
-        dense = None if capture_sink else self.dense
+        dense = None if capture_sink or self.dense is None else (dense_kv or self.dense)
         self.prepare_write(seq, start, end, dense, sink)
         dev = self.device
         ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
@@ -264,6 +267,7 @@ class Engine:
         token_ids: Sequence[int],
         boundaries: Sequence[int] = (),
         progress: Callable[[int, int], None] | None = None,
+        dense_kv: DenseKV | None = None,
     ) -> PrefillResult:
         """Compute every token of ``token_ids`` not yet in the pool; return last-token logits.
 
@@ -275,9 +279,26 @@ class Engine:
             token_ids: the whole sequence, ids.
             boundaries: segment start offsets (tokens) for the chunk plan.
             progress: called with ``(done_tokens, total_tokens)`` after each chunk.
+            dense_kv: the sequence's own dense copy (see :meth:`_forward`).
         Raises:
             ContextOverflowError: the sequence exceeds the context limit.
             PoolFullError: the pool cannot hold it.
+        """
+        steps = self.prefill_steps(seq, token_ids, boundaries, dense_kv)
+        while True:
+            try:
+                chunk = next(steps)
+            except StopIteration as done:
+                return done.value
+            if progress:
+                progress(chunk.done, chunk.total)
+
+    def prefill_steps(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = (),
+                      dense_kv: DenseKV | None = None):
+        """:meth:`prefill` as a generator: yields a :class:`PrefillChunk` after each chunk, returns the
+        :class:`PrefillResult` (so a scheduler can run other sequences' decode steps between chunks).
+
+        The caller holds ``torch.inference_mode`` (``prefill`` and the server's scheduler thread do).
         """
         self.check_fits(len(token_ids))
         start = min(seq.num_computed, len(token_ids) - 1)
@@ -285,9 +306,8 @@ class Engine:
         timer = DeviceTimer(self.device).start()
         hidden = None
         for a, b in chunk_plan(start, len(token_ids), boundaries):
-            hidden = self._forward(seq, token_ids, a, b)
-            if progress:
-                progress(b - start, len(token_ids) - start)
+            hidden = self._forward(seq, token_ids, a, b, dense_kv=dense_kv)
+            yield PrefillChunk(b - start, len(token_ids) - start)
         logits = self.model.logits(hidden[-1:])[0]
         ms = timer.stop()
         if len(token_ids) - start >= 64:
@@ -311,7 +331,7 @@ class Engine:
         return torch.cat(rows)
 
     @torch.inference_mode()
-    def decode(self, seq: SeqBlocks, token_ids: Sequence[int]) -> torch.Tensor:
+    def decode(self, seq: SeqBlocks, token_ids: Sequence[int], dense_kv: DenseKV | None = None) -> torch.Tensor:
         """Run the last id of ``token_ids`` (all earlier ones in the pool); float32 logits ``[vocab_size]``.
 
         Decode's K/V are provisional: one token at a time they differ in the
@@ -321,8 +341,64 @@ class Engine:
         """
         n = len(token_ids)
         self.check_fits(n)
-        hidden = self._forward(seq, token_ids, n - 1, n, register=False)
+        hidden = self._forward(seq, token_ids, n - 1, n, register=False, dense_kv=dense_kv)
         return self.model.logits(hidden)[0]
+
+    @torch.inference_mode()
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> torch.Tensor:
+        """One decode forward for several sequences: float32 logits ``[len(steps), vocab_size]``.
+
+        The linear layers run once over the ``num_seqs`` new tokens; attention
+        runs per sequence over its own K/V (its dense copy on the CPU read path,
+        else the paged kernels with a ``[num_seqs, max_blocks]`` block table).
+        One step alone is exactly :meth:`decode`.
+
+        Raises:
+            ContextOverflowError: a sequence exceeds the context limit.
+            PoolFullError: a sequence cannot get a slot; ``exc.index`` is its place in ``steps``
+                (the others are unchanged but for a reserved slot).
+            ValueError: on the CPU read path, two steps share a dense copy (or lack one).
+        """
+        if len(steps) == 1:
+            s = steps[0]
+            return self.decode(s.sequence.blocks, s.token_ids, s.sequence.dense)[None]
+        dev = self.device
+        denses = [s.sequence.dense for s in steps] if self.dense is not None else None
+        if denses is not None and (None in denses or len({id(d) for d in denses}) < len(denses)):
+            raise ValueError("a batched decode on the CPU read path needs one dense copy per sequence")
+        sinks = [self.sink_kv(s.token_ids[0]) if self.exact_sink else None for s in steps]
+        for i, s in enumerate(steps):
+            n = len(s.token_ids)
+            self.check_fits(n)
+            try:
+                self.prepare_write(s.sequence.blocks, n - 1, n, denses[i] if denses else None, sinks[i])
+            except PoolFullError as exc:
+                exc.index = i
+                raise
+        lens = [len(s.token_ids) for s in steps]
+        slots = [self.blocks.slots(s.sequence.blocks, n - 1, n)[0] for s, n in zip(steps, lens)]
+        width = max(len(s.sequence.blocks.block_table) for s in steps)
+        table = [s.sequence.blocks.block_table + [0] * (width - len(s.sequence.blocks.block_table)) for s in steps]
+        sink = None
+        if self.exact_sink and denses is None:
+            sink = (torch.stack([k for k, _ in sinks]), torch.stack([v for _, v in sinks]))
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.arange(len(steps) + 1, dtype=torch.int32, device=dev),
+            is_decode=True,
+            sink=sink,
+            dense_batch=None if denses is None else [(d, n - 1) for d, n in zip(denses, lens)],
+        )
+        ids = torch.tensor([s.token_ids[-1] for s in steps], dtype=torch.long, device=dev)
+        with device_guard(dev):
+            hidden = self.model(ids, torch.tensor([n - 1 for n in lens], device=dev), meta, self.pool)
+        for i, (s, n) in enumerate(zip(steps, lens)):
+            if denses is not None:
+                denses[i].finish(s.sequence.blocks, n)
+            self.blocks.commit(s.sequence.blocks, s.token_ids, n, register=False)
+        return self.model.logits(hidden)
 
     def release(self, seq: SeqBlocks) -> None:
         """Free a sequence's blocks (they stay in the prefix cache until reused)."""

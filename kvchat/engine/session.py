@@ -13,11 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import torch
+
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.model.chat_format import ChatFormat, Segment, append_segment
 from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.runner import ContextOverflowError, Engine, last_cut
 from kvchat.engine.sampling import Sampler
+from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence
 from kvchat.engine.turn import SamplingParams, TurnStats
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -43,19 +46,43 @@ class Session:
     """One conversation bound to an engine.
 
     Attributes:
-        token_ids: the whole conversation, ids.
-        segments: prefix, then one user and one assistant segment per turn.
-        seq: the conversation's blocks in the engine's pool.
+        sequence: token ids, segments and blocks together (:class:`kvchat.engine.sequence.Sequence`);
+            ``token_ids``, ``segments`` and ``seq`` (its blocks) are shorthands for its fields.
     """
 
     def __init__(self, engine: Engine, fmt: ChatFormat, token_ids: list[int], segments: list[Segment], persist=None):
         self.engine = engine
         self.persist = persist
         self.fmt = fmt
-        self.token_ids = token_ids
-        self.segments = segments
-        self.seq = SeqBlocks()
+        self.sequence = Sequence(token_ids, segments, SeqBlocks())
         self.last_turn: Turn | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The whole conversation, ids."""
+        return self.sequence.token_ids
+
+    @token_ids.setter
+    def token_ids(self, ids: list[int]) -> None:
+        self.sequence.token_ids = ids
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Prefix, then one user and one assistant segment per turn."""
+        return self.sequence.segments
+
+    @segments.setter
+    def segments(self, segments: list[Segment]) -> None:
+        self.sequence.segments = segments
+
+    @property
+    def seq(self) -> SeqBlocks:
+        """The conversation's blocks in the engine's pool."""
+        return self.sequence.blocks
+
+    @seq.setter
+    def seq(self, blocks: SeqBlocks) -> None:
+        self.sequence.blocks = blocks
 
     @classmethod
     def new(cls, engine: Engine, fmt: ChatFormat, system: str, documents: list[tuple[str, str]], persist=None) -> "Session":
@@ -103,8 +130,12 @@ class Session:
 
     def _reuse_and_prefill(self, stats: TurnStats, progress: Callable[[int, int], None] | None):
         """Cached K/V first, then prefill the rest; fills the stats, returns the engine's PrefillResult."""
+        return _drive(self._reuse_and_prefill_steps(stats), progress)
+
+    def _reuse_and_prefill_steps(self, stats: TurnStats):
+        """:meth:`_reuse_and_prefill` as steps (yields :class:`PrefillChunk`)."""
         self.attach_cached_prefix(stats)
-        result = self.engine.prefill(self.seq, self.token_ids, self.boundaries, progress)
+        result = yield from self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense)
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         return result
 
@@ -152,6 +183,29 @@ class Session:
             EmptyPromptError, ContextOverflowError: before anything changes.
             kvchat.engine.block_manager.PoolFullError: the pool cannot hold the conversation.
         """
+        steps = self.turn(text, params, cancel)
+        reply = None
+        while True:
+            try:
+                with torch.inference_mode():  # the turn's prefill and sampling (not held while the caller runs)
+                    item = steps.send(reply)
+            except StopIteration:
+                return
+            reply = None
+            if isinstance(item, DecodeStep):
+                reply = self.engine.decode(self.seq, item.token_ids, self.sequence.dense)
+            elif isinstance(item, PrefillChunk):
+                if progress:
+                    progress(item.done, item.total)
+            else:
+                yield item
+
+    def turn(self, text: str, params: SamplingParams, cancel: threading.Event | None = None):
+        """:meth:`send` as steps: yields text pieces, :class:`PrefillChunk` after each prefill chunk, and
+        :class:`DecodeStep` whenever it needs logits, which the caller sends back (float32 ``[vocab_size]``).
+
+        Raises: as :meth:`send`.
+        """
         t0 = time.perf_counter()
         sampler = Sampler(params)
         user_ids = self.check_turn_fits(text)
@@ -159,7 +213,7 @@ class Session:
         append_segment(self.token_ids, self.segments, "user", user_ids)
         stats = TurnStats(prompt_tokens=len(self.token_ids))
         try:
-            result = self._reuse_and_prefill(stats, progress)
+            result = yield from self._reuse_and_prefill_steps(stats)
         except BaseException:  # pool full, interrupted: the conversation is as before
             self._undo_turn(user_start)
             raise
@@ -190,7 +244,7 @@ class Session:
             if cancel is not None and cancel.is_set():
                 stats.finish_reason = "cancelled"
                 break
-            logits = self.engine.decode(self.seq, self.token_ids + generated)
+            logits = yield DecodeStep(self.sequence, self.token_ids + generated)
         stats.new_tokens = len(generated)
         if len(generated) > 1:
             stats.decode_tokens_per_s = (len(generated) - 1) / max(t_last - t_first, 1e-9)
@@ -215,7 +269,7 @@ class Session:
         self.seq.num_computed = min(self.seq.num_computed, gen_start)
         t0 = time.perf_counter()
         try:
-            self.engine.prefill(self.seq, self.token_ids, self.boundaries)
+            self.engine.prefill(self.seq, self.token_ids, self.boundaries, dense_kv=self.sequence.dense)
         except PoolFullError:  # the next turn's prefill recomputes from here instead
             pass
         self.last_turn.stats.settle_ms = (time.perf_counter() - t0) * 1e3
@@ -247,3 +301,15 @@ class Session:
     def close(self) -> None:
         """Release the conversation's blocks (they stay in the prefix cache)."""
         self.engine.release(self.seq)
+
+
+def _drive(steps, progress: Callable[[int, int], None] | None):
+    """Run a prefill generator to its end, reporting each :class:`PrefillChunk`; returns its result."""
+    with torch.inference_mode():
+        while True:
+            try:
+                chunk = next(steps)
+            except StopIteration as done:
+                return done.value
+            if progress:
+                progress(chunk.done, chunk.total)

@@ -216,6 +216,11 @@ class ChatFormat:
             raise ValueError(f"token id {stop_id} is not a stop token of this chat format")
         return self._close_ids[1:] if stop_id == self._close_ids[0] else list(self._close_ids)
 
+    def assistant_text_ids(self, text: str) -> list[int]:
+        """Token ids of an assistant message kvchat did not generate (an API client's history): ``text``
+        tokenized as literal text, then :meth:`assistant_close_ids` of a turn without a stop token."""
+        return self._encode_literal(text) + self.assistant_close_ids(None)
+
     def decode(self, ids: list[int]) -> str:
         """Display text of generated ids (special tokens dropped)."""
         return self._tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,71 @@
+"""``kvchat serve``: the OpenAI-compatible server (:mod:`kvchat.server`) on uvicorn.
+
+Everything is checked before the model loads (a non-loopback ``--host``
+needs ``--api-key``; a port that is not a port); the model loads before the
+socket is bound, so a bad model is one ``kvchat: error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+GRACEFUL_S = 5  # at SIGINT/SIGTERM, open streams get this long before they are cancelled (their turns stored)
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` only reaches this machine (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``kvchat serve`` (``--model --kv-dtype --threads`` come from the shared model args)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every /v1 request")
+    p.add_argument("--no-store", action="store_true", help="do not store API conversations as chats (nor their KV)")
+    p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S",
+                   help="a request waiting this long for KV pool space gets 503 with Retry-After (default 30)")
+    p.add_argument("--verbose", action="store_true", help="log requests, with their last user message")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``kvchat serve``: validate, load the model, serve until SIGINT/SIGTERM (then flush snapshot writes).
+
+    Raises:
+        ValueError: a non-loopback host without an API key, a bad port or queue timeout.
+    """
+    if not is_loopback(args.host) and not args.api_key:
+        raise ValueError(f"--host {args.host} is reachable from other machines: pass --api-key KEY too "
+                         "(clients send it as 'Authorization: Bearer KEY')")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if not args.queue_timeout > 0:
+        raise ValueError(f"--queue-timeout must be > 0 seconds, got {args.queue_timeout}")
+    from kvchat.cpu_threads import checked_threads
+    from kvchat.model.loader import load_runtime, set_threads
+
+    set_threads(checked_threads(args.threads))
+    rt = load_runtime(args.model, args.kv_dtype)
+    import uvicorn
+
+    from kvchat.server.app import create_app
+    from kvchat.server.scheduler import Scheduler
+
+    def scheduler():
+        return Scheduler(rt, store=not args.no_store, queue_timeout_s=args.queue_timeout, verbose=args.verbose)
+
+    app = create_app(scheduler, rt.info.name, args.api_key)
+    print(f"kvchat: serving {rt.info.name} at http://{args.host}:{args.port}/v1 "
+          f"(KV {rt.engine.spec.kv_dtype}, context {rt.engine.max_context} tokens)", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+                            access_log=args.verbose, lifespan="on", timeout_graceful_shutdown=GRACEFUL_S)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 2

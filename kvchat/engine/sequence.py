@@ -1,0 +1,57 @@
+"""A sequence: token ids, segments and block table together, plus the steps a turn asks the engine for.
+
+A turn is a generator (:meth:`kvchat.engine.session.Session.turn`) that yields
+text pieces and two kinds of step: :class:`PrefillChunk` after each prefill
+chunk (a scheduler may run other sequences' decode steps there) and
+:class:`DecodeStep` when it needs the logits of its last token. One caller
+answers each ``DecodeStep`` alone (:meth:`Session.send`: ``Engine.decode``);
+the server's scheduler gathers the ``DecodeStep`` of every running sequence
+and answers them with one forward (:meth:`kvchat.engine.runner.Engine.decode_batch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.dense_kv import DenseKV
+from kvchat.model.chat_format import Segment
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One conversation's state in the engine.
+
+    Attributes:
+        token_ids: the whole conversation, ids (the source of truth).
+        segments: prefix, then one user and one assistant segment per turn.
+        blocks: its block table in the engine's pool.
+        dense: its own contiguous K/V copy (CPU read path) when several
+            sequences run at once; None: the engine's shared copy.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    blocks: SeqBlocks = field(default_factory=SeqBlocks)
+    dense: DenseKV | None = None
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """A turn waiting for the logits of the last id of ``token_ids`` (every earlier id is in the pool).
+
+    Attributes:
+        sequence: whose blocks (and dense copy) the step writes.
+        token_ids: the sequence's ids so far, generated ones included.
+    """
+
+    sequence: Sequence
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """A turn's prefill has computed ``done`` of its ``total`` tokens (one chunk more)."""
+
+    done: int
+    total: int

@@ -1,0 +1,157 @@
+"""The Starlette app: routes, Bearer auth, body limit, SSE streaming; all engine work goes to the scheduler.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /v1/chat/completions`` (streaming as Server-Sent Events, ``data: {chunk}``
+lines ending with ``data: [DONE]``, as the OpenAI API). Every error is an
+OpenAI-style error object (:class:`kvchat.server.protocol.ApiError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvchat.server.protocol import ApiError, chunk_body, completion_body, kvchat_block, parse_chat_request, usage_block
+from kvchat.server.scheduler import Finished, Job
+
+MAX_BODY_BYTES = 8 * 2**20  # a request body beyond this gets 413 (a 100K-token history is ~0.5 MB of JSON)
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -> Starlette:
+    """The ASGI app. ``scheduler_factory()`` builds the :class:`Scheduler` at startup (stopped at shutdown);
+    ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``."""
+    state: dict = {}
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["scheduler"] = scheduler_factory()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state["scheduler"].stop)
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error",
+                           code="invalid_api_key")
+
+    def model_object() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "kvchat"}
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(state["scheduler"].health())
+
+    async def list_models(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def get_model(request: Request) -> Response:
+        check_auth(request)
+        if request.path_params["model"] != model_name:
+            raise ApiError(404, f"the model {request.path_params['model']!r} does not exist (this server runs "
+                                f"{model_name!r})", param="model", code="model_not_found")
+        return JSONResponse(model_object())
+
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is {int(length):,} bytes; the limit is {MAX_BODY_BYTES:,}",
+                           code="request_too_large")
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body exceeds the limit of {MAX_BODY_BYTES:,} bytes",
+                               code="request_too_large")
+        return bytes(body)
+
+    async def chat_completions(request: Request) -> Response:
+        check_auth(request)
+        req = parse_chat_request(await read_body(request))
+        if req.model != model_name:
+            raise ApiError(404, f"the model {req.model!r} does not exist (this server runs {model_name!r})",
+                           param="model", code="model_not_found")
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        state["scheduler"].submit(job)
+        cid = "chatcmpl-" + secrets.token_hex(12)
+        try:
+            first = await events.get()
+        except BaseException:
+            job.cancel.set()
+            raise
+        if first[0] == "error":
+            return _error(first[1])
+        if not req.stream:
+            text, item = [], first
+            try:
+                while item[0] == "text":
+                    text.append(item[1])
+                    item = await events.get()
+            finally:
+                job.cancel.set()  # no-op once finished; a client gone mid-answer stops it
+            if item[0] == "error":
+                return _error(item[1])
+            done: Finished = item[1]
+            return JSONResponse(completion_body(cid, model_name, done.text, done.finish_reason,
+                                                usage_block(done.stats), _kvchat(done)))
+
+        async def sse():
+            item = first
+            try:
+                yield _sse(chunk_body(cid, model_name, {"role": "assistant", "content": ""}))
+                while item[0] == "text":
+                    yield _sse(chunk_body(cid, model_name, {"content": item[1]}))
+                    item = await events.get()
+                if item[0] == "error":
+                    yield _sse(item[1].body())
+                else:
+                    done: Finished = item[1]
+                    yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done)))
+                    if req.include_usage:
+                        yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats)))
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancel.set()  # the client went away (or the stream ended): stop generating
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error(exc)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = {404: "the route does not exist", 405: "the method is not allowed on this route"}
+        return _error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                f"{kind.get(exc.status_code, exc.detail)}", code=str(exc.status_code)))
+
+    routes = [Route("/health", health), Route("/v1/models", list_models), Route("/v1/models/{model:path}", get_model),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={ApiError: api_error, HTTPException: http_error})
+
+
+def _kvchat(done: Finished) -> dict:
+    return kvchat_block(done.stats, done.ttft_ms, done.miss_reason, done.chat_id)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,84 @@
+"""An API request's messages as a conversation's token ids, mapped back to the ids kvchat generated.
+
+Clients resend the whole history every turn, the assistant's answers as text.
+Re-tokenizing that text need not give the ids the model produced (". " +
+"\\n\\n" vs ".\\n\\n"), and some templates drop reasoning from history (Qwen3
+strips ``<think>…</think>``), so rendering the messages again would miss the
+cached prefix. Instead the history is built append-only, as a chat is
+(:mod:`kvchat.model.chat_format`): the system prompt as the prefix segment,
+each user message as a user turn, and each assistant message — when its text
+equals one kvchat generated right after the same ids in a stored chat (or that
+text with its think block stripped, as such templates resend it) — as exactly
+the ids kvchat produced. Only an answer kvchat never generated there is
+tokenized from its text, and :attr:`Rendered.drift` says where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvchat.model.chat_format import ChatFormat, Segment, append_segment
+from kvchat.store.conversations import conversations_with_prefix, get_conversation
+
+THINK_END = "</think>"
+
+
+@dataclass(slots=True)
+class Rendered:
+    """A request's conversation before its last user message.
+
+    Attributes:
+        history: per earlier turn ``(user text, assistant text, assistant ids)``.
+        token_ids: prefix + history ids (the final user turn not included).
+        drift: where the history stops matching what kvchat generated, or None.
+    """
+
+    history: list[tuple[str, str, list[int]]]
+    token_ids: list[int]
+    drift: str | None = None
+
+
+def strip_think(text: str) -> str:
+    """``text`` as reasoning-dropping templates resend it: what follows the last ``</think>``, leading newlines
+    removed (Qwen3's ``content.split('</think>')[-1].lstrip('\\n')``); ``text`` itself without a think block."""
+    return text.rsplit(THINK_END, 1)[-1].lstrip("\n") if THINK_END in text else text
+
+
+def render(fmt: ChatFormat, system: str, turns: Sequence[tuple[str, str]],
+           generated: Callable[[list[int], str], list[int] | None]) -> Rendered:
+    """Build the ids of ``system`` + ``turns`` ``(user, assistant)`` append-only.
+
+    ``generated(ids, text)`` gives the ids kvchat generated right after ``ids`` whose text is ``text``
+    (None if none): see :func:`stored_answer`.
+    """
+    ids: list[int] = []
+    segments: list[Segment] = []
+    append_segment(ids, segments, "prefix", fmt.prefix_ids(system, []))
+    history, drift = [], None
+    for k, (user, answer) in enumerate(turns, 1):
+        append_segment(ids, segments, "user", fmt.user_turn_ids(user))
+        found = generated(ids, answer)
+        if found is None:
+            found = fmt.assistant_text_ids(answer)
+            if drift is None:
+                drift = (f"assistant message {k} (token {len(ids)}) is not an answer kvchat generated after this "
+                         "history: its text was tokenized, so cached K/V stop there")
+        append_segment(ids, segments, "assistant", found)
+        history.append((user, answer, found))
+    return Rendered(history, ids, drift)
+
+
+def stored_answer(db, model_fingerprint: str, ids: list[int], text: str) -> list[int] | None:
+    """The ids of an assistant segment that starts right after ``ids`` in a stored chat of this model and whose
+    stored text equals ``text`` (or, stripped of its think block, equals it); None if there is none."""
+    start = len(ids)
+    for conv_id in conversations_with_prefix(db, ids, model_fingerprint):
+        conv = get_conversation(db, conv_id)
+        seg = next((s for s in conv.segments if s[0] == start), None)
+        if seg is None or seg[2] != "assistant":
+            continue
+        msg = next((m for m in conv.messages if m.role == "assistant" and m.token_start == start), None)
+        if msg is not None and text in (msg.text, strip_think(msg.text)):
+            return conv.token_ids[seg[0]:seg[1]]
+    return None

@@ -1,0 +1,201 @@
+"""The OpenAI chat-completions surface: request parsing and validation, response and error bodies.
+
+Field names and error shapes follow the OpenAI API reference ("Create chat
+completion", "Error codes"): errors are ``{"error": {"message", "type",
+"param", "code"}}``; reused prompt tokens are ``usage.prompt_tokens_details.cached_tokens``.
+kvchat adds a ``kvchat`` object per completion (where the prompt's K/V came from).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+from kvchat.engine.turn import SamplingParams, TurnStats
+
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP = 4  # stop sequences at most (as the OpenAI API)
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP ``status`` with an OpenAI-style error object.
+
+    Attributes:
+        status: HTTP status code (400, 401, 404, 413, 503, …).
+        type: OpenAI error type (``invalid_request_error``, ``authentication_error``, …).
+        param: the request field at fault, if any.
+        code: a short machine-readable code, if any.
+        headers: extra response headers (``Retry-After`` on 503).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """The JSON error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """A validated ``POST /v1/chat/completions``.
+
+    Attributes:
+        model: the model name asked for.
+        system: the leading system (or developer) messages, joined by blank lines ("" if none).
+        turns: earlier ``(user, assistant)`` message pairs.
+        user: the last user message (what this request asks).
+        params: sampling; ``max_tokens`` None until the server caps it by the context.
+        stop: strings that end the answer (not included in it).
+        stream: answer as Server-Sent Events.
+        include_usage: streaming: a last chunk with ``usage`` (``stream_options.include_usage``).
+    """
+
+    model: str
+    system: str
+    turns: list[tuple[str, str]]
+    user: str
+    params: SamplingParams
+    max_tokens: int | None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _text(content, where: str) -> str:
+    """A message's content as text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise _bad(f"{where}.content: only text parts are supported", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"{where}.content must be a string or a list of text parts", where)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not lo <= value <= hi:
+        raise _bad(f"{name} must be a number in [{lo}, {hi}], got {value!r}", name)
+    return float(value)
+
+
+def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(f"{name} must be an integer in [{lo}, {hi}], got {value!r}", name)
+    return value
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    """Validate a request body (JSON bytes).
+
+    Raises:
+        ApiError: 400 for malformed JSON, wrong types, out-of-range values, unsupported
+            features (``n`` > 1, tools, roles other than system/developer/user/assistant,
+            a conversation that does not alternate user/assistant and end with a user message).
+    """
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required (a string; see GET /v1/models)", "model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list", "messages")
+    for name in ("tools", "functions", "tool_choice", "response_format", "logprobs"):
+        if body.get(name):
+            raise _bad(f"{name} is not supported by kvchat serve", name)
+    _int(body, "n", 1, 1)  # one choice only
+    system, seq = [], []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"{where}.role must be one of {', '.join(ROLES)}", where)
+        text = _text(m.get("content"), where)
+        if m["role"] in ("system", "developer"):
+            if seq:
+                raise _bad(f"{where}: system messages are supported only before the first user message", where)
+            system.append(text)
+        else:
+            seq.append((m["role"], text, where))
+    for k, (role, _, where) in enumerate(seq):
+        if role != ("user" if k % 2 == 0 else "assistant"):
+            raise _bad(f"{where}: messages after the system prompt must alternate user, assistant, …, user", where)
+    if not seq or seq[-1][0] != "user":
+        raise _bad("the last message must be a user message", "messages")
+    if not seq[-1][1].strip():
+        raise _bad("the last user message is empty", "messages")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise _bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("stream_options must be an object", "stream_options")
+    max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
+    params = SamplingParams(temperature=_number(body, "temperature", 0, 2, 1.0), top_p=_number(body, "top_p", 0, 1, 1.0),
+                            seed=_int(body, "seed", 0, 2**63 - 1))
+    if params.top_p == 0:
+        raise _bad("top_p must be > 0", "top_p")
+    texts = [t for _, t, _ in seq]
+    return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
+                       stop, stream, bool(options.get("include_usage")))
+
+
+def kvchat_block(stats: TurnStats, ttft_ms: float, miss_reason: str | None, chat_id: str | None) -> dict:
+    """The ``kvchat`` object of a completion: where the prompt's K/V came from, and the chat it is stored in."""
+    return {"from_memory": stats.from_memory, "from_disk": stats.from_disk, "prefilled_tokens": stats.prefilled_tokens,
+            "restore_ms": round(stats.restore_ms, 2), "ttft_ms": round(ttft_ms, 2), "miss_reason": miss_reason,
+            "chat_id": chat_id}
+
+
+def usage_block(stats: TurnStats) -> dict:
+    """OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens`` = tokens whose K/V were reused."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.reused_tokens}}
+
+
+def completion_body(cid: str, model: str, text: str, finish: str, usage: dict, kvchat: dict) -> dict:
+    """A non-streaming ``chat.completion`` object."""
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+            "usage": usage, "kvchat": kvchat}
+
+
+def chunk_body(cid: str, model: str, delta: dict, finish: str | None = None, usage: dict | None = None,
+               kvchat: dict | None = None) -> dict:
+    """One ``chat.completion.chunk`` of a stream (``choices`` empty on the usage-only last chunk)."""
+    body = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage
+    if kvchat is not None:
+        body["kvchat"] = kvchat
+    return body

@@ -1,0 +1,314 @@
+"""The one thread that owns the engine: continuous batching over the conversation service.
+
+Requests are queued by the HTTP handlers (:meth:`Scheduler.submit`). Each
+loop iteration of the scheduler thread
+
+1. admits queued requests while the pool can hold every admitted request at
+   its full length (prompt + ``max_tokens``), answering 503 with Retry-After
+   to one that waited longer than the queue timeout;
+2. runs one decode step for every running chat in **one forward**
+   (:meth:`kvchat.engine.runner.Engine.decode_batch`);
+3. runs one prefill chunk of one newly admitted request, so running streams
+   keep flowing while a long prompt is prefilled.
+
+A request is a turn of the conversation service
+(:meth:`kvchat.conversation.service.ChatService.send_steps`): the same
+checks, storing and rollback as the TUI's and the CLI's turns; the scheduler
+only answers its steps. A cancelled request (client gone, stop string seen)
+ends after its next token, is stored like an interrupted TUI turn, and its
+blocks go back to the pool (still in the prefix cache).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvchat.conversation.events import TokenBatch
+from kvchat.conversation.records import new_settings
+from kvchat.conversation.service import ChatService
+from kvchat.conversation.views import ContextFullError
+from kvchat.engine.block_manager import PoolFullError
+from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.persistence import KVPersist
+from kvchat.engine.runner import ContextOverflowError
+from kvchat.engine.sequence import DecodeStep
+from kvchat.engine.turn import TurnStats
+from kvchat.index import get_db
+from kvchat.model.chat_format import ChatTemplateError
+from kvchat.model.loader import Runtime
+from kvchat.server.prefix import render, stored_answer
+from kvchat.server.protocol import ApiError, ChatRequest
+from kvchat.store.conversations import conversations_with_prefix
+
+DEFAULT_MAX_TOKENS = 512  # when a request names none (as `kvchat ask`)
+IDLE_WAIT_S = 0.5  # the thread sleeps at most this long with nothing to do
+RETRY_AFTER_S = 5
+
+
+@dataclass(slots=True)
+class Finished:
+    """A request's answer: its text (cut at a stop string), why it ended, the turn's counters."""
+
+    text: str
+    finish_reason: str
+    stats: TurnStats
+    ttft_ms: float
+    miss_reason: str | None
+    chat_id: str | None
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in the scheduler.
+
+    ``push`` is called from the scheduler thread with ``("text", str)``, then one
+    ``("done", Finished)`` or ``("error", ApiError)``; it must be thread-safe.
+    ``cancel``: set by the handler when the client goes away.
+    """
+
+    request: ChatRequest
+    push: Callable[[tuple[str, object]], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    received: float = field(default_factory=time.perf_counter)
+    service: ChatService | None = None
+    steps: object = None
+    waiting: object = None
+    need_blocks: int = 0
+    drift: str | None = None
+    first_at: float | None = None
+    text: str = ""
+    sent: int = 0
+    stop_at: int | None = None
+
+
+class Scheduler:
+    """Owns the engine on its own thread; see the module docstring.
+
+    Args:
+        rt: the loaded runtime (its engine is used by this thread only from now on).
+        store: store every request as a chat, with its KV snapshots (``--no-store``: False).
+        queue_timeout_s: a request waiting longer than this for pool space gets 503.
+        verbose: print each request's last user message on stderr.
+    """
+
+    def __init__(self, rt: Runtime, store: bool = True, queue_timeout_s: float = 30.0, verbose: bool = False):
+        self.rt, self.store, self.queue_timeout_s, self.verbose = rt, store, queue_timeout_s, verbose
+        self.persist = KVPersist(rt.engine)
+        self.queued: deque[Job] = deque()
+        self.running: list[Job] = []
+        self._inbox: deque[Job] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.decode_steps = 0  # batched forwards run (health and bench)
+        self._thread = threading.Thread(target=self._loop, name="kvchat-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- called from the HTTP side -------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (any thread)."""
+        with self._wake:
+            self._inbox.append(job)
+            self._wake.notify()
+
+    def health(self) -> dict:
+        """Pool and queue counters (read without locking; approximate while the loop runs)."""
+        e = self.rt.engine
+        return {"status": "ok", "model": self.rt.info.name, "kv_dtype": e.spec.kv_dtype,
+                "pool_blocks_total": e.pool.num_blocks, "pool_blocks_used": e.pool.num_blocks - e.blocks.num_free_blocks,
+                "running": len(self.running), "queued": len(self.queued) + len(self._inbox),
+                "decode_steps": self.decode_steps, "context_limit": e.max_context}
+
+    def stop(self) -> None:
+        """Cancel every request, let running turns end (stored, as a cancelled turn), flush snapshot writes."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+        self.persist.close()
+
+    # ---- the scheduler thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    if not (self._inbox or self.running or self.queued or self._stopping):
+                        self._wake.wait(IDLE_WAIT_S)
+                    self.queued.extend(self._inbox)
+                    self._inbox.clear()
+                    stopping = self._stopping
+                if stopping:
+                    for job in [*self.queued, *self.running]:
+                        job.cancel.set()
+                    if not self.running:
+                        for job in self.queued:
+                            job.push(("error", ApiError(503, "the server is shutting down", "server_error")))
+                        return
+                self._admit()
+                decoding = [j for j in self.running if isinstance(j.waiting, DecodeStep)]
+                if decoding:
+                    self._decode(decoding)
+                starting = [j for j in self.running if not isinstance(j.waiting, DecodeStep)]
+                if starting:
+                    self._advance(starting[0], None)
+                elif not self.running and self.queued:
+                    time.sleep(0.01)  # waiting for pool space that only a timeout can change
+
+    def _admit(self) -> None:
+        """Prepare queued jobs in order; admit those whose full length fits beside the running ones."""
+        total = self.rt.engine.pool.num_blocks
+        for job in list(self.queued):
+            if job.cancel.is_set() and job.steps is None:
+                self.queued.remove(job)
+                job.push(("error", ApiError(499, "the client closed the request")))
+                continue
+            if job.service is None:
+                try:
+                    self._prepare(job)
+                except Exception as exc:  # noqa: BLE001 - bad request: answer it, keep serving
+                    self.queued.remove(job)
+                    job.push(("error", _api_error(exc)))
+                    continue
+            promised = sum(j.need_blocks for j in self.running)
+            if promised + job.need_blocks <= total:
+                self.queued.remove(job)
+                job.steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
+                                                   lambda ev, job=job: self._on_event(job, ev))
+                self.running.append(job)
+            elif time.perf_counter() - job.received > self.queue_timeout_s:
+                self.queued.remove(job)
+                self._release(job)
+                job.push(("error", ApiError(503, f"the KV pool is full ({total} blocks promised to running requests); "
+                                                 "retry later", "server_error", code="pool_full",
+                                            headers={"Retry-After": str(RETRY_AFTER_S)})))
+
+    def _prepare(self, job: Job) -> None:
+        """Render the messages (mapping answers back to generated ids), open or start the chat, size the job.
+
+        Raises:
+            ApiError: 400 when the prompt does not fit the context.
+        """
+        req, rt = job.request, self.rt
+        if self.verbose:
+            print(f"kvchat serve: request: {req.user!r} ({len(req.turns)} earlier turns)", file=sys.stderr)
+        settings = new_settings([])
+        fmt = rt.chat_format(settings)
+        db = get_db()
+        fp = rt.info.fingerprint
+        rendered = render(fmt, req.system, req.turns, lambda ids, text: stored_answer(db, fp, ids, text))
+        job.drift = rendered.drift
+        prompt = len(rendered.token_ids) + len(fmt.user_turn_ids(req.user))
+        limit = rt.engine.max_context
+        room = limit - prompt - len(fmt.assistant_close_ids(None))
+        if room < 1:
+            raise ApiError(400, f"the conversation is {prompt} tokens; {rt.engine.context_limit_text}",
+                           param="messages", code="context_length_exceeded")
+        req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
+        service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store)
+        found = conversations_with_prefix(db, rendered.token_ids, fp, exact=True, limit=1) if req.turns else []
+        busy = {j.service.chat.chat_id for j in [*self.running, *self.queued] if j.service and j.service.chat}
+        if found and self.store and found[0] not in busy:  # a chat answered by another request now: branch off
+            service.open_chat(found[0], restore=False)
+        else:
+            service.start_given_chat(req.system, settings, rendered.history)
+        if rt.engine.dense is not None:  # several chats run at once: each reads its own contiguous K/V copy
+            service.chat.session.sequence.dense = DenseKV(rt.engine.pool, rt.engine.blocks)
+        job.service = service
+        need = rt.engine.blocks.blocks_needed(prompt + req.params.max_tokens + 2) + 1  # + a block copied on write
+        job.need_blocks = min(need, rt.engine.pool.num_blocks)
+
+    def _decode(self, jobs: list[Job]) -> None:
+        try:
+            logits = self.rt.engine.decode_batch([j.waiting for j in jobs])
+        except PoolFullError as exc:  # admission should prevent it; fail that request, keep the others
+            job = jobs[getattr(exc, "index", 0)]
+            try:
+                job.steps.throw(exc)
+            except BaseException as err:  # noqa: BLE001 - the service rolled the turn back and re-raised
+                self._fail(job, err)
+            return
+        self.decode_steps += 1
+        for job, row in zip(jobs, logits):
+            self._advance(job, row)
+
+    def _advance(self, job: Job, reply) -> None:
+        """Run ``job``'s turn to its next step (one prefill chunk, or up to its next decode step)."""
+        try:
+            job.waiting = job.steps.send(reply)
+        except StopIteration as done:
+            self._finish(job, done.value)
+        except BaseException as exc:  # noqa: BLE001 - the service rolled the turn back; answer with the error
+            self._fail(job, exc)
+
+    def _on_event(self, job: Job, event) -> None:
+        """The service's events on this thread: stream answer text, holding back a possible stop string."""
+        if not isinstance(event, TokenBatch) or job.stop_at is not None:
+            return
+        if job.first_at is None:
+            job.first_at = time.perf_counter()
+        job.text += event.text
+        stops = job.request.stop
+        hits = [i for i in (job.text.find(s, max(0, job.sent - len(s))) for s in stops) if i >= 0]
+        if hits:
+            job.stop_at = min(hits)
+            job.cancel.set()  # the turn ends after this token
+            self._push_text(job, job.stop_at)
+            return
+        hold = max((k for s in stops for k in range(1, len(s)) if job.text.endswith(s[:k])), default=0)
+        self._push_text(job, len(job.text) - hold)
+
+    def _push_text(self, job: Job, upto: int) -> None:
+        if upto > job.sent:
+            job.push(("text", job.text[job.sent:upto]))
+            job.sent = upto
+
+    def _finish(self, job: Job, done) -> None:
+        self.running.remove(job)
+        stats = done.stats
+        if job.stop_at is None and done.text.startswith(job.text):
+            job.text = done.text
+            self._push_text(job, len(job.text))
+        text = job.text[: job.stop_at] if job.stop_at is not None else job.text
+        finish = {"stop": "stop", "length": "length", "context": "length"}.get(stats.finish_reason, "stop")
+        ttft = ((job.first_at or time.perf_counter()) - job.received) * 1e3
+        miss = stats.miss_reason
+        if job.drift and stats.reused_tokens < stats.prompt_tokens - self.rt.engine.spec.block_size:
+            miss = job.drift if miss is None else f"{job.drift}; {miss}"
+        self._release(job)
+        job.push(("done", Finished(text, finish, stats, ttft, miss, done.chat_id)))
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if job in self.running:
+            self.running.remove(job)
+        self._release(job)
+        job.push(("error", _api_error(exc)))
+
+    def _release(self, job: Job) -> None:
+        """Give the request's blocks back to the pool (they stay in the prefix cache)."""
+        if job.service is not None and job.service.chat is not None:
+            job.service.chat.session.close()
+            job.service.chat = None
+
+
+def _api_error(exc: BaseException) -> ApiError:
+    """The HTTP answer to an exception raised while preparing or running a request."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, (ContextFullError, ContextOverflowError)):
+        return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, PoolFullError):
+        return ApiError(503, str(exc), "server_error", code="pool_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, (ValueError, ChatTemplateError)):
+        return ApiError(400, str(exc))
+    if isinstance(exc, OSError):
+        return ApiError(503, f"the answer could not be stored: {exc.strerror or exc}", "server_error")
+    traceback.print_exception(exc, file=sys.stderr)
+    return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+

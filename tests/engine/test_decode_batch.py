@@ -1,0 +1,79 @@
+"""Batched decode on the real model: several sequences in one forward give each one's own greedy answer.
+
+Each sequence runs its turn as steps (:meth:`Session.turn`); one forward answers
+every waiting :class:`DecodeStep` (:meth:`Engine.decode_batch`), each sequence
+reading its own dense K/V copy, against the same turns run one at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.conversation.records import new_settings
+from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.engine.session import Session
+from kvchat.model.loader import load_runtime
+
+PROMPTS = ["Name a fruit.", "What is two plus two?", "Say hello in French."]
+
+
+@pytest.fixture(scope="module")
+def rt(smol_info):
+    return load_runtime(None, "fp8")
+
+
+def _session(rt):
+    return Session.new(rt.engine, rt.chat_format(new_settings([])), "You are brief.", [])
+
+
+def test_batched_turns_equal_single_turns(rt):
+    alone = []
+    for p in PROMPTS:
+        s = _session(rt)
+        list(s.send(p, SamplingParams(max_tokens=8)))
+        alone.append(list(s.token_ids))
+        s.close()
+
+    sessions = [_session(rt) for _ in PROMPTS]
+    for s in sessions:
+        s.sequence.dense = DenseKV(rt.engine.pool, rt.engine.blocks)
+    steps = [s.turn(p, SamplingParams(max_tokens=8)) for s, p in zip(sessions, PROMPTS)]
+    waiting, forwards, widest = {}, 0, 0
+    with torch.inference_mode():
+        for i, g in enumerate(steps):  # prefill each, up to its first decode step
+            item = next(g)
+            while not isinstance(item, DecodeStep):
+                item = next(g)
+            waiting[i] = item
+        while waiting:
+            order = sorted(waiting)
+            logits = rt.engine.decode_batch([waiting[i] for i in order])
+            forwards, widest = forwards + 1, max(widest, len(order))
+            for i, row in zip(order, logits):
+                try:
+                    item = steps[i].send(row)
+                    while not isinstance(item, DecodeStep):
+                        assert isinstance(item, (str, PrefillChunk))
+                        item = next(steps[i])
+                    waiting[i] = item
+                except StopIteration:
+                    del waiting[i]
+    assert widest == len(PROMPTS)
+    assert [s.token_ids for s in sessions] == alone
+    generated = sum(s.last_turn.stats.new_tokens - 1 for s in sessions)
+    assert forwards < generated  # shared forwards, not one per token
+    used = rt.engine.pool.num_blocks - rt.engine.blocks.num_free_blocks
+    for s in sessions:
+        s.close()
+    assert rt.engine.pool.num_blocks - rt.engine.blocks.num_free_blocks < used
+
+
+def test_dense_path_needs_one_copy_per_sequence(rt):
+    a, b = _session(rt), _session(rt)
+    shared = DenseKV(rt.engine.pool, rt.engine.blocks)
+    a.sequence.dense = b.sequence.dense = shared
+    with pytest.raises(ValueError, match="one dense copy per sequence"):
+        rt.engine.decode_batch([DecodeStep(a.sequence, a.token_ids), DecodeStep(b.sequence, b.token_ids)])
