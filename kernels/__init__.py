@@ -48,6 +48,7 @@ from .reference import (
     SCALE_SCHEME,
     dense_attention,
     dequantize_fp8,
+    dequantize_into,
     quantize_fp8,
     read_slots,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "decode_attention",
     "dense_attention",
     "dequantize_fp8",
+    "dequantize_into",
     "extend_attention",
     "quantize_fp8",
     "read_slots",

@@ -6,6 +6,7 @@
 - ``KVCHAT_ATTENTION``: ``torch`` or ``triton`` attention kernels.
 - ``KVCHAT_KV_BUDGET_MB``: the KV pool's size, MiB.
 - ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
+- ``KVCHAT_WEIGHTS``: the weight format the model computes with.
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 
@@ -41,6 +42,8 @@ ATTENTION = "KVCHAT_ATTENTION"
 KV_BUDGET_MB = "KVCHAT_KV_BUDGET_MB"
 CACHE_BUDGET_GB = "KVCHAT_CACHE_BUDGET_GB"
 PHASE_TRACE = "KVCHAT_PHASE_TRACE"
+WEIGHTS = "KVCHAT_WEIGHTS"
+WEIGHTS_CHOICES = ("auto", "fp32", "bf16", "int8")  # auto: resolved by kvchat.engine.cache_identity.resolve_weight_format
 ATTENTION_CHOICES = ("torch", "triton")
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -176,6 +179,24 @@ def cache_budget_gb() -> float | None:
     return _positive(CACHE_BUDGET_GB, "GB")
 
 
+def weights() -> str:
+    """``KVCHAT_WEIGHTS``: the weight format, ``auto``, ``fp32``, ``bf16`` or ``int8`` (case-insensitive);
+    the ``--weights`` option of every command that runs the model sets it for the process and its children.
+
+    Default ``auto``: int8 weight-only matmuls on a CPU (:mod:`kvchat.model.quant`), bf16 on CUDA
+    (:func:`kvchat.engine.cache_identity.resolve_weight_format`).
+
+    Raises:
+        SettingError: any other value.
+    """
+    value = _raw(WEIGHTS)
+    if value is None:
+        return "auto"
+    if value.lower() not in WEIGHTS_CHOICES:
+        raise SettingError(f"{WEIGHTS} must be one of {', '.join(WEIGHTS_CHOICES)}, got {os.environ[WEIGHTS]!r}")
+    return value.lower()
+
+
 def phase_trace() -> Path | None:
     """``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends one line per phase to (fault-injection runs,
     :mod:`kvchat.phase_trace`). Default (None): no trace."""
@@ -194,3 +215,4 @@ def check() -> None:
     attention()
     kv_budget_mb()
     cache_budget_gb()
+    weights()

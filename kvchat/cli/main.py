@@ -12,6 +12,7 @@ import sys
 
 from kvchat import __version__
 from kvchat.engine.cache_identity import KV_DTYPE_NAMES
+from kvchat.settings import WEIGHTS, WEIGHTS_CHOICES
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
@@ -43,10 +44,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
-    """``--model --kv-dtype --threads``; on sub-commands they default to the top-level values."""
+    """``--model --kv-dtype --weights --threads``; on sub-commands they default to the top-level values."""
     keep = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
+    p.add_argument("--weights", choices=WEIGHTS_CHOICES, help="weight format (default: KVCHAT_WEIGHTS, else auto: "
+                   "int8 on a CPU, bf16 on a GPU)", **keep)
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)", **keep)
 
 
@@ -120,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvchat`` script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "weights", None):  # the setting every loader reads; child processes (bench resume) inherit it
+        import os
+
+        os.environ[WEIGHTS] = args.weights
     try:
         from kvchat.settings import check
 

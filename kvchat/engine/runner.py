@@ -22,6 +22,7 @@ from kvchat.model.config import ModelConfig
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.calibration import KVCalibration
+from kvchat.model.quant import int8_path, quantize_linears
 from kvchat.model.transformer import AttnMetadata, Transformer, rope_inv_freq
 
 DEFAULT_CPU_POOL_BYTES = 512 * 2**20
@@ -107,16 +108,24 @@ class Engine:
         dense_kv: bool | None = None,
         calibration: KVCalibration | None = None,
         exact_sink: bool = True,
+        weight_format: str | None = None,
     ):
+        """``weight_format``: ``fp32|bf16|int8`` (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`; int8:
+        the loaded linear layers quantized by :func:`kvchat.model.quant.quantize_linears`, stored per model);
+        None: fp32 on a CPU for small models, else bf16 (:func:`compute_dtype`)."""
         self.cfg = cfg
         self.name = name
         self.device = torch.device(device) if device is not None else settings.device()
         num_params = sum(t.numel() for t in weights.values())
-        self.dtype = compute_dtype(self.device, num_params)
+        legacy = "fp32" if compute_dtype(self.device, num_params) == torch.float32 else "bf16"
+        self.weight_format = weight_format or legacy
+        self.dtype = torch.bfloat16 if self.weight_format == "bf16" else torch.float32
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = Transformer(cfg).to(self.dtype)
         model.load_hf_state_dict(weights)
+        if self.weight_format == "int8":
+            quantize_linears(model, int8_path(model_fingerprint))
         model.inv_freq = rope_inv_freq(cfg).to(self.device)  # keep fp32 after the dtype cast
         self.model = model.eval()
         self.spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
@@ -130,7 +139,7 @@ class Engine:
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.spec.block_size)
+            self.spec.block_size, self.weight_format)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"

@@ -22,7 +22,9 @@ from kvchat.engine.calibration import (
     save_calibration,
 )
 from kvchat.model.registry import ModelInfo, load_weights, resolve_model
+from kvchat.engine.cache_identity import resolve_weight_format
 from kvchat.settings import device as env_device
+from kvchat.settings import weights as env_weights
 from kvchat.texts import CALIBRATION_MODULES, stdlib_text
 
 
@@ -60,29 +62,35 @@ def load_runtime(
     *,
     device: str | None = None,
     pool_bytes: int | None = None,
+    weights: str | None = None,
 ) -> Runtime:
     """Resolve (importing on first use), load weights, build the engine and tokenizer.
 
     For an fp8 pool the model's K-centring calibration is loaded, or
-    computed and stored on first use (:func:`ensure_calibration`).
+    computed and stored on first use (:func:`ensure_calibration`). ``weights``:
+    ``auto|fp32|bf16|int8`` (None: ``KVCHAT_WEIGHTS``), resolved for the device by
+    :func:`kvchat.engine.cache_identity.resolve_weight_format`.
 
     Raises:
         kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError,
         kvchat.model.importer.ModelImportError, kvchat.engine.kv_pool.KVDtypeError,
         kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (``device`` None), ``KVCHAT_ATTENTION``
-            or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None); the first two before the weights load.
+            or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None), ``KVCHAT_WEIGHTS`` (``weights`` None); all but the
+            pool budget before the weights load.
+        ValueError: int8 weights asked for on a GPU (:func:`kvchat.engine.cache_identity.resolve_weight_format`).
     """
     from transformers import AutoTokenizer
 
     kv_torch_dtype(kv_dtype)
     dev = torch.device(device) if device is not None else env_device()
     kernels.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
+    weight_format = resolve_weight_format(weights or env_weights(), dev.type)
     info = resolve_model(model)
     weights = load_weights(info)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     calibration = ensure_calibration(info, weights, tokenizer, dev) if kv_dtype == "fp8" else None
     engine = Engine(info.config, weights, info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
-                    device=dev, name=info.name, calibration=calibration)
+                    device=dev, name=info.name, calibration=calibration, weight_format=weight_format)
     del weights
     runtime = Runtime(info, engine, tokenizer)
     if engine.exact_sink:  # every chat starts with the template's first token: its sink now, not in the first TTFT
