@@ -112,7 +112,7 @@ class Int8Linear(nn.Module):
         """``x`` float32 ``[..., in_features]`` -> float32 ``[..., out_features]``."""
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= INT8MM_MAX_ROWS:
-            xb = rows.to(torch.bfloat16)
+            xb = rows.to(torch.bfloat16, memory_format=torch.contiguous_format)  # the kernel reads rows densely
             if self.groups == 1:
                 y = torch._weight_int8pack_mm(xb, self.q[0], self.unit).float().mul_(self.scale[0])
             else:
@@ -161,7 +161,9 @@ def load_int8(path: Path, names_shapes: dict[str, tuple[int, int, int]]) -> dict
             keys = set(f.keys())
             if keys != {f"{n}.{s}" for n in names_shapes for s in ("q", "scale")}:
                 return None
-            out = {n: (f.get_tensor(f"{n}.q"), f.get_tensor(f"{n}.scale")) for n in names_shapes}
+            # copies: a tensor read from the file can start at any byte (56 mod 64 seen here), and the int8
+            # kernel crashes (SIGSEGV) on a weight that is not aligned the way torch's allocator aligns it
+            out = {n: (f.get_tensor(f"{n}.q").clone(), f.get_tensor(f"{n}.scale").clone()) for n in names_shapes}
     except (OSError, SafetensorError):
         return None
     for n, (q, s) in out.items():

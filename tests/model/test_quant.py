@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import transformers
 
 from kvchat.engine.cache_identity import cache_fingerprint, engine_identity, resolve_weight_format
+from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.runner import Engine
 from kvchat.model import quant
 from kvchat.model.config import ModelConfig
@@ -36,7 +37,7 @@ def test_quantize_error_is_at_most_half_a_step(group):
 def test_int8_linear_matches_its_dequantized_weight(rows, group):
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 192, generator=gen), torch.randn(96, generator=gen)
-    x = torch.randn(rows, 192, generator=gen)
+    x = torch.randn(192, rows, generator=gen).t()  # strided, as attention's output reaches o_proj
     q, scale = quant.quantize_int8(w, group)
     want = F.linear(x, _dequant(q, scale), b)
     got = quant.Int8Linear(q, scale, b)(x)
@@ -75,6 +76,9 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     assert quant.quantize_linears(Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu",
                                          dense_kv=False).model, path)  # read, not quantized again
     assert path.stat().st_mtime_ns == stamp
+    reread = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu", weight_format="int8")
+    ids = list(range(1, 20))
+    assert torch.equal(reread.prefill(SeqBlocks(), ids).logits, first.prefill(SeqBlocks(), ids).logits)
     # a file of another scheme (or for other layers) is not used: quantized again and replaced
     from safetensors.torch import save_file
 
