@@ -16,7 +16,10 @@ engine: the engine's default (per-token scales, K centring with the model's
 stored calibration, computed on standard-library text disjoint from the
 evaluation text, and the attention sink read exact), per-token scales alone,
 a fixed scale of 1.0 (vLLM's default), and K centring without the exact sink.
-The kvchat goal is a perplexity within +0.5% of bf16. Perplexity deltas over
+The kvchat goal is a perplexity within +0.5% of bf16. The same protocol
+then compares int8 weights with fp32 weights, per pool and int8 kernel
+(:mod:`kvchat.bench.weight_fidelity`; key ``"weights"``, goal also +0.5%).
+Perplexity deltas over
 ~2k tokens move by several tenths of a percent under any small perturbation;
 mean KL is the steadier figure, and pooling several texts steadies both.
 """
@@ -211,7 +214,6 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
     schemes = all_schemes()
     runs = [(s, s.engine(cfg, weights, info.fingerprint, calibration, pool_bytes=spec("fp8").bytes_per_block * blocks))
             for s in schemes]
-    del weights
     for scheme, engine in runs:
         if scheme.fixed_scale is None and engine.scale_scheme != scheme.name:
             raise RuntimeError(f"scheme {scheme.name} ran as {engine.scale_scheme}")  # a mislabelled row
@@ -221,6 +223,10 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
         per_text += compare_to_reference(ref, runs, ids, text.name)
     compute = str(ref.dtype).removeprefix("torch.")
     del ref, runs
+    from kvchat.bench.weight_fidelity import compare_weights
+
+    weight_rows = [r.as_dict() for r in compare_weights(info, weights, calibration, [(t.name, ids) for t, ids in docs])]
+    del weights
     retrieval_tokens = getattr(args, "retrieval_tokens", DEFAULT_DOC_TOKENS)
     retrieval = None
     if retrieval_tokens > 0:
@@ -245,6 +251,7 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
         "goal_ppl_delta_pct": GOAL_PPL_DELTA_PCT,
         "results": [r.as_dict() for r in per_text + (pooled if len(docs) > 1 else [])],
         "retrieval": retrieval,
+        "weights": weight_rows,
     }
 
 
@@ -258,6 +265,12 @@ def format_report(res: dict) -> str:
         rows.append((r["text"], r["scheme"], str(r["positions"]), f"{r['ppl_bf16']:.3f}", f"{r['ppl']:.3f}",
                      f"{r['ppl_delta_pct']:+.2f}", f"{r['mean_kl']:.4f}", f"{r['top1_agreement']:.3f}"))
     out = f"{head}\n\n{format_table(rows)}\n\ngoal: Δppl ≤ +{res['goal_ppl_delta_pct']}% vs bf16"
+    if res.get("weights"):
+        w = [("int8 vs fp32 weights: text", "pool", "int8 kernel", "ppl fp32 w", "ppl int8 w", "Δppl %", "mean KL", "top-1")]
+        w += [(r["text"], r["pool"], f"{r['kernel']} ({r['chunk_tokens']}-token chunks)", f"{r['ppl_fp32_weights']:.3f}",
+               f"{r['ppl']:.3f}", f"{r['ppl_delta_pct']:+.2f}", f"{r['mean_kl']:.4f}", f"{r['top1_agreement']:.3f}")
+              for r in res["weights"]]
+        out += f"\n\n{format_table(w)}\n\ngoal: Δppl ≤ +{res['goal_ppl_delta_pct']}% vs fp32 weights"
     if res.get("retrieval"):
         out += "\n\n" + format_retrieval(res["retrieval"])
     return out
