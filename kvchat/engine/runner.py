@@ -174,6 +174,7 @@ class Engine:
         if num_tokens > self.max_context:
             raise ContextOverflowError(f"conversation would be {num_tokens} tokens; {self.context_limit_text}")
 
+    @torch.no_grad()
     def sink_kv(self, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact (unquantized) K/V of ``token_id`` at position 0, every layer: float32 ``[num_layers, num_kv_heads, head_dim]`` x2.
 
