@@ -17,8 +17,8 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvchat.bench.fidelity import SCORE_CHUNK_TOKENS, FidelityResult, compare_to_reference
-from kvchat.model.quant import INT8MM_MAX_ROWS
+from kvchat.bench.teacher_forced import SCORE_CHUNK_TOKENS, FidelityResult, compare_to_reference
+from kvchat.model.int8_scheme import INT8MM_MAX_ROWS
 
 POOLS = ("fp8", "bf16")
 KERNEL_CHUNKS = {"int8mm (bf16 activations)": INT8MM_MAX_ROWS, "dequantized fp32 GEMM": SCORE_CHUNK_TOKENS}

@@ -48,7 +48,7 @@ def weight_scheme(weight_format: str) -> str:
     """The name a weight format enters the cache fingerprint with ("" for fp32: fingerprints made before
     weight formats existed stay valid; the int8 name carries its kernel choice, which changes K/V)."""
     if weight_format == "int8":
-        from kvchat.model.quant import INT8_SCHEME
+        from kvchat.model.int8_scheme import INT8_SCHEME
 
         return INT8_SCHEME
     return "" if weight_format == "fp32" else weight_format

@@ -44,14 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvchat.model.int8_scheme import GROUP_SIZES, INT8_SCHEME, INT8MM_MAX_ROWS
 from kvchat.paths import models_dir
 from kvchat.safetensors_file import save_atomic
 
-INT8_VERSION = 1
-INT8MM_MAX_ROWS = 256  # rows up to which the int8 kernel beats dequantize + fp32 GEMM (module doc)
-GROUP_SIZES = {"down_proj": 256}  # input columns per scale, by layer name; others: the whole row
-INT8_SCHEME = (f"int8-v{INT8_VERSION}-per-channel-" + "-".join(f"{k}{v}" for k, v in sorted(GROUP_SIZES.items()))
-               + f"-mm{INT8MM_MAX_ROWS}")
 WEIGHTS_DIR = ".weights"
 QMAX = 127
 
