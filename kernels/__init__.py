@@ -53,6 +53,7 @@ from .reference import (
     SCALE_SCHEME,
     dense_attention,
     dequantize_fp8,
+    dequantize_into,
     quantize_fp8,
     read_slots,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "decode_attention",
     "dense_attention",
     "dequantize_fp8",
+    "dequantize_into",
     "extend_attention",
     "quantize_fp8",
     "read_slots",

@@ -153,13 +153,34 @@ def read_slots(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Ten
     s = scale.flatten(-3, -2).index_select(dim, slots)
     if out is None and raw.numel() < SMALL_READ:  # few elements: one conversion op beats the bit trick's
         return raw.view(FP8_DTYPE).float() * s.unsqueeze(-1)
-    bits = raw.to(torch.int16)  # fp8_bits_to_f16, in place
+    return dequantize_into(raw.view(FP8_DTYPE), s, out)
+
+
+def dequantize_into(values: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored K or V values to float32, written into ``out``: the bulk conversion of every CPU read path.
+
+    Args:
+        values: ``[..., head_dim]`` float8_e4m3fn (then ``scale`` ``[...]`` float32, not modified) or a
+            16-bit pool dtype (``scale`` None).
+        out: optional float32 ``[..., head_dim]`` destination, any strides.
+    Returns:
+        float32 values (``out`` when given), bit-identical to :func:`dequantize_fp8`.
+
+    fp8 goes through :func:`fp8_bits_to_f16`'s bit trick, in place on one int16
+    temporary. Measured against a 256-entry table gather (``table[bytes]``, the
+    table holding every e4m3 value) on 4,096 tokens' K of SmolLM2 (23.6 M
+    values, 1 thread, a shared machine): bit trick 94 ms, table gather 199-376 ms
+    (``take``/``index`` with int64/int32 indices), torch's own fp8 cast 87-252 ms.
+    """
+    if values.dtype != FP8_DTYPE:
+        return values.float() if out is None else out.copy_(values)
+    bits = values.view(torch.uint8).to(torch.int16)  # fp8_bits_to_f16, in place
     sign = bits & 0x80
     bits.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign.bitwise_left_shift_(8))
     if out is None:
-        out = torch.empty(raw.shape, dtype=torch.float32, device=raw.device)
+        out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
     out.copy_(bits.view(torch.float16))
-    return out.mul_(s.mul_(256.0).unsqueeze(-1))
+    return out.mul_((scale * 256.0).unsqueeze(-1))
 
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_start: int, sm_scale: float) -> torch.Tensor:

@@ -8,6 +8,7 @@
 - ``KVCHAT_DTYPE``: the compute dtype of the weights and activations.
 - ``KVCHAT_RESIDENT_CHATS``: how many chats of full context the default KV pool is sized for.
 - ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
+- ``KVCHAT_WEIGHTS``: the weight format the model computes with.
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 
@@ -46,6 +47,8 @@ DTYPE = "KVCHAT_DTYPE"
 RESIDENT_CHATS = "KVCHAT_RESIDENT_CHATS"
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 DEFAULT_RESIDENT_CHATS = 4
+WEIGHTS = "KVCHAT_WEIGHTS"
+WEIGHTS_CHOICES = ("auto", "fp32", "bf16", "int8")  # auto: resolved by kvchat.engine.cache_identity.resolve_weight_format
 ATTENTION_CHOICES = ("torch", "triton")
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -203,13 +206,13 @@ def compute_dtype() -> str:
     if value is None:
         return "auto"
     if value.lower() not in DTYPE_CHOICES:
-        raise SettingError(f"{DTYPE} must be auto, bf16, fp16 or fp32, got {os.environ[DTYPE]!r}")
+        raise SettingError(f"{DTYPE} must be one of {', '.join(DTYPE_CHOICES)}, got {os.environ[DTYPE]!r}")
     return value.lower()
 
 
 def resident_chats() -> int:
     """``KVCHAT_RESIDENT_CHATS``: how many chats of the model's full context the default KV pool holds at
-    once, a whole number >= 1 (:func:`kvchat.engine.pool_size.default_pool_bytes` caps it by memory).
+    once, a whole number >= 1 (:func:`kvchat.engine.pool_size.plan_pool` caps it by memory).
 
     Default: :data:`DEFAULT_RESIDENT_CHATS`.
 
@@ -222,6 +225,24 @@ def resident_chats() -> int:
     if not value.isdigit() or int(value) < 1:
         raise SettingError(f"{RESIDENT_CHATS} must be a whole number of chats >= 1, got {os.environ[RESIDENT_CHATS]!r}")
     return int(value)
+
+
+def weights() -> str:
+    """``KVCHAT_WEIGHTS``: the weight format, ``auto``, ``fp32``, ``bf16`` or ``int8`` (case-insensitive);
+    the ``--weights`` option of every command that runs the model sets it for the process and its children.
+
+    Default ``auto``: int8 weight-only matmuls on a CPU (:mod:`kvchat.model.quant`), bf16 on CUDA
+    (:func:`kvchat.engine.cache_identity.resolve_weight_format`).
+
+    Raises:
+        SettingError: any other value.
+    """
+    value = _raw(WEIGHTS)
+    if value is None:
+        return "auto"
+    if value.lower() not in WEIGHTS_CHOICES:
+        raise SettingError(f"{WEIGHTS} must be one of {', '.join(WEIGHTS_CHOICES)}, got {os.environ[WEIGHTS]!r}")
+    return value.lower()
 
 
 def phase_trace() -> Path | None:
@@ -244,3 +265,4 @@ def check() -> None:
     compute_dtype()
     resident_chats()
     cache_budget_gb()
+    weights()

@@ -3,8 +3,11 @@
 Every runner of the model in torch (kvchat's and transformers') performs the
 same linear layers with the same library GEMM/GEMV, so their time alone
 bounds what any torch implementation can reach on this machine at this
-weight dtype and thread count. A target above the ceiling cannot be met by
-removing overhead; it needs smaller weights or other matmul kernels.
+weight format and thread count. A target above the ceiling cannot be met by
+removing overhead; it needs smaller weights or other matmul kernels. The
+layers are called as the model calls them (``Linear`` or, for int8
+weights, :class:`kvchat.model.quant.Int8Linear` with its kernel choice by
+row count), so there is one ceiling per weight format.
 """
 
 from __future__ import annotations
@@ -13,23 +16,33 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
+from kvchat.model.quant import Int8Linear
 from kvchat.model.transformer import Linear, Transformer
 
 
-def _weights(model: Transformer) -> list[torch.Tensor]:
-    return [m.weight for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+def _layers(model: Transformer) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (Linear, Int8Linear)) and m is not model.lm_head]
 
 
-def _pass_s(weights: list[torch.Tensor], head: torch.Tensor, rows: int) -> float:
-    """Seconds for one pass: every layer weight at ``rows`` input rows, the LM head at one row."""
-    xs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
-    x_head = torch.randn(1, head.shape[1], dtype=head.dtype)
+def _shape(m: nn.Module) -> tuple[int, int]:
+    """``(out, in)`` features of a linear layer."""
+    return (m.out_features, m.in_features) if isinstance(m, Int8Linear) else tuple(m.weight.shape)
+
+
+def _weight_bytes(m: nn.Module) -> int:
+    return m.weight_bytes if isinstance(m, Int8Linear) else m.weight.numel() * m.weight.element_size()
+
+
+def _pass_s(layers: list[nn.Module], head: nn.Module, rows: int, dtype: torch.dtype) -> float:
+    """Seconds for one pass: every layer at ``rows`` input rows, the LM head at one row."""
+    xs = [torch.randn(rows, _shape(m)[1], dtype=dtype) for m in layers]
+    x_head = torch.randn(1, _shape(head)[1], dtype=dtype)
     t0 = time.perf_counter()
-    for x, w in zip(xs, weights):
-        F.linear(x, w)
-    F.linear(x_head, head)
+    for x, m in zip(xs, layers):
+        m(x)
+    head(x_head)
     return time.perf_counter() - t0
 
 
@@ -38,7 +51,7 @@ def matmul_ceiling(model: Transformer, chunk_tokens: int = 512, repeats: int = 3
     """Median time of the model's matmuls alone, as tokens/s ceilings.
 
     Args:
-        model: the engine's model (its weights, dtype and device as used).
+        model: the engine's model (its weight format, dtype and device as used).
         chunk_tokens: rows per prefill matmul (the engine's prefill chunk).
         repeats: passes per phase after one warm-up; the median is kept.
     Returns:
@@ -47,13 +60,15 @@ def matmul_ceiling(model: Transformer, chunk_tokens: int = 512, repeats: int = 3
         second in that pass), ``prefill_ms`` (one chunk of ``chunk_tokens``),
         ``prefill_ceiling_tok_s`` and ``gemm_gflop_s``.
     """
-    weights, head = _weights(model), model.lm_head.weight
-    nbytes = sum(w.numel() * w.element_size() for w in [*weights, head])
-    flops = 2 * chunk_tokens * sum(w.numel() for w in weights) + 2 * head.numel()
+    layers, head = _layers(model), model.lm_head
+    dtype = model.embed_tokens.dtype
+    nbytes = sum(_weight_bytes(m) for m in [*layers, head])
+    numel = lambda m: _shape(m)[0] * _shape(m)[1]
+    flops = 2 * chunk_tokens * sum(numel(m) for m in layers) + 2 * numel(head)
     out = {}
     for phase, rows in (("decode", 1), ("prefill", chunk_tokens)):
-        _pass_s(weights, head, rows)
-        out[phase] = statistics.median(_pass_s(weights, head, rows) for _ in range(repeats))
+        _pass_s(layers, head, rows, dtype)
+        out[phase] = statistics.median(_pass_s(layers, head, rows, dtype) for _ in range(repeats))
     return {
         "decode_ms": round(out["decode"] * 1e3, 2),
         "decode_ceiling_tok_s": round(1 / out["decode"], 1),

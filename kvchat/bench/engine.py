@@ -1,14 +1,16 @@
 """``kvchat bench engine``: prefill and decode tokens/s against transformers, and model load time.
 
-One process, one model, one weight dtype, one thread count, one prompt for
-every backend:
+One process, one model, one thread count, one prompt for every backend:
 
-- kvchat's engine with each KV pool dtype measured (fp8 and bf16, plus
+- kvchat's engine with each weight format (fp32 — backends ``kvchat-POOL`` —
+  and int8, ``kvchat-POOL-int8``, plus ``--weights bf16`` when asked for:
+  ``kvchat-POOL-bf16``) and each KV pool dtype measured (fp8 and bf16, plus
   ``--kv-dtype`` if it is another one): :meth:`Engine.prefill` of the first
   ``L`` prompt tokens (in its usual 512-token chunks), then greedy
-  :meth:`Engine.decode` of ``--decode-tokens`` tokens;
+  :meth:`Engine.decode` of ``--decode-tokens`` tokens; the matmul ceiling
+  once per weight format;
 - transformers' own forward loop on the same imported weights, cast to the
-  engine's compute dtype, with a ``DynamicCache``: one forward over the ``L``
+  fp32 engine's compute dtype, with a ``DynamicCache``: one forward over the ``L``
   tokens computing only the last position's logits (``logits_to_keep=1``, as
   ``generate()`` does), then one forward per greedy token. No ``generate()``,
   so neither side pays for sampling machinery the other skips;
@@ -28,6 +30,7 @@ import argparse
 import datetime
 import inspect
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +52,7 @@ LLAMA_CPP_REFERENCE = {
             "development machine; not measured in this run",
 }
 TARGET_VS_TRANSFORMERS = 1.5
+TARGET_BEST_DECODE_VS_TRANSFORMERS = 2.0  # issue 15: the best kvchat decode at 512 tokens
 TARGET_FP8_VS_BF16_DECODE = 0.8
 TARGET_LOAD_S = 3.0
 WARMUP_TOKENS = 64
@@ -160,6 +164,17 @@ def measure_load(model: str | None, repeats: int) -> dict[str, Spread]:
     return {k: Spread.of(v) for k, v in samples.items()}
 
 
+def weight_formats(asked: str) -> list[str]:
+    """The weight formats measured: fp32 (the baseline's) and int8, plus ``asked`` (``KVCHAT_WEIGHTS`` /
+    ``--weights``) when it is bf16 (slow on CPUs without bf16 units, so only on request)."""
+    return ["fp32", "int8"] + (["bf16"] if asked == "bf16" else [])
+
+
+def backend_name(kv_dtype: str, weight_format: str) -> str:
+    """``kvchat-POOL`` for fp32 weights (the names of earlier runs), ``kvchat-POOL-FORMAT`` otherwise."""
+    return f"kvchat-{kv_dtype}" + ("" if weight_format == "fp32" else f"-{weight_format}")
+
+
 def prompt_ids(tokenizer, text: BenchText, num_tokens: int) -> list[int]:
     """The first ``num_tokens`` ids of ``text`` (no special tokens).
 
@@ -180,6 +195,7 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
     """
     from transformers import AutoTokenizer
 
+    from kvchat import settings
     from kvchat.engine.runner import Engine
     from kvchat.engine.kv_pool import KVCacheSpec
     from kvchat.model.loader import ensure_calibration, set_threads
@@ -207,15 +223,19 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
     calibration = ensure_calibration(info, weights, tokenizer)
     runners: dict[str, RunFn] = {}
     specs = {kv: KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv) for kv in pools}
-    for kv, spec in specs.items():
-        pool_bytes = spec.bytes_per_block * (longest // spec.block_size + 3)  # + the sink's one-token forward
-        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, pool_bytes=pool_bytes, name=info.name,
-                        calibration=calibration)
-        runners[f"kvchat-{kv}"] = kvchat_runner(engine)
-        if kv == "fp8":
-            scale_scheme = engine.scale_scheme
-    compute_dtype = engine.dtype
-    ceiling = matmul_ceiling(engine.model, repeats=max(3, args.repeats))
+    ceilings = {}
+    for fmt in weight_formats(settings.weights()):
+        for kv, spec in specs.items():
+            pool_bytes = spec.bytes_per_block * (longest // spec.block_size + 3)  # + the sink's one-token forward
+            engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, pool_bytes=pool_bytes, name=info.name,
+                            calibration=calibration, weight_format=fmt)
+            runners[backend_name(kv, fmt)] = kvchat_runner(engine)
+            if kv == "fp8":
+                scale_scheme = engine.scale_scheme
+            if fmt == "fp32":
+                compute_dtype = engine.dtype
+        ceilings[fmt] = matmul_ceiling(engine.model, repeats=max(3, args.repeats))
+    ceiling = ceilings["fp32"]
     del weights, engine
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
@@ -267,6 +287,7 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
         "ratios": _ratios(samples, lengths, list(runners)),
         "llama_cpp_reference": LLAMA_CPP_REFERENCE,
         "matmul_ceiling": ceiling,
+        "matmul_ceiling_per_weight_format": ceilings,
         "targets": _targets(samples, lengths, load, list(runners)),
     }
 
@@ -279,6 +300,7 @@ def _ratios(samples: dict, lengths: list[int], backends: list[str]) -> list[dict
         pairs = [(b, "transformers") for b in ours if "transformers" in backends]
         pairs += [("kvchat-fp8", TRANSFORMERS_FP8)] if TRANSFORMERS_FP8 in backends else []
         pairs += [("kvchat-fp8", "kvchat-bf16")]
+        pairs += [(b, b.rsplit("-", 1)[0]) for b in ours if b.count("-") == 2]  # each weight format vs fp32
         for num, den in pairs:
             a, b = samples[num, n], samples[den, n]
             out.append({"num": num, "den": den, "context": n,
@@ -306,6 +328,11 @@ def _targets(samples: dict, lengths: list[int], load: dict[str, Spread], backend
                 for phase in ("prefill", "decode"):
                     r = ratios(getattr(samples[b, n], f"{phase}_tok_s"), getattr(samples["transformers", n], f"{phase}_tok_s"))
                     add(f"{b} {phase} / transformers @{n}", r.median, TARGET_VS_TRANSFORMERS)
+        if "transformers" in backends:
+            best = max((b for b in backends if b.startswith("kvchat-")),
+                       key=lambda b: statistics.median(samples[b, n].decode_tok_s))
+            r = ratios(samples[best, n].decode_tok_s, samples["transformers", n].decode_tok_s)
+            add(f"best kvchat decode ({best}) / transformers fp32 @{n}", r.median, TARGET_BEST_DECODE_VS_TRANSFORMERS)
     n = max(lengths)
     r = ratios(samples["kvchat-fp8", n].decode_tok_s, samples["kvchat-bf16", n].decode_tok_s)
     add(f"fp8 decode / bf16 decode @{n}", r.median, TARGET_FP8_VS_BF16_DECODE)
@@ -326,7 +353,8 @@ def _version(dist: str) -> str:
 def format_report(res: dict) -> str:
     """The human-readable tables of a :func:`run_benchmark` result."""
     fmt = lambda d, digits=1: f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
-    head = (f"kvchat bench engine: {res['model']}, {res['compute_dtype']} weights and compute, "
+    head = (f"kvchat bench engine: {res['model']}, {res['compute_dtype']} compute (int8 backends: int8 weights, "
+            "bf16 activations at the int8 matmuls up to 256 rows), "
             f"{res['threads']} threads, prompt {res['prompt']['name']} (sha256 {res['prompt']['sha256'][:12]}), "
             f"fp8 scheme {res['scale_scheme']}, {res['repeats']} repeats, {res['decode_tokens']} decode tokens; "
             "median (min-max); shared machine, expect noise")
@@ -340,10 +368,11 @@ def format_report(res: dict) -> str:
     ref = res["llama_cpp_reference"]
     note = (f"llama.cpp: {ref['prefill_tok_s']:.0f} tok/s prefill, {ref['decode_tok_s']:.0f} tok/s decode, "
             f"{ref['threads']} threads, {ref['context']} context: {ref['note']}.")
-    c = res["matmul_ceiling"]
-    ceiling = (f"matmul ceiling (the weight matmuls alone, same dtype and threads; no torch runner can beat it): "
-               f"decode {c['decode_ceiling_tok_s']:.1f} tok/s ({c['decode_ms']:.1f} ms/token, {c['weight_gb_s']:.1f} GB/s of weights), "
-               f"prefill {c['prefill_ceiling_tok_s']:.0f} tok/s ({c['gemm_gflop_s']:.0f} GFLOP/s).")
+    ceiling = "matmul ceiling (the weight matmuls alone, same format and threads; no torch runner can beat it):"
+    for fmt, c in res["matmul_ceiling_per_weight_format"].items():
+        ceiling += (f"\n  {fmt} weights: decode {c['decode_ceiling_tok_s']:.1f} tok/s ({c['decode_ms']:.1f} ms/token, "
+                    f"{c['weight_gb_s']:.1f} GB/s of weights), prefill {c['prefill_ceiling_tok_s']:.0f} tok/s "
+                    f"({c['gemm_gflop_s']:.0f} GFLOP/s)")
     return "\n\n".join([head, format_table(speed), format_table(ratio), note, ceiling, format_table(load), format_table(targets)])
 
 

@@ -16,7 +16,10 @@ engine: the engine's default (per-token scales, K centring with the model's
 stored calibration, computed on standard-library text disjoint from the
 evaluation text, and the attention sink read exact), per-token scales alone,
 a fixed scale of 1.0 (vLLM's default), and K centring without the exact sink.
-The kvchat goal is a perplexity within +0.5% of bf16. Perplexity deltas over
+The kvchat goal is a perplexity within +0.5% of bf16. The same protocol
+then compares int8 weights with fp32 weights, per pool and int8 kernel
+(:mod:`kvchat.bench.weight_fidelity`; key ``"weights"``, goal also +0.5%).
+Perplexity deltas over
 ~2k tokens move by several tenths of a percent under any small perturbation;
 mean KL is the steadier figure, and pooling several texts steadies both.
 """
@@ -25,134 +28,21 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvchat.bench.kv_schemes import KVScheme, all_schemes
+from kvchat.bench.kv_schemes import all_schemes
 from kvchat.bench.retrieval import DEFAULT_DEPTHS, DEFAULT_DOC_TOKENS, format_retrieval, run_retrieval
 from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import format_table
+from kvchat.bench.teacher_forced import SCORE_CHUNK_TOKENS, FidelityResult, compare_to_reference
+from kvchat.bench.weight_fidelity import compare_weights
 from kvchat.texts import EVAL_MODULES, BenchText, stdlib_text
 
 GOAL_PPL_DELTA_PCT = 0.5
 DEFAULT_TOKENS = 2048
-SCORE_CHUNK_TOKENS = 512
-
-
-@dataclass(slots=True)
-class FidelityResult:
-    """Sums over the scored positions of one text under one scheme (pool them by adding).
-
-    A position is a token whose successor is in the text (``len - 1`` per text).
-    """
-
-    text: str
-    scheme: str
-    positions: int = 0
-    nll_ref: float = 0.0
-    nll: float = 0.0
-    kl: float = 0.0
-    top1_same: int = 0
-
-    @property
-    def ppl_ref(self) -> float:
-        """Perplexity with the bf16 pool."""
-        return math.exp(self.nll_ref / self.positions)
-
-    @property
-    def ppl(self) -> float:
-        """Perplexity with this scheme's pool."""
-        return math.exp(self.nll / self.positions)
-
-    @property
-    def ppl_delta_pct(self) -> float:
-        """Perplexity change vs bf16, percent."""
-        return (self.ppl / self.ppl_ref - 1.0) * 100.0
-
-    @property
-    def mean_kl(self) -> float:
-        """Mean KL(bf16 ‖ scheme) per position, nats."""
-        return self.kl / self.positions
-
-    @property
-    def top1_agreement(self) -> float:
-        """Share of positions with the same argmax token as bf16."""
-        return self.top1_same / self.positions
-
-    def add(self, other: FidelityResult) -> None:
-        """Accumulate ``other``'s sums (pooling texts)."""
-        self.positions += other.positions
-        self.nll_ref += other.nll_ref
-        self.nll += other.nll
-        self.kl += other.kl
-        self.top1_same += other.top1_same
-
-    def as_dict(self) -> dict:
-        """JSON-ready figures."""
-        return {"text": self.text, "scheme": self.scheme, "positions": self.positions,
-                "ppl_bf16": round(self.ppl_ref, 4), "ppl": round(self.ppl, 4),
-                "ppl_delta_pct": round(self.ppl_delta_pct, 3), "mean_kl": round(self.mean_kl, 5),
-                "top1_agreement": round(self.top1_agreement, 4)}
-
-
-@torch.inference_mode()
-def compare_to_reference(
-    ref_engine,
-    runs: Sequence[tuple[KVScheme, object]],
-    token_ids: Sequence[int],
-    text_name: str = "",
-    chunk_tokens: int = SCORE_CHUNK_TOKENS,
-) -> list[FidelityResult]:
-    """Teacher-forced comparison of fp8 schemes against a 16-bit reference pool.
-
-    The text is scored in chunks of ``chunk_tokens`` (each chunk writes its
-    K/V, then attends through the pool to everything before it and to
-    itself); reference and schemes advance chunk by chunk, so only one
-    chunk's logits (``[chunk_tokens, vocab_size]`` fp32 per engine) are alive.
-
-    Args:
-        ref_engine: :class:`kvchat.engine.runner.Engine` with a bf16 (or fp16) pool.
-        runs: ``(scheme, fp8 engine running it)`` pairs (see :meth:`KVScheme.engine`).
-        token_ids: the text, at least 2 ids.
-        text_name: label for the results.
-    Returns:
-        one :class:`FidelityResult` per run, ``len(token_ids) - 1`` positions each.
-    Raises:
-        ValueError: fewer than 2 tokens; kvchat.engine.block_manager.PoolFullError: a pool too small.
-    """
-    from kvchat.engine.block_manager import SeqBlocks
-
-    ids, total = list(token_ids), len(token_ids)
-    if total < 2:
-        raise ValueError("a fidelity text needs at least 2 tokens")
-    ref_seq, seqs = SeqBlocks(), [SeqBlocks() for _ in runs]
-    results = [FidelityResult(text_name, scheme.name) for scheme, _ in runs]
-    try:
-        for start in range(0, total, chunk_tokens):
-            end = min(start + chunk_tokens, total)
-            rows = min(end, total - 1) - start  # the last token predicts nothing
-            targets = torch.tensor(ids[start + 1 : start + 1 + rows])
-            logp_ref = torch.log_softmax(ref_engine.score(ref_seq, ids[:end])[:rows], dim=-1)
-            top_ref = logp_ref.argmax(-1)
-            nll_ref = -logp_ref.gather(-1, targets[:, None]).sum().item()
-            for (scheme, engine), seq, res in zip(runs, seqs, results):
-                with scheme.active():
-                    logits = engine.score(seq, ids[:end])[:rows]
-                logp = torch.log_softmax(logits, dim=-1)
-                res.positions += rows
-                res.nll_ref += nll_ref
-                res.nll += -logp.gather(-1, targets[:, None]).sum().item()
-                res.kl += (logp_ref.exp() * (logp_ref - logp)).sum().item()
-                res.top1_same += int((logp.argmax(-1) == top_ref).sum())
-    finally:
-        ref_engine.release(ref_seq)
-        for (_, engine), seq in zip(runs, seqs):
-            engine.release(seq)
-    return results
 
 
 def read_text(path: str) -> BenchText:
@@ -211,7 +101,6 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
     schemes = all_schemes()
     runs = [(s, s.engine(cfg, weights, info.fingerprint, calibration, pool_bytes=spec("fp8").bytes_per_block * blocks))
             for s in schemes]
-    del weights
     for scheme, engine in runs:
         if scheme.fixed_scale is None and engine.scale_scheme != scheme.name:
             raise RuntimeError(f"scheme {scheme.name} ran as {engine.scale_scheme}")  # a mislabelled row
@@ -221,6 +110,8 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
         per_text += compare_to_reference(ref, runs, ids, text.name)
     compute = str(ref.dtype).removeprefix("torch.")
     del ref, runs
+    weight_rows = [r.as_dict() for r in compare_weights(info, weights, calibration, [(t.name, ids) for t, ids in docs])]
+    del weights
     retrieval_tokens = getattr(args, "retrieval_tokens", DEFAULT_DOC_TOKENS)
     retrieval = None
     if retrieval_tokens > 0:
@@ -245,6 +136,7 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
         "goal_ppl_delta_pct": GOAL_PPL_DELTA_PCT,
         "results": [r.as_dict() for r in per_text + (pooled if len(docs) > 1 else [])],
         "retrieval": retrieval,
+        "weights": weight_rows,
     }
 
 
@@ -258,6 +150,12 @@ def format_report(res: dict) -> str:
         rows.append((r["text"], r["scheme"], str(r["positions"]), f"{r['ppl_bf16']:.3f}", f"{r['ppl']:.3f}",
                      f"{r['ppl_delta_pct']:+.2f}", f"{r['mean_kl']:.4f}", f"{r['top1_agreement']:.3f}"))
     out = f"{head}\n\n{format_table(rows)}\n\ngoal: Δppl ≤ +{res['goal_ppl_delta_pct']}% vs bf16"
+    if res.get("weights"):
+        w = [("int8 vs fp32 weights: text", "pool", "int8 kernel", "ppl fp32 w", "ppl int8 w", "Δppl %", "mean KL", "top-1")]
+        w += [(r["text"], r["pool"], f"{r['kernel']} ({r['chunk_tokens']}-token chunks)", f"{r['ppl_fp32_weights']:.3f}",
+               f"{r['ppl']:.3f}", f"{r['ppl_delta_pct']:+.2f}", f"{r['mean_kl']:.4f}", f"{r['top1_agreement']:.3f}")
+              for r in res["weights"]]
+        out += f"\n\n{format_table(w)}\n\ngoal: Δppl ≤ +{res['goal_ppl_delta_pct']}% vs fp32 weights"
     if res.get("retrieval"):
         out += "\n\n" + format_retrieval(res["retrieval"])
     return out

@@ -140,6 +140,15 @@ class LlamaCpp:
         return ids
 
 
+def default_weight_format() -> str:
+    """The weight format every kvchat backend here runs with: what ``kvchat ask`` would use on the CPU
+    (``KVCHAT_WEIGHTS`` / ``--weights``, else auto)."""
+    from kvchat import settings
+    from kvchat.engine.cache_identity import resolve_weight_format
+
+    return resolve_weight_format(settings.weights(), "cpu")
+
+
 def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[dict], list[dict]]:
     """Interleaved repeats of every backend on ``ids``; returns (per-backend spreads, per-repeat ratios)."""
     from kvchat.bench.engine import WARMUP_TOKENS, kvchat_runner
@@ -153,11 +162,12 @@ def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[d
     cfg = info.config
     weights = load_weights(info)
     calibration = ensure_calibration(info, weights, AutoTokenizer.from_pretrained(str(info.path)))
+    weight_format = default_weight_format()
     runners = {}
     for kv in ("fp8", "bf16"):
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
         engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, name=info.name, calibration=calibration,
-                        pool_bytes=spec.bytes_per_block * ((len(ids) + args.decode_tokens) // spec.block_size + 3))
+                        weight_format=weight_format, pool_bytes=spec.bytes_per_block * ((len(ids) + args.decode_tokens) // spec.block_size + 3))
         runners[f"kvchat-{kv}"] = kvchat_runner(engine)
     del weights
     llama = LlamaCpp(gguf, len(ids) + args.decode_tokens + 16, threads)
@@ -278,7 +288,7 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
     return {
         "benchmark": "peers", "run": run_info(threads=threads, quick=quick), "model": info.name,
         "gguf": {"path": str(gguf), "sha256": _sha256(gguf), "bytes": gguf.stat().st_size},
-        "llama_cpp_python": llama_cpp.__version__, "threads": threads,
+        "llama_cpp_python": llama_cpp.__version__, "threads": threads, "kvchat_weights": default_weight_format(),
         "context": args.context, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
         "prompt": {"name": text.name, "sha256": text.sha256}, "speed": speed, "ratios": rat, "resume": resume,
     }
@@ -289,7 +299,8 @@ def format_report(res: dict) -> str:
     f = lambda d, k=1: f"{d['median']:.{k}f} ({d['min']:.{k}f}-{d['max']:.{k}f})"  # noqa: E731
     head = (f"kvchat bench peers: {res['model']} vs llama-cpp-python {res['llama_cpp_python']} on "
             f"{Path(res['gguf']['path']).name}, {res['threads']} threads, {res['context']}-token prompt, "
-            f"{res['decode_tokens']} decode tokens, {res['repeats']} repeats; median (min-max)")
+            f"{res['decode_tokens']} decode tokens, {res['repeats']} repeats; kvchat with "
+            f"{res.get('kvchat_weights', 'fp32')} weights (its default format); median (min-max)")
     speed = [("backend", "prefill tok/s", "decode tok/s")]
     speed += [(r["backend"], f(r["prefill_tok_s"]), f(r["decode_tok_s"])) for r in res["speed"]]
     rat = [("ratio (per repeat)", "prefill", "decode")]

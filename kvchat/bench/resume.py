@@ -196,7 +196,7 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
         "question_tokens": session.last_turn.stats.prompt_tokens - n_tokens,
         "f16_bytes": f16.bytes_per_token * n_tokens, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
         "scale_scheme": rt.engine.scale_scheme, "device": str(rt.engine.device),
-        "threads": torch.get_num_threads(),
+        "weights": rt.engine.weight_format, "threads": torch.get_num_threads(),
     })
     return out
 
@@ -401,7 +401,8 @@ def format_report(result: dict) -> str:
     runs, disk, summaries = result["runs"], result["disk"], result["summary"]
     first = runs[0]["builds"][0]
     lines = []
-    lines.append(f"kvchat resume: model {first['model']} · KV {first['kv_dtype']} ({first['scale_scheme']}) · {first['device']} · "
+    lines.append(f"kvchat resume: model {first['model']} · {first.get('weights', 'fp32')} weights (the default format) · "
+                 f"KV {first['kv_dtype']} ({first['scale_scheme']}) · {first['device']} · "
                  f"{first['threads']} threads · text {first['text']} (sha256 {first['text_sha256'][:12]}) · "
                  f"question {first['question_tokens']} tokens · {result['repeats']} repeats (cold: {result['cold_repeats']})")
     lines.append(f"disk: sequential read {disk['cold_bytes_per_s']['median'] / 1e9:.2f} GB/s cache dropped, "

@@ -13,6 +13,7 @@ import sys
 
 from kvchat import __version__
 from kvchat.engine.cache_identity import KV_DTYPE_NAMES
+from kvchat.settings import DTYPE, DTYPE_CHOICES, WEIGHTS, WEIGHTS_CHOICES
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
@@ -44,12 +45,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
-    """``--model --kv-dtype --dtype --threads``; on sub-commands they default to the top-level values."""
+    """``--model --kv-dtype --dtype --weights --threads``; on sub-commands they default to the top-level values."""
     keep = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"),
-                   help="compute dtype of the weights (default: KVCHAT_DTYPE, else auto)", **keep)
+    p.add_argument("--dtype", choices=DTYPE_CHOICES,
+                   help="compute dtype of activations and unquantized weights (default: KVCHAT_DTYPE, else auto)", **keep)
+    p.add_argument("--weights", choices=WEIGHTS_CHOICES, help="weight format (default: KVCHAT_WEIGHTS, else auto: "
+                   "int8 on a CPU, bf16 on a GPU)", **keep)
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads for torch (default: all usable cores; more than that is capped, with a note)", **keep)
 
@@ -130,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvchat`` script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "dtype", None):  # --dtype wins over KVCHAT_DTYPE, for this process and the ones it starts
-        os.environ["KVCHAT_DTYPE"] = args.dtype
+    # --dtype and --weights win over their KVCHAT_* settings, for this process and the ones it starts
+    for option, variable in (("dtype", DTYPE), ("weights", WEIGHTS)):
+        if getattr(args, option, None):
+            os.environ[variable] = getattr(args, option)
     try:
         from kvchat.settings import check
 

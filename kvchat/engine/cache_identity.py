@@ -7,7 +7,8 @@ Bump ``NUMERICS_VERSION`` whenever a runner or kernel fix changes K/V values
 
 Every fact of a cache's identity is here, once: the KV dtype names, the
 fingerprint's inputs, the fp8 scheme names, what an engine gets
-(:func:`engine_identity`), what a model and KV dtype would get without
+(:func:`engine_identity`), the weight formats and what ``auto`` picks
+(:func:`resolve_weight_format`), what a model and KV dtype would get without
 loading it (:func:`expected_cache_fingerprint`), and every variant a store
 may hold (:func:`fingerprint_variants`). Importing this module imports no
 torch; the functions that name fp8 schemes do.
@@ -20,12 +21,47 @@ import json
 
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 KV_DTYPE_NAMES = ("fp8", "bf16", "fp16")  # the pool dtypes a cache can be stored in (torch dtypes: kv_pool.KV_DTYPES)
+WEIGHT_FORMATS = ("fp32", "bf16", "int8")  # what the linear layers compute with (int8: kvchat.model.quant)
 LAYOUT_VERSION = 1
 NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomputed as prefill chunks
 
 
+def resolve_weight_format(name: str, device_type: str, compute: str = "auto") -> str:
+    """``auto|fp32|bf16|int8`` -> a :data:`WEIGHT_FORMATS` name for a device of type ``device_type``.
+
+    ``auto`` is what measured fastest: on a CPU int8 (``torch._weight_int8pack_mm``
+    with bf16 activations read 4x fewer weight bytes per decode step than fp32:
+    one SmolLM2 decode step's matmuls 20 vs 39 ms here, 2 threads, AVX2), on CUDA bf16.
+    Unless ``compute`` (the ``KVCHAT_DTYPE``/``--dtype`` name) asks for a 16-bit compute dtype: then
+    ``auto`` is the unquantized format of that computation (bf16 -> bf16; fp16 -> fp32 weights computed
+    in fp16), so one computation has one cache fingerprint however it was asked for.
+
+    Raises:
+        ValueError: an unknown name, or int8 on a device other than the CPU.
+    """
+    if name == "auto":
+        fmt = {"bf16": "bf16", "fp16": "fp32"}.get(compute, "int8" if device_type == "cpu" else "bf16")
+    else:
+        fmt = name
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {name!r}; use auto, {', '.join(WEIGHT_FORMATS)}")
+    if fmt == "int8" and device_type != "cpu":
+        raise ValueError(f"int8 weights run on the CPU only; use --weights bf16 on {device_type}")
+    return fmt
+
+
+def weight_scheme(weight_format: str) -> str:
+    """The name a weight format enters the cache fingerprint with ("" for fp32: fingerprints made before
+    weight formats existed stay valid; the int8 name carries its kernel choice, which changes K/V)."""
+    if weight_format == "int8":
+        from kvchat.model.int8_scheme import INT8_SCHEME
+
+        return INT8_SCHEME
+    return "" if weight_format == "fp32" else weight_format
+
+
 def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, block_size: int, calibration: str = "",
-                      compute: str = "") -> str:
+                      compute: str = "", weights: str = "") -> str:
     """Hex blake2b-128 over the canonical JSON of every input that shapes the K/V bytes.
 
     Args:
@@ -38,6 +74,8 @@ def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, 
             override: K/V computed in another dtype differ in their last bits); "" for ``auto``'s, so it
             enters the hashed document only then and every fingerprint made before the override existed
             stays the same.
+        weights: :func:`weight_scheme` of the weight format ("" for fp32: then the document, and so the
+            fingerprint, is exactly what it was before weight formats existed).
     """
     doc = {
         "model": model_fingerprint,
@@ -50,6 +88,8 @@ def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, 
     }
     if compute:
         doc["compute"] = compute
+    if weights:
+        doc["weights"] = weights
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
@@ -63,36 +103,53 @@ def fp8_scheme_name(k_centring: bool, exact_sink: bool) -> str:
 
 
 def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: str | None, exact_sink: bool,
-                    block_size: int, compute: str | None = None) -> tuple[str, str]:
+                    block_size: int, compute: str | None = None, weight_format: str = "fp32") -> tuple[str, str]:
     """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only;
-    ``compute``: an overridden compute dtype's name (None: the one ``auto`` picks)."""
+    ``compute``: an overridden compute dtype's name (None: the one ``auto`` picks); ``weight_format``: a
+    :data:`WEIGHT_FORMATS` name."""
+    weights = weight_scheme(weight_format)
     if kv_dtype != "fp8":
-        return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=compute or "")
+        return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=compute or "",
+                                         weights=weights)
     scheme = fp8_scheme_name(calibration_digest is not None, exact_sink)
     return scheme, cache_fingerprint(model_fingerprint, kv_dtype, scheme, block_size, calibration_digest or "",
-                                     compute or "")
+                                     compute or "", weights)
 
 
-def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int) -> set[str]:
-    """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant)."""
+def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
+                         weight_formats: tuple[str, ...] = WEIGHT_FORMATS) -> set[str]:
+    """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant),
+    with any of ``weight_formats``."""
+    weights = [weight_scheme(w) for w in weight_formats]
     if kv_dtype != "fp8":
-        return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size)}
+        return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, weights=w) for w in weights}
     from kvchat.engine.calibration import stored_digest
 
     digest = stored_digest(model_fingerprint)
-    return {cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(kc, sink), block_size, digest if kc else "")
-            for kc in ({False, True} if digest else {False}) for sink in (False, True)}
+    return {cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(kc, sink), block_size, digest if kc else "", w)
+            for kc in ({False, True} if digest else {False}) for sink in (False, True) for w in weights}
 
 
-def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str) -> str:
+def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None) -> str:
     """The cache fingerprint :func:`kvchat.model.loader.load_runtime`'s engine gets, without loading the model.
 
-    For fp8: K centring when the model's calibration is stored, and the exact
-    sink, which every attention backend reads (PyTorch and Triton, CPU and
-    GPU alike), so the fingerprint does not depend on the device.
+    ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8``
+    (None: ``KVCHAT_WEIGHTS``). For fp8: K centring when the model's calibration is stored, and the exact
+    sink, which every attention backend reads (PyTorch and Triton, CPU and GPU alike).
+
+    Raises:
+        kvchat.settings.SettingError: ``device`` is None and ``KVCHAT_DEVICE`` is bad, or (``weights`` None)
+            ``KVCHAT_WEIGHTS`` is.
+        ValueError: see :func:`resolve_weight_format`.
     """
+    import torch
+
+    from kvchat import settings
     from kvchat.engine.calibration import stored_digest
 
+    dev = torch.device(device) if device is not None else settings.device()
+    fmt = resolve_weight_format(weights or settings.weights(), dev.type, settings.compute_dtype())
     if kv_dtype != "fp8":
-        return engine_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE)[1]
-    return engine_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), True, BLOCK_SIZE)[1]
+        return engine_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE, weight_format=fmt)[1]
+    return engine_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), True, BLOCK_SIZE,
+                           weight_format=fmt)[1]

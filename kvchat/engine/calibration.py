@@ -22,13 +22,13 @@ restores K/V stored under another.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvchat.paths import models_dir
+from kvchat.safetensors_file import save_atomic
 
 CALIBRATION_TOKENS = 1024
 CALIBRATION_VERSION = 1
@@ -99,16 +99,6 @@ def save_calibration(model_fingerprint: str, cal: KVCalibration) -> Path:
     Raises:
         OSError: the models dir is not writable.
     """
-    from safetensors.torch import save_file
-
-    path = calibration_path(model_fingerprint)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({"k_mean": cal.k_mean}, str(tmp),
-              metadata={"version": str(CALIBRATION_VERSION), "source": cal.source, "digest": cal.digest})
-    os.chmod(tmp, 0o600)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return save_atomic({"k_mean": cal.k_mean}, calibration_path(model_fingerprint),
+                       {"version": str(CALIBRATION_VERSION), "source": cal.source, "digest": cal.digest})
 

@@ -22,6 +22,7 @@ import torch
 from kvchat import kernels
 from kvchat.engine.block_manager import BlockManager, SeqBlocks
 from kvchat.engine.kv_pool import KVPool
+from kvchat.store.snapshot import ChunkData
 
 MIN_CAPACITY = 256  # tokens; capacity is a multiple of it
 HEADROOM_TOKENS = 512  # grown by this much beyond the need: a question after a prefill, or 512 decode steps, fit
@@ -100,6 +101,27 @@ class DenseKV:
             if valid == 0 and sink is not None:
                 self.k[:, :, 0], self.v[:, :, 0] = sink
         self.length = start
+
+    def fill(self, start: int, data: ChunkData, offset: int, n: int) -> None:
+        """During a restore, after :meth:`sync` reserved the tokens: dequantize chunk rows ``offset ..
+        offset + n`` (all layers) straight into positions ``start .. start + n - 1``.
+
+        The restore writes the same rows into the pool, so these are exactly
+        the values :func:`kvchat.kernels.read_slots` would read back (the same
+        bytes through the same :func:`kvchat.kernels.dequantize_into`), without
+        a second pass over the pool. Several reader threads may fill disjoint
+        ranges at once; :meth:`finish` then marks the restored tokens valid.
+
+        Args:
+            data: a chunk's K/V ``[num_layers, tokens, num_kv_heads, head_dim]`` in the pool dtype, fp32 scales
+                ``[num_layers, tokens, num_kv_heads]`` for fp8 (not modified).
+        """
+        rows = slice(offset, offset + n)
+        for dst, values, scale in ((self.k, data.k, data.k_scale), (self.v, data.v, data.v_scale)):
+            kernels.dequantize_into(values[:, rows], None if scale is None else scale[:, rows],
+                                    out=dst[:, :, start : start + n].transpose(1, 2))
+        if start == 0 and self._sink is not None:
+            self.k[:, :, 0], self.v[:, :, 0] = self._sink
 
     def append(self, layer: int, slots: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After ``write_kv`` of layer ``layer``: copy the new tokens in, return K/V so far.

@@ -147,13 +147,16 @@ class KVPersist:
         """Rows of the longest stored chain that prefixes ``token_ids`` (see :func:`find_chain`)."""
         return find_chain(get_db(), self.fingerprint, token_ids)
 
+    @torch.no_grad()
     def restore(self, seq: SeqBlocks, token_ids: Sequence[int]) -> RestoreResult:
         """Read the stored chain of ``token_ids`` into ``seq``'s blocks, beyond what it already holds.
 
         At most ``len(token_ids) - 1`` tokens are restored (the last one is
         recomputed for logits). Blocks for the whole chain are reserved first
         (``PoolFullError`` before any read); :data:`READ_THREADS` workers then
-        each read, verify and copy one file at a time into those blocks through
+        each read, verify and copy one file at a time into those blocks (and,
+        on a CPU, dequantized into the engine's dense copy, so the first
+        forward after a resume reads nothing back from the pool) through
         one reused staging buffer (a fresh buffer per file paid a first-touch
         page fault per 4 KiB: about 40 ms per 100 MB here). A corrupt or missing
         chunk ends the chain there: it is dropped from the index, and only the
@@ -179,16 +182,21 @@ class KVPersist:
         if nbytes / self.read_bytes_per_s > (end - first) / self.engine.prefill_tokens_per_s:
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
-        pool, blocks = self.engine.pool, self.engine.blocks
-        self.engine.prepare_write(seq, first, end)
+        pool, blocks, dense = self.engine.pool, self.engine.blocks, self.engine.dense
+        sink = self.engine.sink_kv(token_ids[0]) if dense is not None and self.engine.exact_sink else None
+        self.engine.prepare_write(seq, first, end, dense, sink)
         staging = threading.local()
         capacity = self.layout.data_bytes(max(r.token_count for _, _, r in todo))  # read_chunk checks the counts
 
+        @torch.no_grad()  # grad mode is per thread; the dense copy's sink row must not join a graph
         def load(a: int, b: int, row: ChunkRow) -> None:
             if not hasattr(staging, "buf"):
                 staging.buf = torch.empty(capacity, dtype=torch.uint8)
             lo = max(a, first)
-            _write_tokens(pool, blocks, seq, read_row(row, self.layout, out=staging.buf), lo - a, lo, b)
+            data = read_row(row, self.layout, out=staging.buf)
+            _write_tokens(pool, blocks, seq, data, lo - a, lo, b)
+            if dense is not None:  # the CPU read path's copy, from the chunk itself: no read-back from the pool
+                dense.fill(lo, data, lo - a, b - lo)
 
         last = first
         with ThreadPoolExecutor(READ_THREADS) as ex:  # several files in flight: reads overlap checksums and faults
@@ -208,6 +216,8 @@ class KVPersist:
         if last == first:
             return res
         blocks.commit(seq, token_ids, last)
+        if dense is not None:
+            dense.finish(seq, last)
         self._queue.put(("touch", res.keys))  # LRU stamps: one commit, off the critical path
         res.from_disk = last - first
         res.restore_ms = timer.stop()

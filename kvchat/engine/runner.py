@@ -28,8 +28,12 @@ from kvchat.engine.timing import DeviceTimer
 from kvchat.model.transformer import AttnMetadata, build_model
 from kvchat.model.weights import weight_reader
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.model.quant import int8_path, quantize_linears
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
+# the compute dtype of each weight format (cache_identity.WEIGHT_FORMATS) when KVCHAT_DTYPE is auto; int8: fp32
+# everywhere but the int8 matmul's bf16 input (kvchat.model.quant)
+FORMAT_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 PREFILL_CHUNK_TOKENS = 512
 SMALL_MODEL_PARAMS = 2_000_000_000
 DEFAULT_PREFILL_TOKENS_PER_S = 150.0  # until measured; CPU-conservative
@@ -123,21 +127,42 @@ class Engine:
         calibration: KVCalibration | Callable[["Engine"], KVCalibration] | None = None,
         exact_sink: bool = True,
         dtype: str | None = None,
+        weight_format: str | None = None,
     ):
+        """``weight_format``: ``fp32|bf16|int8`` (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`; int8:
+        the loaded linear layers quantized by :func:`kvchat.model.quant.quantize_linears`, stored per model);
+        None: unquantized, bf16 where :func:`compute_dtype`'s ``auto`` or ``dtype`` says bf16, else fp32.
+        ``dtype``: a :data:`COMPUTE_DTYPES` name or ``auto`` (None: ``KVCHAT_DTYPE``); ``auto`` computes in
+        :data:`FORMAT_COMPUTE_DTYPES` of the weight format, and any other choice enters the cache fingerprint.
+
+        Raises:
+            ValueError: int8 weights with a compute dtype other than fp32.
+            kvchat.engine.device.DeviceError: ``device`` is a CUDA device that does not exist.
+        """
         self.cfg = cfg
         self.name = name
         self.device = check_device(device if device is not None else settings.device())
         activate(self.device)
         weights = weight_reader(weights)
+        num_params = weights.num_params()
         dtype_name = dtype or settings.compute_dtype()
-        self.dtype = compute_dtype(self.device, weights.num_params(), dtype_name)
+        if weight_format is None:  # unquantized, as auto computes (or bf16 weights for a bf16 override, as the loader)
+            auto_bf16 = compute_dtype(self.device, num_params) == torch.bfloat16
+            weight_format = "bf16" if auto_bf16 or dtype_name == "bf16" else "fp32"
+        self.weight_format = weight_format
+        implied = FORMAT_COMPUTE_DTYPES[self.weight_format]  # what the weight format computes in unless overridden
+        self.dtype = implied if dtype_name == "auto" else COMPUTE_DTYPES[dtype_name]
+        if self.weight_format == "int8" and self.dtype != torch.float32:
+            raise ValueError(f"int8 weights compute in fp32 (bf16 only at the int8 matmul's input); drop --dtype {dtype_name}")
         timer = DeviceTimer(self.device).start()
         self.model = model = build_model(cfg, weights, self.device, self.dtype)
         weights.close()
         self.spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         fp8 = kv_dtype == "fp8"
-        if callable(calibration):
+        if callable(calibration):  # on the weights as loaded, before any quantization: one calibration per model
             calibration = calibration(self) if fp8 else None
+        if self.weight_format == "int8":
+            quantize_linears(model, int8_path(model_fingerprint))
         if pool_bytes is not None:
             self.pool_plan = PoolPlan(pool_bytes, f"KV pool {pool_bytes / 2**20:,.0f} MiB (set by the caller)")
         else:  # after the weights and any calibration: on CUDA it reads the memory left
@@ -150,10 +175,9 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        auto = compute_dtype(self.device, weights.num_params())
         self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.spec.block_size, None if self.dtype == auto else dtype_name)
+            self.spec.block_size, None if self.dtype == implied else dtype_name, self.weight_format)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
@@ -180,6 +204,7 @@ class Engine:
         if num_tokens > self.max_context:
             raise ContextOverflowError(f"conversation would be {num_tokens} tokens; {self.context_limit_text}")
 
+    @torch.no_grad()
     def sink_kv(self, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact (unquantized) K/V of ``token_id`` at position 0, every layer: float32 ``[num_layers, num_kv_heads, head_dim]`` x2.
 

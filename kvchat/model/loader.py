@@ -23,8 +23,10 @@ from kvchat.engine.calibration import (
     save_calibration,
 )
 from kvchat.model.registry import ModelInfo, resolve_model
+from kvchat.engine.cache_identity import resolve_weight_format
 from kvchat.engine.device import check_device
 from kvchat.settings import compute_dtype, device as env_device
+from kvchat.settings import weights as env_weights
 from kvchat.texts import CALIBRATION_MODULES, stdlib_text
 
 
@@ -62,6 +64,7 @@ def load_runtime(
     *,
     device: str | None = None,
     pool_bytes: int | None = None,
+    weights: str | None = None,
 ) -> Runtime:
     """Resolve (importing on first use), load weights, build the engine and tokenizer.
 
@@ -70,24 +73,30 @@ def load_runtime(
     no whole copy of them exists in host RAM besides the model itself. For an
     fp8 pool the model's K-centring calibration is loaded, or computed on this
     engine's weights and stored on first use (:func:`ensure_calibration`).
+    ``weights``: ``auto|fp32|bf16|int8`` (None: ``KVCHAT_WEIGHTS``), resolved for the device and the compute
+    dtype by :func:`kvchat.engine.cache_identity.resolve_weight_format`; int8 layers are quantized after the
+    calibration, from the loaded weights (:func:`kvchat.model.quant.quantize_linears`).
 
     Raises:
         kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError,
         kvchat.model.importer.ModelImportError, kvchat.engine.kv_pool.KVDtypeError,
         kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (``device`` None), ``KVCHAT_ATTENTION``,
-            ``KVCHAT_DTYPE`` or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None); the first three before the weights load.
+            ``KVCHAT_DTYPE``, ``KVCHAT_WEIGHTS`` (``weights`` None) or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None);
+            all but the pool budget before the weights load.
         kvchat.engine.device.DeviceError: ``device`` names a CUDA device that does not exist here.
+        ValueError: int8 weights asked for on a GPU, or with a compute dtype other than fp32.
     """
     from transformers import AutoTokenizer
 
     kv_torch_dtype(kv_dtype)
     dev = check_device(device if device is not None else env_device())
     kernels.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
-    compute_dtype()
+    weight_format = resolve_weight_format(weights or env_weights(), dev.type, compute_dtype())
     info = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     engine = Engine(info.config, CheckpointReader(info.path), info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
-                    device=dev, name=info.name, calibration=lambda e: ensure_calibration(info, e, tokenizer))
+                    device=dev, name=info.name, calibration=lambda e: ensure_calibration(info, e, tokenizer),
+                    weight_format=weight_format)
     runtime = Runtime(info, engine, tokenizer)
     if engine.exact_sink:  # every chat starts with the template's first token: its sink now, not in the first TTFT
         try:

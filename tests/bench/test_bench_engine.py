@@ -14,13 +14,19 @@ def test_bench_engine_writes_every_backend_ratio_target_and_the_matmul_ceiling(s
     assert rc == 0
     res = json.loads(out.read_text())
     runs = {(r["backend"], r["context"]) for r in res["runs"]}
-    assert runs == {(b, n) for b in ("kvchat-fp8", "kvchat-bf16") for n in (24, 40)}
+    backends = ("kvchat-fp8", "kvchat-bf16", "kvchat-fp8-int8", "kvchat-bf16-int8")  # fp32 and int8 weights
+    assert runs == {(b, n) for b in backends for n in (24, 40)}
     assert all(r["decode_tok_s"]["median"] > 0 for r in res["runs"])
     ceiling = res["matmul_ceiling"]
     assert ceiling["decode_ceiling_tok_s"] > 0 and ceiling["prefill_ceiling_tok_s"] > 0
     # tokens/s and ms describe the same measured pass
     assert abs(ceiling["decode_ceiling_tok_s"] * ceiling["decode_ms"] / 1e3 - 1) < 0.02
+    assert set(res["matmul_ceiling_per_weight_format"]) == {"fp32", "int8"}
+    assert res["matmul_ceiling_per_weight_format"]["fp32"] == ceiling
+    int8 = res["matmul_ceiling_per_weight_format"]["int8"]
+    assert int8["weight_gb_s"] * int8["decode_ms"] < 0.3 * ceiling["weight_gb_s"] * ceiling["decode_ms"]  # bytes read
+    assert {(r["num"], r["den"]) for r in res["ratios"]} >= {("kvchat-fp8-int8", "kvchat-fp8")}
     names = [t["name"] for t in res["targets"]]
     assert "fp8 decode / bf16 decode @40" in names and "load_runtime seconds" in names
     printed = capsys.readouterr().out
-    assert "matmul ceiling" in printed and "kvchat-fp8" in printed
+    assert "matmul ceiling" in printed and "kvchat-fp8" in printed and "int8 weights: decode" in printed

@@ -1,8 +1,9 @@
 """The CPU read path: a contiguous dequantized copy of one sequence's K/V (kvchat.engine.dense_kv).
 
 It must hold exactly what the pool holds (bit for bit, after any mix of
-prefill, decode, rollback, foreign writes and block reuse), and attention
-over it must agree with the paged reference kernels.
+prefill, decode, rollback, foreign writes and block reuse, and after a
+restore that fills it straight from the chunk files), and attention over it
+must agree with the paged reference kernels.
 """
 
 from __future__ import annotations
@@ -11,20 +12,22 @@ import pytest
 import torch
 import transformers
 
+from kvchat.engine import dense_kv
 from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.persistence import CHUNK_TOKENS, KVPersist
 from kvchat.model.config import ModelConfig
 from kvchat.engine.runner import Engine
 from kvchat.kernels import reference as ref
 
 
-def _engine(kv_dtype: str = "fp8", pool_bytes: int = 2**20) -> Engine:
+def _engine(kv_dtype: str = "fp8", pool_bytes: int = 2**20, dense: bool = True) -> Engine:
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
                                       initializer_range=0.25)
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     cfg = ModelConfig.from_hf(hf_cfg.to_dict())
-    return Engine(cfg, dict(hf.state_dict()), "test", kv_dtype=kv_dtype, pool_bytes=pool_bytes, device="cpu", dense_kv=True)
+    return Engine(cfg, dict(hf.state_dict()), "test", kv_dtype=kv_dtype, pool_bytes=pool_bytes, device="cpu", dense_kv=dense)
 
 
 def _assert_copy_matches_pool(engine: Engine, seq: SeqBlocks, first_token: int) -> None:
@@ -126,3 +129,52 @@ def test_smollm2_dense_and_paged_paths_give_identical_logits(smol_info, kv_dtype
             r.append(e.decode(s, step))
     assert torch.equal(torch.stack(rows[0]), torch.stack(rows[1]))
     assert torch.equal(engines[0].pool.k, engines[1].pool.k) and torch.equal(engines[0].pool.v, engines[1].pool.v)
+
+
+RESTORE_TOKENS = CHUNK_TOKENS + 37  # a full chunk and a tail (the test model allows 512 tokens)
+
+
+def _restore_ids() -> list[int]:
+    return torch.randint(0, 97, (RESTORE_TOKENS,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def _saved(kv_dtype: str) -> None:
+    """Prefill and store the ids with one engine."""
+    engine = _engine(kv_dtype, pool_bytes=8 * 2**20)
+    persist = KVPersist(engine)
+    seq = SeqBlocks()
+    engine.prefill(seq, _restore_ids())
+    persist.save(seq, _restore_ids(), [], owner="chat")
+    persist.close()
+
+
+def _resumed_logits(engine: Engine) -> torch.Tensor:
+    """Restore the stored ids into ``engine`` and compute the last token's logits."""
+    persist = KVPersist(engine)
+    seq, ids = SeqBlocks(), _restore_ids()
+    assert persist.restore(seq, ids).from_disk == RESTORE_TOKENS - 1
+    logits = engine.prefill(seq, ids).logits
+    persist.close()
+    return logits
+
+
+def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens(monkeypatch):
+    for kv_dtype in ("fp8", "bf16"):
+        _saved(kv_dtype)
+        engine = _engine(kv_dtype, pool_bytes=8 * 2**20)  # a fresh engine: nothing in its pool
+        persist = KVPersist(engine)
+        seq, ids = SeqBlocks(), _restore_ids()
+        res = persist.restore(seq, ids)
+        assert res.from_disk == RESTORE_TOKENS - 1 and res.miss_reason is None
+        _assert_copy_matches_pool(engine, seq, ids[0])
+
+        read = []
+        real = dense_kv.kernels.read_slots
+        monkeypatch.setattr(dense_kv.kernels, "read_slots", lambda c, s, slots, out=None: (
+            read.append(slots.numel()), real(c, s, slots, out=out))[1])
+        logits = engine.prefill(seq, ids).logits
+        monkeypatch.setattr(dense_kv.kernels, "read_slots", real)
+        assert read and max(read) == 1  # only the recomputed last token, layer by layer
+        persist.close()
+        # the paged path (attention through the block table) over the same restored chunks agrees bit for bit
+        assert torch.equal(logits, _resumed_logits(_engine(kv_dtype, pool_bytes=8 * 2**20, dense=False)))

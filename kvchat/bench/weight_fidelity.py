@@ -1,0 +1,89 @@
+"""What int8 weights cost in quality: teacher-forced against fp32 weights, the protocol of ``kvchat bench fidelity``.
+
+For each KV pool dtype (fp8 with the engine's default scheme, and bf16) an
+fp32-weights engine is the reference and an int8-weights engine
+(:mod:`kvchat.model.quant`) is compared with it position by position
+(:func:`kvchat.bench.fidelity.compare_to_reference`: perplexity change, mean
+KL, top-1 agreement). Both int8 kernels are measured, by the chunk size the
+text is scored in: chunks of ``INT8MM_MAX_ROWS`` rows run
+``torch._weight_int8pack_mm`` with bf16 activations (the path of decode and
+of a question after a resume), 512-token chunks run the dequantized fp32 GEMM
+(the path of prefill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvchat.bench.teacher_forced import SCORE_CHUNK_TOKENS, FidelityResult, compare_to_reference
+from kvchat.model.int8_scheme import INT8MM_MAX_ROWS
+
+POOLS = ("fp8", "bf16")
+KERNEL_CHUNKS = {"int8mm (bf16 activations)": INT8MM_MAX_ROWS, "dequantized fp32 GEMM": SCORE_CHUNK_TOKENS}
+
+
+@dataclass(slots=True)
+class WeightRun:
+    """A row label for :func:`compare_to_reference` (which only needs ``name`` and ``active()``)."""
+
+    name: str
+
+    def active(self):
+        """Nothing to switch on: the engine itself carries the weight format."""
+        return contextlib.nullcontext()
+
+
+@dataclass(slots=True)
+class WeightFidelity:
+    """int8 vs fp32 weights on one text (or pooled texts) with one pool and one int8 kernel."""
+
+    pool: str
+    kernel: str
+    chunk_tokens: int
+    result: FidelityResult  # its ``ppl_ref`` is the fp32-weights perplexity
+
+    def as_dict(self) -> dict:
+        """JSON-ready figures (``ppl_bf16`` of the shared protocol renamed ``ppl_fp32_weights``)."""
+        d = self.result.as_dict()
+        d["ppl_fp32_weights"] = d.pop("ppl_bf16")
+        return {"pool": self.pool, "kernel": self.kernel, "chunk_tokens": self.chunk_tokens, **d}
+
+
+def compare_weights(info, weights, calibration, docs: Sequence[tuple[str, list[int]]],
+                    pools: Sequence[str] = POOLS, kernels: dict[str, int] | None = None) -> list[WeightFidelity]:
+    """int8 vs fp32 weights on every text of ``docs``, for each pool and int8 kernel.
+
+    Args:
+        info: the model (:class:`kvchat.model.registry.ModelInfo`).
+        weights: its Hugging Face-named tensors (:func:`kvchat.model.registry.load_weights`).
+        calibration: its fp8 K-centring calibration (used by the fp8 pools of both engines).
+        docs: ``(text name, token ids)`` pairs, at least 2 ids each.
+        pools: KV pool dtypes to run.
+        kernels: ``{label: chunk tokens}``; default :data:`KERNEL_CHUNKS`.
+    Returns:
+        one :class:`WeightFidelity` per (pool, kernel, text), then, with several texts, one per (pool,
+        kernel) pooled over them.
+    """
+    from kvchat.engine.kv_pool import KVCacheSpec
+    from kvchat.engine.runner import Engine
+
+    cfg = info.config
+    kernels = kernels or KERNEL_CHUNKS
+    blocks = max(len(ids) for _, ids in docs) // 16 + 3  # + the sink's one-token forward
+    out, pooled = [], []
+    for kv in pools:
+        nbytes = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv).bytes_per_block * blocks
+        engines = [Engine(cfg, weights, info.fingerprint, kv_dtype=kv, pool_bytes=nbytes, device="cpu",
+                          calibration=calibration, weight_format=w) for w in ("fp32", "int8")]
+        for label, chunk in kernels.items():
+            total = FidelityResult("all texts", "int8")
+            for name, ids in docs:
+                (res,) = compare_to_reference(engines[0], [(WeightRun("int8"), engines[1])], ids, name, chunk)
+                out.append(WeightFidelity(kv, label, chunk, res))
+                total.add(res)
+            if len(docs) > 1:
+                pooled.append(WeightFidelity(kv, label, chunk, total))
+        del engines
+    return out + pooled
