@@ -61,7 +61,7 @@ def weight_scheme(weight_format: str) -> str:
 
 
 def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, block_size: int, calibration: str = "",
-                      compute: str = "", weights: str = "") -> str:
+                      *, compute: str = "", weights: str = "") -> str:
     """Hex blake2b-128 over the canonical JSON of every input that shapes the K/V bytes.
 
     Args:
@@ -103,7 +103,7 @@ def fp8_scheme_name(k_centring: bool, exact_sink: bool) -> str:
 
 
 def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: str | None, exact_sink: bool,
-                    block_size: int, compute: str | None = None, weight_format: str = "fp32") -> tuple[str, str]:
+                    block_size: int, weight_format: str = "fp32", *, compute: str | None = None) -> tuple[str, str]:
     """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only;
     ``compute``: an overridden compute dtype's name (None: the one ``auto`` picks); ``weight_format``: a
     :data:`WEIGHT_FORMATS` name."""
@@ -113,7 +113,7 @@ def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: s
                                          weights=weights)
     scheme = fp8_scheme_name(calibration_digest is not None, exact_sink)
     return scheme, cache_fingerprint(model_fingerprint, kv_dtype, scheme, block_size, calibration_digest or "",
-                                     compute or "", weights)
+                                     compute=compute or "", weights=weights)
 
 
 def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
@@ -126,7 +126,8 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
     from kvchat.engine.calibration import stored_digest
 
     digest = stored_digest(model_fingerprint)
-    return {cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(kc, sink), block_size, digest if kc else "", w)
+    return {cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(kc, sink), block_size, digest if kc else "",
+                              weights=w)
             for kc in ({False, True} if digest else {False}) for sink in (False, True) for w in weights}
 
 

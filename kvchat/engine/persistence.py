@@ -147,7 +147,7 @@ class KVPersist:
         """Rows of the longest stored chain that prefixes ``token_ids`` (see :func:`find_chain`)."""
         return find_chain(get_db(), self.fingerprint, token_ids)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as every caller's forward: the pool and dense copy may be inference tensors
     def restore(self, seq: SeqBlocks, token_ids: Sequence[int]) -> RestoreResult:
         """Read the stored chain of ``token_ids`` into ``seq``'s blocks, beyond what it already holds.
 
@@ -188,7 +188,7 @@ class KVPersist:
         staging = threading.local()
         capacity = self.layout.data_bytes(max(r.token_count for _, _, r in todo))  # read_chunk checks the counts
 
-        @torch.no_grad()  # grad mode is per thread; the dense copy's sink row must not join a graph
+        @torch.inference_mode()  # per thread: the dense copy may be an inference tensor, updated in place here
         def load(a: int, b: int, row: ChunkRow) -> None:
             if not hasattr(staging, "buf"):
                 staging.buf = torch.empty(capacity, dtype=torch.uint8)

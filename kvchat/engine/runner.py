@@ -177,7 +177,7 @@ class Engine:
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.spec.block_size, None if self.dtype == implied else dtype_name, self.weight_format)
+            self.spec.block_size, self.weight_format, compute=None if self.dtype == implied else dtype_name)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
@@ -204,7 +204,7 @@ class Engine:
         if num_tokens > self.max_context:
             raise ContextOverflowError(f"conversation would be {num_tokens} tokens; {self.context_limit_text}")
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def sink_kv(self, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact (unquantized) K/V of ``token_id`` at position 0, every layer: float32 ``[num_layers, num_kv_heads, head_dim]`` x2.
 

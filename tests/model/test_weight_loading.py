@@ -65,7 +65,7 @@ def test_stored_fp32_loads_as_bf16_and_the_dtype_enters_the_cache_fingerprint(tm
 
 def test_a_bad_dtype_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv(settings.DTYPE, "int4")
-    with pytest.raises(settings.SettingError, match=r"^KVCHAT_DTYPE must be auto, bf16, fp16 or fp32, got 'int4'$"):
+    with pytest.raises(settings.SettingError, match=r"^KVCHAT_DTYPE must be one of auto, bf16, fp16, fp32, got 'int4'$"):
         settings.check()
     monkeypatch.delenv(settings.DTYPE)
     proc = subprocess.run([sys.executable, "-m", "kvchat.cli", "ask", "hi", "--dtype", "int4"], capture_output=True,
