@@ -58,7 +58,8 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
         return {"id": model_name, "object": "model", "created": created, "owned_by": "kvchat"}
 
     async def health(request: Request) -> Response:
-        return JSONResponse(state["scheduler"].health())
+        scheduler = state["scheduler"]
+        return JSONResponse(scheduler.health(), status_code=200 if scheduler.alive else 503)
 
     async def list_models(request: Request) -> Response:
         check_auth(request)
