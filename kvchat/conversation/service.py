@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from kvchat.conversation.records import new_settings, save_new_chat, save_turn, session_from_store
+from kvchat.conversation.records import UNTITLED, chat_title, new_settings, save_new_chat, save_turn, session_from_store
 from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
 from kvchat.documents import Document, doc_id, read_document
 from kvchat.phase_trace import mark
@@ -201,7 +201,7 @@ class ChatService:
             doc_ids = register_documents(self, fmt, docs)
             self._stored = True
             session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
-        return self._switch(_Chat(session, None, "New chat", system, settings, resume=resume))
+        return self._switch(_Chat(session, None, UNTITLED, system, settings, resume=resume))
 
     def start_given_chat(self, system: str, settings: dict, history: Sequence[tuple[str, str, list[int]]]) -> ChatView:
         """A new chat (stored at its first turn) whose history was given, not generated here: an API client's
@@ -218,7 +218,7 @@ class ChatService:
             append_segment(session.token_ids, session.segments, "user", fmt.user_turn_ids(user))
             append_segment(session.token_ids, session.segments, "assistant", ids)
             messages += [ChatMessage("user", user), ChatMessage("assistant", text)]
-        title = history[0][0] if history else "New chat"
+        title = chat_title(history[0][0]) if history else UNTITLED
         chat = _Chat(session, None, title, system, settings, messages, history=[(u, t) for u, t, _ in history])
         return self._switch(chat)
 

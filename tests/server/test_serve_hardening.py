@@ -1,0 +1,33 @@
+"""``kvchat serve`` on loopback without an API key, a real process driven by the real ``openai`` client and raw
+HTTP: odd but valid messages, limits on ``stop``, stop strings across turns, many chats sharing a prefix,
+a non-streaming client that goes away, the content-type and host rules, malformed bodies."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from server_helpers import MODEL, Server
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smol_info):
+    srv = Server(tmp_path_factory.mktemp("serve") / "home", api_key=None).start()
+    yield srv
+    srv.stop()
+
+
+def _ask(client, messages, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def test_a_blank_first_message_is_answered_and_titled_new_chat(server):
+    c = server.client()
+    r = _ask(c, [{"role": "user", "content": "  \n"}, {"role": "assistant", "content": "Hello!"},
+                 {"role": "user", "content": "Say yes."}], max_tokens=3)
+    chat_id = r.model_extra["kvchat"]["chat_id"]
+    db = sqlite3.connect(server.home / "kvchat.db")
+    assert db.execute("SELECT title FROM conversations WHERE id = ?", [chat_id]).fetchone()[0] == "New chat"
