@@ -17,6 +17,7 @@ from kvchat.engine.turn import SamplingParams, TurnStats
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4  # stop sequences at most (as the OpenAI API)
+MAX_STOP_CHARS = 256  # characters per stop sequence at most: holding back a partial match costs O(length^2) a token
 
 
 class ApiError(Exception):
@@ -148,8 +149,10 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         raise _bad("the last user message is empty", "messages")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise _bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise _bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings of at most "
+                   f"{MAX_STOP_CHARS} characters", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")

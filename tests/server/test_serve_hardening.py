@@ -4,6 +4,7 @@ a non-streaming client that goes away, the content-type and host rules, malforme
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 import pytest
@@ -31,3 +32,19 @@ def test_a_blank_first_message_is_answered_and_titled_new_chat(server):
     chat_id = r.model_extra["kvchat"]["chat_id"]
     db = sqlite3.connect(server.home / "kvchat.db")
     assert db.execute("SELECT title FROM conversations WHERE id = ?", [chat_id]).fetchone()[0] == "New chat"
+
+
+def _body(**kw) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}).encode()
+
+
+@pytest.mark.parametrize("stop", [["x"] * 5, "y" * 257, ["ok", "z" * 257], [""]], ids=["five", "long", "long-in-list",
+                                                                                    "empty"])
+def test_stop_strings_are_limited_in_number_and_length(server, stop):
+    code, err, _ = server.request("POST", "/v1/chat/completions", _body(stop=stop))
+    assert code == 400 and err["error"]["param"] == "stop", err
+
+
+def test_stop_strings_at_the_limits_are_accepted(server):
+    code, body, _ = server.request("POST", "/v1/chat/completions", _body(stop=["a" * 256, "b", "c", "d"]))
+    assert code == 200, body
