@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvchat.conversation.records import UNTITLED, chat_title, new_settings, save_new_chat, save_turn, session_from_store
 from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
@@ -275,11 +275,16 @@ class ChatService:
             self.open_chat(chat.chat_id)  # the store still has the old turn: resync from it
             raise
 
-    def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit):
+    def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
+                   answer_text: Callable[[str], str] | None = None):
         """:meth:`send` as engine steps (:meth:`kvchat.engine.session.Session.turn`), for a scheduler that
         runs several chats at once: it answers each ``DecodeStep`` with logits; the generator returns the
-        :class:`TurnDone` (also emitted). Same checks, storing and rollback as :meth:`send`."""
-        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None)
+        :class:`TurnDone` (also emitted). Same checks, storing and rollback as :meth:`send`.
+
+        ``answer_text(generated text)``: the answer's text as stored and returned (a server cuts it at a
+        stop string, as its client saw it); the ids stay those generated, so a resent history maps the
+        text back to them (:mod:`kvchat.server.prefix`)."""
+        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text)
 
     def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
@@ -298,7 +303,7 @@ class ChatService:
                 timer(item.done, item.total)
 
     def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
-                    rewind: tuple[int, int] | None):
+                    rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None):
         session, stored = chat.session, chat.stored_len
         try:
             user_ids = session.check_turn_fits(text)
@@ -321,6 +326,8 @@ class ChatService:
                 else:
                     reply = yield item
             batcher.flush()
+            if answer_text is not None:
+                session.last_turn.text = answer_text(session.last_turn.text)
             mark("generated")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
             if chat.lazy:
                 self._name_shortfall(chat, stored)

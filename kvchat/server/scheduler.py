@@ -16,7 +16,9 @@ A request is a turn of the conversation service
 checks, storing and rollback as the TUI's and the CLI's turns; the scheduler
 only answers its steps. A cancelled request (client gone, stop string seen)
 ends after its next token, is stored like an interrupted TUI turn, and its
-blocks go back to the pool (still in the prefix cache).
+blocks go back to the pool (still in the prefix cache). An answer cut at a
+stop string is stored as the client got it (the cut text) with the ids
+generated, so the client's next request, resending that text, reuses them.
 """
 
 from __future__ import annotations
@@ -195,7 +197,8 @@ class Scheduler:
             if promised + job.need_blocks <= total:
                 self.queued.remove(job)
                 job.steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
-                                                   lambda ev, job=job: self._on_event(job, ev))
+                                                   lambda ev, job=job: self._on_event(job, ev),
+                                                   lambda text, job=job: text[: job.stop_at])
                 self.running.append(job)
             elif time.perf_counter() - job.received > self.queue_timeout_s:
                 self.queued.remove(job)

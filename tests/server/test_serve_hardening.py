@@ -8,7 +8,9 @@ import json
 import sqlite3
 
 import pytest
+from transformers import AutoTokenizer
 
+from kvchat.model.chat_format import ChatFormat
 from server_helpers import MODEL, Server
 
 pytestmark = pytest.mark.model
@@ -48,3 +50,21 @@ def test_stop_strings_are_limited_in_number_and_length(server, stop):
 def test_stop_strings_at_the_limits_are_accepted(server):
     code, body, _ = server.request("POST", "/v1/chat/completions", _body(stop=["a" * 256, "b", "c", "d"]))
     assert code == 200, body
+
+
+def test_an_answer_cut_at_a_stop_string_is_reused_when_resent(server, smol_dir):
+    c = server.client()
+    msgs = [{"role": "user", "content": "Describe the sea in three sentences."}]
+    r1 = _ask(c, msgs, max_tokens=60, stop=["."])
+    cut = r1.choices[0].message.content
+    assert cut and "." not in cut and r1.choices[0].finish_reason == "stop" and r1.usage.completion_tokens < 60
+    db = sqlite3.connect(server.home / "kvchat.db")
+    stored = db.execute("SELECT text FROM messages WHERE conversation_id = ? AND role = 'assistant'",
+                        [r1.model_extra["kvchat"]["chat_id"]]).fetchall()
+    assert stored == [(cut,)]  # what the client got, not the generated text past the stop string
+    msgs += [{"role": "assistant", "content": cut}, {"role": "user", "content": "And the sky?"}]
+    r2 = _ask(c, msgs, max_tokens=4)
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(smol_dir))
+    history = r2.usage.prompt_tokens - len(fmt.user_turn_ids(msgs[-1]["content"]))
+    assert r2.usage.prompt_tokens_details.cached_tokens >= history - 32, r2.model_extra["kvchat"]
+    assert r2.model_extra["kvchat"]["miss_reason"] is None
