@@ -24,6 +24,7 @@ from starlette.routing import Route
 from kvchat.server.protocol import ApiError, chunk_body, completion_body, kvchat_block, parse_chat_request, usage_block
 from kvchat.server.scheduler import Finished, Job
 
+DISCONNECT_POLL_S = 0.25  # a client waiting for a whole answer is checked for a closed connection this often
 MAX_BODY_BYTES = 8 * 2**20  # a request body beyond this gets 413 (a 100K-token history is ~0.5 MB of JSON)
 
 
@@ -94,22 +95,26 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
         state["scheduler"].submit(job)
-        cid = "chatcmpl-" + secrets.token_hex(12)
+        cid, pushes = "chatcmpl-" + secrets.token_hex(12), _Pushes(request, events)
         try:
-            first = await events.get()
+            first = await pushes.next()
         except BaseException:
             job.cancel.set()
             raise
+        if first is None:
+            job.cancel.set()  # the client went away while queued or prefilling
+            return _error(ApiError(499, "the client closed the request"))
         if first[0] == "error":
             return _error(first[1])
         if not req.stream:
-            text, item = [], first
+            item = first
             try:
-                while item[0] == "text":
-                    text.append(item[1])
-                    item = await events.get()
+                while item is not None and item[0] == "text":
+                    item = await pushes.next()
             finally:
                 job.cancel.set()  # no-op once finished; a client gone mid-answer stops it
+            if item is None:
+                return _error(ApiError(499, "the client closed the request"))
             if item[0] == "error":
                 return _error(item[1])
             done: Finished = item[1]
@@ -148,6 +153,29 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers={ApiError: api_error, HTTPException: http_error})
+
+
+class _Pushes:
+    """A request's pushes from the scheduler, watching the client's connection meanwhile: at most every
+    ``DISCONNECT_POLL_S`` it is asked whether the client went away (a non-streaming client that did stops
+    its generation; pushes arrive every token, so a timeout alone would never fire while decoding)."""
+
+    def __init__(self, request: Request, events: asyncio.Queue):
+        self.request, self.events, self.checked = request, events, time.monotonic()
+
+    async def next(self) -> tuple[str, object] | None:
+        """The next push, or None once the client has disconnected."""
+        getter = asyncio.ensure_future(self.events.get())
+        try:
+            while True:
+                wait = self.checked + DISCONNECT_POLL_S - time.monotonic()
+                if wait > 0 and (await asyncio.wait({getter}, timeout=wait))[0]:
+                    return getter.result()
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    return None
+        finally:
+            getter.cancel()  # no-op once it has its result
 
 
 def _kvchat(done: Finished) -> dict:

@@ -4,8 +4,10 @@ a non-streaming client that goes away, the content-type and host rules, malforme
 
 from __future__ import annotations
 
+import http.client
 import json
 import sqlite3
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -68,3 +70,20 @@ def test_an_answer_cut_at_a_stop_string_is_reused_when_resent(server, smol_dir):
     history = r2.usage.prompt_tokens - len(fmt.user_turn_ids(msgs[-1]["content"]))
     assert r2.usage.prompt_tokens_details.cached_tokens >= history - 32, r2.model_extra["kvchat"]
     assert r2.model_extra["kvchat"]["miss_reason"] is None
+
+
+def test_a_non_streaming_client_that_disconnects_stops_its_generation(server):
+    start = server.wait_idle()
+    assert start["pool_blocks_used"] == 0
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": MODEL, "messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
+        "max_tokens": 1000, "temperature": 0}), {"Content-Type": "application/json"})
+    deadline = time.time() + 60
+    while (h := server.health())["decode_steps"] < start["decode_steps"] + 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert h["running"] == 1 and h["pool_blocks_used"] > 0  # decoding
+    conn.close()
+    idle = server.wait_idle(timeout=15)
+    assert (idle["running"], idle["pool_blocks_used"]) == (0, 0)
+    assert idle["decode_steps"] - h["decode_steps"] < 200  # it stopped soon after, far from its 1000 tokens
