@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def scheduler():
         return Scheduler(rt, store=not args.no_store, queue_timeout_s=args.queue_timeout, verbose=args.verbose)
 
-    app = create_app(scheduler, rt.info.name, args.api_key)
+    app = create_app(scheduler, rt.info.name, args.api_key, args.host)
     print(f"kvchat: serving {rt.info.name} at http://{args.host}:{args.port}/v1 "
           f"(KV {rt.engine.spec.kv_dtype}, context {rt.engine.max_context} tokens)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",

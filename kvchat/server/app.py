@@ -17,6 +17,8 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -25,6 +27,8 @@ from kvchat.server.protocol import ApiError, chunk_body, completion_body, kvchat
 from kvchat.server.scheduler import Finished, Job
 
 DISCONNECT_POLL_S = 0.25  # a client waiting for a whole answer is checked for a closed connection this often
+JSON = "application/json"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # Host header values a server without --api-key accepts
 MAX_BODY_BYTES = 8 * 2**20  # a request body beyond this gets 413 (a 100K-token history is ~0.5 MB of JSON)
 
 
@@ -32,9 +36,15 @@ def _error(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -> Starlette:
+def create_app(scheduler_factory, model_name: str, api_key: str | None = None, host: str = "127.0.0.1") -> Starlette:
     """The ASGI app. ``scheduler_factory()`` builds the :class:`Scheduler` at startup (stopped at shutdown);
-    ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``."""
+    ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
+
+    Without ``api_key`` (loopback only, see :mod:`kvchat.cli.serve`) a web page the user opens must not be
+    able to drive the server: a POST needs ``Content-Type: application/json`` (415 otherwise; a browser
+    sends that cross-origin only after a CORS preflight, which this server never grants), and the
+    ``Host`` header must name a loopback address or ``host``, the bound one (400 otherwise: DNS rebinding).
+    """
     state: dict = {}
     created = int(time.time())
 
@@ -88,6 +98,9 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
 
     async def chat_completions(request: Request) -> Response:
         check_auth(request)
+        if api_key is None and request.headers.get("content-type", "").partition(";")[0].strip().lower() != JSON:
+            raise ApiError(415, f"POST needs 'Content-Type: {JSON}' (a server without --api-key accepts no other, "
+                                "so that web pages cannot post to it)", code="unsupported_media_type")
         req = parse_chat_request(await read_body(request))
         if req.model != model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist (this server runs {model_name!r})",
@@ -151,7 +164,11 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
 
     routes = [Route("/health", health), Route("/v1/models", list_models), Route("/v1/models/{model:path}", get_model),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan,
+    middleware = []
+    if api_key is None:
+        names = {*LOOPBACK_NAMES, f"[{host}]" if ":" in host else host}
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=sorted(names)))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={ApiError: api_error, HTTPException: http_error})
 
 

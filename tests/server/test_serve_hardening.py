@@ -87,3 +87,28 @@ def test_a_non_streaming_client_that_disconnects_stops_its_generation(server):
     idle = server.wait_idle(timeout=15)
     assert (idle["running"], idle["pool_blocks_used"]) == (0, 0)
     assert idle["decode_steps"] - h["decode_steps"] < 200  # it stopped soon after, far from its 1000 tokens
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_without_an_api_key_a_post_needs_json_content_type(server, content_type):
+    code, err, _ = server.request("POST", "/v1/chat/completions", _body(), {"Content-Type": content_type})
+    assert code == 415 and err["error"]["code"] == "unsupported_media_type", err
+    code, _, _ = server.request("POST", "/v1/chat/completions", _body(), {"Content-Type": "application/json; charset=utf-8"})
+    assert code == 200
+
+
+def _status_with_host(server, host: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("GET", "/health", skip_host=True)
+    conn.putheader("Host", host)
+    conn.endheaders()
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def test_without_an_api_key_only_loopback_host_names_are_served(server):
+    for host in ("localhost", f"localhost:{server.port}", f"127.0.0.1:{server.port}", f"[::1]:{server.port}"):
+        assert _status_with_host(server, host) == 200, host
+    for host in ("evil.example", f"evil.example:{server.port}", "127.0.0.1.evil.example"):  # DNS rebinding
+        assert _status_with_host(server, host) == 400, host
