@@ -112,3 +112,13 @@ def test_without_an_api_key_only_loopback_host_names_are_served(server):
         assert _status_with_host(server, host) == 200, host
     for host in ("evil.example", f"evil.example:{server.port}", "127.0.0.1.evil.example"):  # DNS rebinding
         assert _status_with_host(server, host) == 400, host
+
+
+def test_the_api_key_can_come_from_the_environment(tmp_path, smol_info):
+    srv = Server(tmp_path / "home", api_key=None, env={"KVCHAT_API_KEY": "env-key"}).start()
+    try:
+        assert srv.request("GET", "/v1/models", headers={"Authorization": None})[0] == 401
+        assert srv.request("GET", "/v1/models", headers={"Authorization": "Bearer env-key"})[0] == 200
+        assert "env-key" not in " ".join(srv.proc.args)  # not in the process list
+    finally:
+        srv.stop()
