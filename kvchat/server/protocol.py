@@ -108,7 +108,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     """Validate a request body (JSON bytes).
 
     Raises:
-        ApiError: 400 for malformed JSON, wrong types, out-of-range values, unsupported
+        ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
             features (``n`` > 1, tools, roles other than system/developer/user/assistant,
             a conversation that does not alternate user/assistant and end with a user message).
     """
@@ -116,6 +116,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's C parser recurses once per nesting level
+        raise _bad("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     model = body.get("model")

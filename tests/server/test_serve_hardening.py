@@ -122,3 +122,10 @@ def test_the_api_key_can_come_from_the_environment(tmp_path, smol_info):
         assert "env-key" not in " ".join(srv.proc.args)  # not in the process list
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("body", [b"[" * 200000, b'{"model": "m", "messages": ' + b"[" * 200000],
+                         ids=["top", "in-messages"])
+def test_deeply_nested_json_gets_400(server, body):
+    code, err, _ = server.request("POST", "/v1/chat/completions", body)
+    assert code == 400 and "nested too deeply" in err["error"]["message"], err
