@@ -1,14 +1,17 @@
 """``kvchat serve``: the OpenAI-compatible server (:mod:`kvchat.server`) on uvicorn.
 
 Everything is checked before the model loads (a non-loopback ``--host``
-needs ``--api-key``; a port that is not a port); the model loads before the
-socket is bound, so a bad model is one ``kvchat: error:`` line.
+needs an API key; a port that is not a port); the model loads before the
+socket is bound, so a bad model is one ``kvchat: error:`` line, and so is a
+port in use (the socket is bound here, then handed to uvicorn; the
+"serving" line comes only once it is bound).
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import socket
 import sys
 
 from kvchat import settings
@@ -47,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """``kvchat serve``: validate, load the model, serve until SIGINT/SIGTERM (then flush snapshot writes).
 
     Raises:
-        ValueError: a non-loopback host without an API key, a bad port or queue timeout.
+        ValueError: a non-loopback host without an API key, a bad port or queue timeout, a port in use.
     """
     api_key = serve_api_key(args)
     if not is_loopback(args.host) and not api_key:
@@ -71,10 +74,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return Scheduler(rt, store=not args.no_store, queue_timeout_s=args.queue_timeout, verbose=args.verbose)
 
     app = create_app(scheduler, rt.info.name, api_key, args.host)
-    print(f"kvchat: serving {rt.info.name} at http://{args.host}:{args.port}/v1 "
+    sock = bind(args.host, args.port)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"kvchat: serving {rt.info.name} at http://{shown}:{args.port}/v1 "
           f"(KV {rt.engine.spec.kv_dtype}, context {rt.engine.max_context} tokens)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             access_log=args.verbose, lifespan="on", timeout_graceful_shutdown=GRACEFUL_S)
     server = uvicorn.Server(config)
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     return 0 if server.started else 2
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (IPv6 for an address with a colon), handed to uvicorn.
+
+    Raises:
+        ValueError: the address cannot be bound (port in use, address not on this machine, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None

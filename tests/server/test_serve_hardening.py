@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import sqlite3
 import time
 
@@ -13,6 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat
+from process_helpers import assert_one_error_line, run_kvchat
 from server_helpers import MODEL, Server
 
 pytestmark = pytest.mark.model
@@ -129,3 +131,10 @@ def test_the_api_key_can_come_from_the_environment(tmp_path, smol_info):
 def test_deeply_nested_json_gets_400(server, body):
     code, err, _ = server.request("POST", "/v1/chat/completions", body)
     assert code == 400 and "nested too deeply" in err["error"]["message"], err
+
+
+def test_a_port_in_use_is_one_error_line(tmp_path, smol_info):
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        proc = run_kvchat(tmp_path / "home", "serve", "--port", str(port), "--threads", "1")
+    assert_one_error_line(proc, "kvchat: error: cannot listen on 127.0.0.1 port", str(port))
