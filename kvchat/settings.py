@@ -11,6 +11,7 @@
 - ``KVCHAT_WEIGHTS``: the weight format the model computes with.
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
+- ``KVCHAT_API_KEY``: the key ``kvchat serve`` requires when ``--api-key`` is not given.
 
 An empty value means unset. A value kvchat cannot use raises
 :class:`SettingError` where it is read, with a one-line message naming the
@@ -45,6 +46,7 @@ CACHE_BUDGET_GB = "KVCHAT_CACHE_BUDGET_GB"
 PHASE_TRACE = "KVCHAT_PHASE_TRACE"
 DTYPE = "KVCHAT_DTYPE"
 RESIDENT_CHATS = "KVCHAT_RESIDENT_CHATS"
+API_KEY = "KVCHAT_API_KEY"
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 DEFAULT_RESIDENT_CHATS = 4
 WEIGHTS = "KVCHAT_WEIGHTS"
@@ -250,6 +252,13 @@ def phase_trace() -> Path | None:
     :mod:`kvchat.phase_trace`). Default (None): no trace."""
     value = _raw(PHASE_TRACE)
     return Path(value) if value else None
+
+
+def api_key() -> str | None:
+    """``KVCHAT_API_KEY``: the key ``kvchat serve`` requires (``Authorization: Bearer KEY``) when no
+    ``--api-key`` is given (the flag wins); unlike the flag it does not show in other users' process list
+    (``/proc/PID/cmdline``). Surrounding whitespace is stripped. Default (None): no key, loopback only."""
+    return _raw(API_KEY)
 
 
 def check() -> None:

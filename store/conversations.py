@@ -290,7 +290,7 @@ def histories(db: Database, conv_ids: Sequence[str]) -> dict[str, list[int]]:
 def conversations_with_prefix(db: Database, token_ids: Sequence[int], model_fingerprint: str, *,
                               exact: bool = False, limit: int = 8) -> list[str]:
     """Ids of ``model_fingerprint``'s conversations whose token ids start with ``token_ids`` and are longer
-    (``exact``: equal to them), most recently updated first, at most ``limit``."""
+    (``exact``: equal to them), most recently updated first, at most ``limit`` (negative: all)."""
     blob = encode_token_ids(token_ids)
     length = "length(token_ids) = ?" if exact else "length(token_ids) > ?"
     sql = (f"SELECT id FROM conversations WHERE model_fingerprint = ? AND substr(token_ids, 1, ?) = ? AND {length}"

@@ -26,10 +26,12 @@ def free_port() -> int:
 
 
 class Server:
-    """``kvchat serve --port P --api-key KEY ARGS`` on data dir ``home``; ``start`` waits for ``/health``."""
+    """``kvchat serve --port P --api-key KEY ARGS`` on data dir ``home``; ``start`` waits for ``/health``.
 
-    def __init__(self, home: Path, *args: str, env: dict | None = None):
-        self.home, self.args, self.env = home, args, env or {}
+    ``api_key=None``: no ``--api-key`` (loopback without a key)."""
+
+    def __init__(self, home: Path, *args: str, env: dict | None = None, api_key: str | None = API_KEY):
+        self.home, self.args, self.env, self.api_key = home, args, env or {}, api_key
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -41,7 +43,8 @@ class Server:
         env = {**os.environ, "KVCHAT_HOME": str(self.home), **self.env}
         self.log = open(self.home.parent / f"serve-{self.port}.log", "a")
         self.proc = subprocess.Popen([sys.executable, "-c", RUN_KVCHAT, "serve", "--port", str(self.port),
-                                      "--api-key", API_KEY, "--threads", "1", *self.args],
+                                      *(["--api-key", self.api_key] if self.api_key else []),
+                                      "--threads", "1", *self.args],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -63,7 +66,7 @@ class Server:
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         """(status, parsed JSON body, headers) of a raw request (auth header included unless given)."""
-        hdrs = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **(headers or {})}
+        hdrs = {"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json", **(headers or {})}
         req = urllib.request.Request(self.url + path, data=body, method=method,
                                      headers={k: v for k, v in hdrs.items() if v is not None})
         try:
@@ -75,7 +78,7 @@ class Server:
     def client(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120, **kw)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0, timeout=120, **kw)
 
     def wait_idle(self, timeout: float = 60) -> dict:
         """Health once no request runs or waits."""

@@ -1,15 +1,20 @@
 """``kvchat serve``: the OpenAI-compatible server (:mod:`kvchat.server`) on uvicorn.
 
 Everything is checked before the model loads (a non-loopback ``--host``
-needs ``--api-key``; a port that is not a port); the model loads before the
-socket is bound, so a bad model is one ``kvchat: error:`` line.
+needs an API key; a port that is not a port); the model loads before the
+socket is bound, so a bad model is one ``kvchat: error:`` line, and so is a
+port in use (the socket is bound here, then handed to uvicorn; the
+"serving" line comes only once it is bound).
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import socket
 import sys
+
+from kvchat import settings
 
 GRACEFUL_S = 5  # at SIGINT/SIGTERM, open streams get this long before they are cancelled (their turns stored)
 
@@ -28,22 +33,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The flags of ``kvchat serve`` (``--model --kv-dtype --threads`` come from the shared model args)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every /v1 request")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every /v1 request "
+                   "(default: KVCHAT_API_KEY, which, unlike this flag, other users cannot see in the process list)")
     p.add_argument("--no-store", action="store_true", help="do not store API conversations as chats (nor their KV)")
     p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S",
                    help="a request waiting this long for KV pool space gets 503 with Retry-After (default 30)")
     p.add_argument("--verbose", action="store_true", help="log requests, with their last user message")
 
 
+def serve_api_key(args: argparse.Namespace) -> str | None:
+    """The key clients must send: ``--api-key``, else ``KVCHAT_API_KEY``, else None (no key)."""
+    return args.api_key or settings.api_key()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``kvchat serve``: validate, load the model, serve until SIGINT/SIGTERM (then flush snapshot writes).
 
     Raises:
-        ValueError: a non-loopback host without an API key, a bad port or queue timeout.
+        ValueError: a non-loopback host without an API key, a bad port or queue timeout, a port in use.
     """
-    if not is_loopback(args.host) and not args.api_key:
-        raise ValueError(f"--host {args.host} is reachable from other machines: pass --api-key KEY too "
-                         "(clients send it as 'Authorization: Bearer KEY')")
+    api_key = serve_api_key(args)
+    if not is_loopback(args.host) and not api_key:
+        raise ValueError(f"--host {args.host} is reachable from other machines: set KVCHAT_API_KEY or pass "
+                         "--api-key KEY too (clients send it as 'Authorization: Bearer KEY')")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if not args.queue_timeout > 0:
@@ -61,11 +73,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def scheduler():
         return Scheduler(rt, store=not args.no_store, queue_timeout_s=args.queue_timeout, verbose=args.verbose)
 
-    app = create_app(scheduler, rt.info.name, args.api_key)
-    print(f"kvchat: serving {rt.info.name} at http://{args.host}:{args.port}/v1 "
+    app = create_app(scheduler, rt.info.name, api_key, args.host)
+    sock = bind(args.host, args.port)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"kvchat: serving {rt.info.name} at http://{shown}:{args.port}/v1 "
           f"(KV {rt.engine.spec.kv_dtype}, context {rt.engine.max_context} tokens)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             access_log=args.verbose, lifespan="on", timeout_graceful_shutdown=GRACEFUL_S)
     server = uvicorn.Server(config)
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     return 0 if server.started else 2
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (IPv6 for an address with a colon), handed to uvicorn.
+
+    Raises:
+        ValueError: the address cannot be bound (port in use, address not on this machine, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None

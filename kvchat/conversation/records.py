@@ -15,6 +15,14 @@ from kvchat.store.conversations import Conversation, NewMessage, append_turn, cr
 from kvchat.store.db import write_transaction
 
 TITLE_CHARS = 60
+UNTITLED = "New chat"  # the title of a chat whose first message has no text
+
+
+def chat_title(first_message: str) -> str:
+    """A chat's title: the first non-blank line of its first user message, at most ``TITLE_CHARS`` characters;
+    :data:`UNTITLED` when the message is blank (an API client may send empty content)."""
+    line = next((ln.strip() for ln in first_message.splitlines() if ln.strip()), "")
+    return line[:TITLE_CHARS] or UNTITLED
 
 
 class ChatModelMismatchError(ValueError):
@@ -60,7 +68,7 @@ def save_new_chat(db: Database, rt: Runtime, session: Session, system: str, sett
     first = history[0][0] if history else user_text
     with write_transaction(db):
         conv = create_conversation(
-            db, title=first.strip().splitlines()[0][:TITLE_CHARS], model_fingerprint=rt.info.fingerprint,
+            db, title=chat_title(first), model_fingerprint=rt.info.fingerprint,
             model_name=rt.info.name, system_prompt=system, settings=settings,
         )
         prefix = session.segments[0]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
-from kvchat.conversation.records import new_settings, save_new_chat, save_turn, session_from_store
+from kvchat.conversation.records import UNTITLED, chat_title, new_settings, save_new_chat, save_turn, session_from_store
 from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
 from kvchat.documents import Document, doc_id, read_document
 from kvchat.phase_trace import mark
@@ -201,7 +201,7 @@ class ChatService:
             doc_ids = register_documents(self, fmt, docs)
             self._stored = True
             session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
-        return self._switch(_Chat(session, None, "New chat", system, settings, resume=resume))
+        return self._switch(_Chat(session, None, UNTITLED, system, settings, resume=resume))
 
     def start_given_chat(self, system: str, settings: dict, history: Sequence[tuple[str, str, list[int]]]) -> ChatView:
         """A new chat (stored at its first turn) whose history was given, not generated here: an API client's
@@ -218,7 +218,7 @@ class ChatService:
             append_segment(session.token_ids, session.segments, "user", fmt.user_turn_ids(user))
             append_segment(session.token_ids, session.segments, "assistant", ids)
             messages += [ChatMessage("user", user), ChatMessage("assistant", text)]
-        title = history[0][0] if history else "New chat"
+        title = chat_title(history[0][0]) if history else UNTITLED
         chat = _Chat(session, None, title, system, settings, messages, history=[(u, t) for u, t, _ in history])
         return self._switch(chat)
 
@@ -275,11 +275,16 @@ class ChatService:
             self.open_chat(chat.chat_id)  # the store still has the old turn: resync from it
             raise
 
-    def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit):
+    def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
+                   answer_text: Callable[[str], str] | None = None):
         """:meth:`send` as engine steps (:meth:`kvchat.engine.session.Session.turn`), for a scheduler that
         runs several chats at once: it answers each ``DecodeStep`` with logits; the generator returns the
-        :class:`TurnDone` (also emitted). Same checks, storing and rollback as :meth:`send`."""
-        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None)
+        :class:`TurnDone` (also emitted). Same checks, storing and rollback as :meth:`send`.
+
+        ``answer_text(generated text)``: the answer's text as stored and returned (a server cuts it at a
+        stop string, as its client saw it); the ids stay those generated, so a resent history maps the
+        text back to them (:mod:`kvchat.server.prefix`)."""
+        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text)
 
     def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
@@ -298,7 +303,7 @@ class ChatService:
                 timer(item.done, item.total)
 
     def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
-                    rewind: tuple[int, int] | None):
+                    rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None):
         session, stored = chat.session, chat.stored_len
         try:
             user_ids = session.check_turn_fits(text)
@@ -321,6 +326,8 @@ class ChatService:
                 else:
                     reply = yield item
             batcher.flush()
+            if answer_text is not None:
+                session.last_turn.text = answer_text(session.last_turn.text)
             mark("generated")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
             if chat.lazy:
                 self._name_shortfall(chat, stored)

@@ -17,6 +17,8 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -24,6 +26,9 @@ from starlette.routing import Route
 from kvchat.server.protocol import ApiError, chunk_body, completion_body, kvchat_block, parse_chat_request, usage_block
 from kvchat.server.scheduler import Finished, Job
 
+DISCONNECT_POLL_S = 0.25  # a client waiting for a whole answer is checked for a closed connection this often
+JSON = "application/json"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # Host header values a server without --api-key accepts
 MAX_BODY_BYTES = 8 * 2**20  # a request body beyond this gets 413 (a 100K-token history is ~0.5 MB of JSON)
 
 
@@ -31,9 +36,15 @@ def _error(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -> Starlette:
+def create_app(scheduler_factory, model_name: str, api_key: str | None = None, host: str = "127.0.0.1") -> Starlette:
     """The ASGI app. ``scheduler_factory()`` builds the :class:`Scheduler` at startup (stopped at shutdown);
-    ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``."""
+    ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
+
+    Without ``api_key`` (loopback only, see :mod:`kvchat.cli.serve`) a web page the user opens must not be
+    able to drive the server: a POST needs ``Content-Type: application/json`` (415 otherwise; a browser
+    sends that cross-origin only after a CORS preflight, which this server never grants), and the
+    ``Host`` header must name a loopback address or ``host``, the bound one (400 otherwise: DNS rebinding).
+    """
     state: dict = {}
     created = int(time.time())
 
@@ -58,7 +69,8 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
         return {"id": model_name, "object": "model", "created": created, "owned_by": "kvchat"}
 
     async def health(request: Request) -> Response:
-        return JSONResponse(state["scheduler"].health())
+        scheduler = state["scheduler"]
+        return JSONResponse(scheduler.health(), status_code=200 if scheduler.alive else 503)
 
     async def list_models(request: Request) -> Response:
         check_auth(request)
@@ -86,6 +98,9 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
 
     async def chat_completions(request: Request) -> Response:
         check_auth(request)
+        if api_key is None and request.headers.get("content-type", "").partition(";")[0].strip().lower() != JSON:
+            raise ApiError(415, f"POST needs 'Content-Type: {JSON}' (a server without --api-key accepts no other, "
+                                "so that web pages cannot post to it)", code="unsupported_media_type")
         req = parse_chat_request(await read_body(request))
         if req.model != model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist (this server runs {model_name!r})",
@@ -93,22 +108,26 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
         state["scheduler"].submit(job)
-        cid = "chatcmpl-" + secrets.token_hex(12)
+        cid, pushes = "chatcmpl-" + secrets.token_hex(12), _Pushes(request, events)
         try:
-            first = await events.get()
+            first = await pushes.next()
         except BaseException:
             job.cancel.set()
             raise
+        if first is None:
+            job.cancel.set()  # the client went away while queued or prefilling
+            return _error(ApiError(499, "the client closed the request"))
         if first[0] == "error":
             return _error(first[1])
         if not req.stream:
-            text, item = [], first
+            item = first
             try:
-                while item[0] == "text":
-                    text.append(item[1])
-                    item = await events.get()
+                while item is not None and item[0] == "text":
+                    item = await pushes.next()
             finally:
                 job.cancel.set()  # no-op once finished; a client gone mid-answer stops it
+            if item is None:
+                return _error(ApiError(499, "the client closed the request"))
             if item[0] == "error":
                 return _error(item[1])
             done: Finished = item[1]
@@ -145,8 +164,35 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None) -
 
     routes = [Route("/health", health), Route("/v1/models", list_models), Route("/v1/models/{model:path}", get_model),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan,
+    middleware = []
+    if api_key is None:
+        names = {*LOOPBACK_NAMES, f"[{host}]" if ":" in host else host}
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=sorted(names)))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={ApiError: api_error, HTTPException: http_error})
+
+
+class _Pushes:
+    """A request's pushes from the scheduler, watching the client's connection meanwhile: at most every
+    ``DISCONNECT_POLL_S`` it is asked whether the client went away (a non-streaming client that did stops
+    its generation; pushes arrive every token, so a timeout alone would never fire while decoding)."""
+
+    def __init__(self, request: Request, events: asyncio.Queue):
+        self.request, self.events, self.checked = request, events, time.monotonic()
+
+    async def next(self) -> tuple[str, object] | None:
+        """The next push, or None once the client has disconnected."""
+        getter = asyncio.ensure_future(self.events.get())
+        try:
+            while True:
+                wait = self.checked + DISCONNECT_POLL_S - time.monotonic()
+                if wait > 0 and (await asyncio.wait({getter}, timeout=wait))[0]:
+                    return getter.result()
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    return None
+        finally:
+            getter.cancel()  # no-op once it has its result
 
 
 def _kvchat(done: Finished) -> dict:

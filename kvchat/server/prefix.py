@@ -22,6 +22,7 @@ from kvchat.model.chat_format import ChatFormat, Segment, append_segment
 from kvchat.store.conversations import conversations_with_prefix, get_conversation
 
 THINK_END = "</think>"
+NO_LIMIT = -1  # conversations_with_prefix: SQLite's LIMIT -1 has no upper bound
 
 
 @dataclass(slots=True)
@@ -73,7 +74,8 @@ def stored_answer(db, model_fingerprint: str, ids: list[int], text: str) -> list
     """The ids of an assistant segment that starts right after ``ids`` in a stored chat of this model and whose
     stored text equals ``text`` (or, stripped of its think block, equals it); None if there is none."""
     start = len(ids)
-    for conv_id in conversations_with_prefix(db, ids, model_fingerprint):
+    # every chat sharing the prefix (many may: the same first question asked again), newest first
+    for conv_id in conversations_with_prefix(db, ids, model_fingerprint, limit=NO_LIMIT):
         conv = get_conversation(db, conv_id)
         seg = next((s for s in conv.segments if s[0] == start), None)
         if seg is None or seg[2] != "assistant":

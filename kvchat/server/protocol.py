@@ -17,6 +17,7 @@ from kvchat.engine.turn import SamplingParams, TurnStats
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4  # stop sequences at most (as the OpenAI API)
+MAX_STOP_CHARS = 256  # characters per stop sequence at most: holding back a partial match costs O(length^2) a token
 
 
 class ApiError(Exception):
@@ -107,7 +108,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     """Validate a request body (JSON bytes).
 
     Raises:
-        ApiError: 400 for malformed JSON, wrong types, out-of-range values, unsupported
+        ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
             features (``n`` > 1, tools, roles other than system/developer/user/assistant,
             a conversation that does not alternate user/assistant and end with a user message).
     """
@@ -115,6 +116,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's C parser recurses once per nesting level
+        raise _bad("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     model = body.get("model")
@@ -148,8 +151,10 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         raise _bad("the last user message is empty", "messages")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise _bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise _bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings of at most "
+                   f"{MAX_STOP_CHARS} characters", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")

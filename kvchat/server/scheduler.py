@@ -16,7 +16,9 @@ A request is a turn of the conversation service
 checks, storing and rollback as the TUI's and the CLI's turns; the scheduler
 only answers its steps. A cancelled request (client gone, stop string seen)
 ends after its next token, is stored like an interrupted TUI turn, and its
-blocks go back to the pool (still in the prefix cache).
+blocks go back to the pool (still in the prefix cache). An answer cut at a
+stop string is stored as the client got it (the cut text) with the ids
+generated, so the client's next request, resending that text, reuses them.
 """
 
 from __future__ import annotations
@@ -121,10 +123,15 @@ class Scheduler:
     def health(self) -> dict:
         """Pool and queue counters (read without locking; approximate while the loop runs)."""
         e = self.rt.engine
-        return {"status": "ok", "model": self.rt.info.name, "kv_dtype": e.spec.kv_dtype,
+        return {"status": "ok" if self.alive else "the scheduler thread has stopped", "model": self.rt.info.name, "kv_dtype": e.spec.kv_dtype,
                 "pool_blocks_total": e.pool.num_blocks, "pool_blocks_used": e.pool.num_blocks - e.blocks.num_free_blocks,
                 "running": len(self.running), "queued": len(self.queued) + len(self._inbox),
                 "decode_steps": self.decode_steps, "context_limit": e.max_context}
+
+    @property
+    def alive(self) -> bool:
+        """The scheduler thread runs (False once it has stopped or died): /health answers 503 otherwise."""
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         """Cancel every request, let running turns end (stored, as a cancelled turn), flush snapshot writes."""
@@ -138,28 +145,38 @@ class Scheduler:
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
-                with self._wake:
-                    if not (self._inbox or self.running or self.queued or self._stopping):
-                        self._wake.wait(IDLE_WAIT_S)
-                    self.queued.extend(self._inbox)
-                    self._inbox.clear()
-                    stopping = self._stopping
-                if stopping:
-                    for job in [*self.queued, *self.running]:
-                        job.cancel.set()
-                    if not self.running:
-                        for job in self.queued:
-                            job.push(("error", ApiError(503, "the server is shutting down", "server_error")))
+                try:
+                    if self._iteration():
                         return
-                self._admit()
-                decoding = [j for j in self.running if isinstance(j.waiting, DecodeStep)]
-                if decoding:
-                    self._decode(decoding)
-                starting = [j for j in self.running if not isinstance(j.waiting, DecodeStep)]
-                if starting:
-                    self._advance(starting[0], None)
-                elif not self.running and self.queued:
-                    time.sleep(0.01)  # waiting for pool space that only a timeout can change
+                except Exception as exc:  # noqa: BLE001 - a bug in one step: fail the running requests, keep serving
+                    for job in list(self.running):
+                        self._abort(job, exc)
+
+    def _iteration(self) -> bool:
+        """One loop iteration (admit, one batched decode, one prefill chunk); True once stopped."""
+        with self._wake:
+            if not (self._inbox or self.running or self.queued or self._stopping):
+                self._wake.wait(IDLE_WAIT_S)
+            self.queued.extend(self._inbox)
+            self._inbox.clear()
+            stopping = self._stopping
+        if stopping:
+            for job in [*self.queued, *self.running]:
+                job.cancel.set()
+            if not self.running:
+                for job in self.queued:
+                    job.push(("error", ApiError(503, "the server is shutting down", "server_error")))
+                return True
+        self._admit()
+        decoding = [j for j in self.running if isinstance(j.waiting, DecodeStep)]
+        if decoding:
+            self._decode(decoding)
+        starting = [j for j in self.running if not isinstance(j.waiting, DecodeStep)]
+        if starting:
+            self._advance(starting[0], None)
+        elif not self.running and self.queued:
+            time.sleep(0.01)  # waiting for pool space that only a timeout can change
+        return False
 
     def _admit(self) -> None:
         """Prepare queued jobs in order; admit those whose full length fits beside the running ones."""
@@ -180,7 +197,8 @@ class Scheduler:
             if promised + job.need_blocks <= total:
                 self.queued.remove(job)
                 job.steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
-                                                   lambda ev, job=job: self._on_event(job, ev))
+                                                   lambda ev, job=job: self._on_event(job, ev),
+                                                   lambda text, job=job: text[: job.stop_at])
                 self.running.append(job)
             elif time.perf_counter() - job.received > self.queue_timeout_s:
                 self.queued.remove(job)
@@ -228,15 +246,25 @@ class Scheduler:
         try:
             logits = self.rt.engine.decode_batch([j.waiting for j in jobs])
         except PoolFullError as exc:  # admission should prevent it; fail that request, keep the others
-            job = jobs[getattr(exc, "index", 0)]
-            try:
-                job.steps.throw(exc)
-            except BaseException as err:  # noqa: BLE001 - the service rolled the turn back and re-raised
-                self._fail(job, err)
+            self._abort(jobs[getattr(exc, "index", 0)], exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - which row failed is unknown: fail the batch, keep serving
+            for job in jobs:
+                self._abort(job, exc)
             return
         self.decode_steps += 1
         for job, row in zip(jobs, logits):
             self._advance(job, row)
+
+    def _abort(self, job: Job, exc: Exception) -> None:
+        """End ``job``'s turn with ``exc`` (the service rolls the turn back and re-raises) and answer the error."""
+        try:
+            job.steps.throw(exc)
+        except BaseException as err:  # noqa: BLE001 - the re-raised error (or the service's own)
+            self._fail(job, err)
+        else:  # the turn did not end: close it
+            job.steps.close()
+            self._fail(job, exc)
 
     def _advance(self, job: Job, reply) -> None:
         """Run ``job``'s turn to its next step (one prefill chunk, or up to its next decode step)."""

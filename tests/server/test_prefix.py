@@ -79,3 +79,16 @@ def test_qwen3_history_without_think_block_still_matches(smol_dir, resent):
     assert "The user wants a city" not in whole
     r = render(fmt, SYSTEM, [("Capital of France?", sent)], _lookup)
     assert r.token_ids == stored and r.drift is None
+
+
+def test_an_answer_is_found_among_more_than_eight_chats_sharing_its_prefix(smol_dir):
+    tok = _tok(smol_dir)
+    fmt = ChatFormat(tok, date_string="26 Jul 2024")
+    generated = [i for piece in ("Par", "is.", "\n", "\nIt is big") for i in tok.encode(piece, add_special_tokens=False)]
+    text = tok.decode(generated)
+    stored = _store_chat(fmt, "Capital of France?", generated + [tok.eos_token_id], text)  # the oldest of 12
+    for k in range(11):  # newer chats with the same prefix and user turn, other answers
+        other = f"Answer number {k}."
+        _store_chat(fmt, "Capital of France?", tok.encode(other, add_special_tokens=False) + [tok.eos_token_id], other)
+    r = render(fmt, SYSTEM, [("Capital of France?", text)], _lookup)
+    assert r.token_ids == stored and r.drift is None

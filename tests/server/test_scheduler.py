@@ -1,0 +1,52 @@
+"""The scheduler thread in-process with the real SmolLM2 runtime: a failing step answers 500 and serving goes on."""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import pytest
+
+from kvchat.model.loader import load_runtime
+from kvchat.server.protocol import parse_chat_request
+from kvchat.server.scheduler import Job, Scheduler
+
+
+@pytest.fixture(scope="module")
+def rt(smol_info):
+    return load_runtime(None, "fp8")
+
+
+def _run(sched: Scheduler, content: str) -> list[tuple[str, object]]:
+    """Submit one greedy request and collect its pushes up to the last ("done" or "error")."""
+    got: queue.Queue = queue.Queue()
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    sched.submit(Job(parse_chat_request(json.dumps(body).encode()), got.put))
+    items = [got.get(timeout=120)]
+    while items[-1][0] == "text":
+        items.append(got.get(timeout=120))
+    return items
+
+
+def test_an_unexpected_decode_error_fails_the_request_and_the_loop_goes_on(rt, monkeypatch):
+    sched = Scheduler(rt, store=False)
+    try:
+        real = rt.engine.decode_batch
+        calls = []
+
+        def broken(steps):
+            calls.append(len(steps))
+            if len(calls) == 1:
+                raise RuntimeError("injected decode failure")
+            return real(steps)
+
+        monkeypatch.setattr(rt.engine, "decode_batch", broken)
+        kind, err = _run(sched, "Say hello.")[-1]
+        assert kind == "error" and err.status == 500 and err.body()["error"]["type"] == "server_error"
+        assert sched.alive and sched.health()["status"] == "ok"
+        assert sched.health()["pool_blocks_used"] == 0  # the failed turn's blocks went back
+        kind, done = _run(sched, "Say hello.")[-1]  # the next request is served
+        assert kind == "done" and done.stats.new_tokens > 0
+    finally:
+        sched.stop()
+    assert not sched.alive and sched.health()["status"] != "ok"

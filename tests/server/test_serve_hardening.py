@@ -1,0 +1,140 @@
+"""``kvchat serve`` on loopback without an API key, a real process driven by the real ``openai`` client and raw
+HTTP: odd but valid messages, limits on ``stop``, stop strings across turns, many chats sharing a prefix,
+a non-streaming client that goes away, the content-type and host rules, malformed bodies."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import sqlite3
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvchat.model.chat_format import ChatFormat
+from process_helpers import assert_one_error_line, run_kvchat
+from server_helpers import MODEL, Server
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smol_info):
+    srv = Server(tmp_path_factory.mktemp("serve") / "home", api_key=None).start()
+    yield srv
+    srv.stop()
+
+
+def _ask(client, messages, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def test_a_blank_first_message_is_answered_and_titled_new_chat(server):
+    c = server.client()
+    r = _ask(c, [{"role": "user", "content": "  \n"}, {"role": "assistant", "content": "Hello!"},
+                 {"role": "user", "content": "Say yes."}], max_tokens=3)
+    chat_id = r.model_extra["kvchat"]["chat_id"]
+    db = sqlite3.connect(server.home / "kvchat.db")
+    assert db.execute("SELECT title FROM conversations WHERE id = ?", [chat_id]).fetchone()[0] == "New chat"
+
+
+def _body(**kw) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}).encode()
+
+
+@pytest.mark.parametrize("stop", [["x"] * 5, "y" * 257, ["ok", "z" * 257], [""]], ids=["five", "long", "long-in-list",
+                                                                                    "empty"])
+def test_stop_strings_are_limited_in_number_and_length(server, stop):
+    code, err, _ = server.request("POST", "/v1/chat/completions", _body(stop=stop))
+    assert code == 400 and err["error"]["param"] == "stop", err
+
+
+def test_stop_strings_at_the_limits_are_accepted(server):
+    code, body, _ = server.request("POST", "/v1/chat/completions", _body(stop=["a" * 256, "b", "c", "d"]))
+    assert code == 200, body
+
+
+def test_an_answer_cut_at_a_stop_string_is_reused_when_resent(server, smol_dir):
+    c = server.client()
+    msgs = [{"role": "user", "content": "Describe the sea in three sentences."}]
+    r1 = _ask(c, msgs, max_tokens=60, stop=["."])
+    cut = r1.choices[0].message.content
+    assert cut and "." not in cut and r1.choices[0].finish_reason == "stop" and r1.usage.completion_tokens < 60
+    db = sqlite3.connect(server.home / "kvchat.db")
+    stored = db.execute("SELECT text FROM messages WHERE conversation_id = ? AND role = 'assistant'",
+                        [r1.model_extra["kvchat"]["chat_id"]]).fetchall()
+    assert stored == [(cut,)]  # what the client got, not the generated text past the stop string
+    msgs += [{"role": "assistant", "content": cut}, {"role": "user", "content": "And the sky?"}]
+    r2 = _ask(c, msgs, max_tokens=4)
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(smol_dir))
+    history = r2.usage.prompt_tokens - len(fmt.user_turn_ids(msgs[-1]["content"]))
+    assert r2.usage.prompt_tokens_details.cached_tokens >= history - 32, r2.model_extra["kvchat"]
+    assert r2.model_extra["kvchat"]["miss_reason"] is None
+
+
+def test_a_non_streaming_client_that_disconnects_stops_its_generation(server):
+    start = server.wait_idle()
+    assert start["pool_blocks_used"] == 0
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": MODEL, "messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
+        "max_tokens": 1000, "temperature": 0}), {"Content-Type": "application/json"})
+    deadline = time.time() + 60
+    while (h := server.health())["decode_steps"] < start["decode_steps"] + 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert h["running"] == 1 and h["pool_blocks_used"] > 0  # decoding
+    conn.close()
+    idle = server.wait_idle(timeout=15)
+    assert (idle["running"], idle["pool_blocks_used"]) == (0, 0)
+    assert idle["decode_steps"] - h["decode_steps"] < 200  # it stopped soon after, far from its 1000 tokens
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_without_an_api_key_a_post_needs_json_content_type(server, content_type):
+    code, err, _ = server.request("POST", "/v1/chat/completions", _body(), {"Content-Type": content_type})
+    assert code == 415 and err["error"]["code"] == "unsupported_media_type", err
+    code, _, _ = server.request("POST", "/v1/chat/completions", _body(), {"Content-Type": "application/json; charset=utf-8"})
+    assert code == 200
+
+
+def _status_with_host(server, host: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("GET", "/health", skip_host=True)
+    conn.putheader("Host", host)
+    conn.endheaders()
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def test_without_an_api_key_only_loopback_host_names_are_served(server):
+    for host in ("localhost", f"localhost:{server.port}", f"127.0.0.1:{server.port}", f"[::1]:{server.port}"):
+        assert _status_with_host(server, host) == 200, host
+    for host in ("evil.example", f"evil.example:{server.port}", "127.0.0.1.evil.example"):  # DNS rebinding
+        assert _status_with_host(server, host) == 400, host
+
+
+def test_the_api_key_can_come_from_the_environment(tmp_path, smol_info):
+    srv = Server(tmp_path / "home", api_key=None, env={"KVCHAT_API_KEY": "env-key"}).start()
+    try:
+        assert srv.request("GET", "/v1/models", headers={"Authorization": None})[0] == 401
+        assert srv.request("GET", "/v1/models", headers={"Authorization": "Bearer env-key"})[0] == 200
+        assert "env-key" not in " ".join(srv.proc.args)  # not in the process list
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("body", [b"[" * 200000, b'{"model": "m", "messages": ' + b"[" * 200000],
+                         ids=["top", "in-messages"])
+def test_deeply_nested_json_gets_400(server, body):
+    code, err, _ = server.request("POST", "/v1/chat/completions", body)
+    assert code == 400 and "nested too deeply" in err["error"]["message"], err
+
+
+def test_a_port_in_use_is_one_error_line(tmp_path, smol_info):
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        proc = run_kvchat(tmp_path / "home", "serve", "--port", str(port), "--threads", "1")
+    assert_one_error_line(proc, "kvchat: error: cannot listen on 127.0.0.1 port", str(port))
