@@ -194,6 +194,20 @@ def cache_budget_gb() -> float | None:
     return _positive(CACHE_BUDGET_GB, "GB")
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """The variable ``name`` lower-cased, one of ``choices`` (unset: the first, ``auto``).
+
+    Raises:
+        SettingError: any other value.
+    """
+    value = _raw(name)
+    if value is None:
+        return choices[0]
+    if value.lower() not in choices:
+        raise SettingError(f"{name} must be one of {', '.join(choices)}, got {os.environ[name]!r}")
+    return value.lower()
+
+
 def compute_dtype() -> str:
     """``KVCHAT_DTYPE``: the dtype weights and activations are computed in, ``auto``, ``bf16``, ``fp16`` or
     ``fp32`` (case-insensitive); ``kvchat --dtype`` sets it for the command it runs.
@@ -204,12 +218,7 @@ def compute_dtype() -> str:
     Raises:
         SettingError: any other value.
     """
-    value = _raw(DTYPE)
-    if value is None:
-        return "auto"
-    if value.lower() not in DTYPE_CHOICES:
-        raise SettingError(f"{DTYPE} must be one of {', '.join(DTYPE_CHOICES)}, got {os.environ[DTYPE]!r}")
-    return value.lower()
+    return _choice(DTYPE, DTYPE_CHOICES)
 
 
 def resident_chats() -> int:
@@ -239,12 +248,7 @@ def weights() -> str:
     Raises:
         SettingError: any other value.
     """
-    value = _raw(WEIGHTS)
-    if value is None:
-        return "auto"
-    if value.lower() not in WEIGHTS_CHOICES:
-        raise SettingError(f"{WEIGHTS} must be one of {', '.join(WEIGHTS_CHOICES)}, got {os.environ[WEIGHTS]!r}")
-    return value.lower()
+    return _choice(WEIGHTS, WEIGHTS_CHOICES)
 
 
 def phase_trace() -> Path | None:

@@ -27,7 +27,7 @@ from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
 from kvchat.engine.timing import DeviceTimer
 from kvchat.model.transformer import AttnMetadata, build_model
 from kvchat.model.weights import weight_reader
-from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.engine.sequence import DecodeStep, PrefillChunk, drive_prefill
 from kvchat.model.quant import int8_path, quantize_linears
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
@@ -309,14 +309,7 @@ class Engine:
             ContextOverflowError: the sequence exceeds the context limit.
             PoolFullError: the pool cannot hold it.
         """
-        steps = self.prefill_steps(seq, token_ids, boundaries, dense_kv)
-        while True:
-            try:
-                chunk = next(steps)
-            except StopIteration as done:
-                return done.value
-            if progress:
-                progress(chunk.done, chunk.total)
+        return drive_prefill(self.prefill_steps(seq, token_ids, boundaries, dense_kv), progress)
 
     def prefill_steps(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = (),
                       dense_kv: DenseKV | None = None):

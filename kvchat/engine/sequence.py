@@ -11,6 +11,7 @@ and answers them with one forward (:meth:`kvchat.engine.runner.Engine.decode_bat
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 from kvchat.engine.block_manager import SeqBlocks
@@ -55,3 +56,15 @@ class PrefillChunk:
 
     done: int
     total: int
+
+
+def drive_prefill(steps: Generator[PrefillChunk, None, object], progress: Callable[[int, int], None] | None):
+    """Run a prefill generator to its end, calling ``progress(done_tokens, total_tokens)`` after each
+    :class:`PrefillChunk`; returns the generator's result."""
+    while True:
+        try:
+            chunk = next(steps)
+        except StopIteration as done:
+            return done.value
+        if progress:
+            progress(chunk.done, chunk.total)

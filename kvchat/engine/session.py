@@ -20,7 +20,7 @@ from kvchat.model.chat_format import ChatFormat, Segment, append_segment
 from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.runner import ContextOverflowError, Engine, last_cut
 from kvchat.engine.sampling import Sampler
-from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence
+from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence, drive_prefill
 from kvchat.engine.turn import SamplingParams, TurnStats
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -304,12 +304,6 @@ class Session:
 
 
 def _drive(steps, progress: Callable[[int, int], None] | None):
-    """Run a prefill generator to its end, reporting each :class:`PrefillChunk`; returns its result."""
+    """:func:`kvchat.engine.sequence.drive_prefill` under ``torch.inference_mode``."""
     with torch.inference_mode():
-        while True:
-            try:
-                chunk = next(steps)
-            except StopIteration as done:
-                return done.value
-            if progress:
-                progress(chunk.done, chunk.total)
+        return drive_prefill(steps, progress)

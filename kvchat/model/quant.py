@@ -127,7 +127,8 @@ class Int8Linear(nn.Module):
         n = self.q.numel()
         buf = getattr(_scratch, "buf", None)
         if buf is None or buf.numel() < n or buf.device != self.q.device:
-            buf = _scratch.buf = torch.empty(n, device=self.q.device)
+            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+                buf = _scratch.buf = torch.empty(n, device=self.q.device)
         w = buf[:n].view(self.out_features, self.groups, self.group)
         w.copy_(self.q.transpose(0, 1)).mul_(self.scale.t()[..., None])
         return w.view(self.out_features, self.in_features)

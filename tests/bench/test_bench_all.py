@@ -73,7 +73,8 @@ def test_bench_all_quick_plumbing_writes_json_and_plots(smol_info, tmp_path, thr
     cfg = smol_info.config
     assert fp8["bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
     eng = results["engine"]
-    assert {r["backend"] for r in eng["runs"]} == {"kvchat-fp8", "kvchat-bf16", "transformers", "transformers-fp8-cache"}
+    assert {r["backend"] for r in eng["runs"]} == {"kvchat-fp8", "kvchat-bf16", "kvchat-fp8-int8", "kvchat-bf16-int8", "transformers",
+                                                      "transformers-fp8-cache"}
     assert all(r["prefill_tok_s"]["median"] > 0 and r["decode_tok_s"]["median"] > 0 for r in eng["runs"])
     ret = results["fidelity"]["retrieval"]
     assert [r["depth"] for r in ret["rows"]] == [None, 0.5]

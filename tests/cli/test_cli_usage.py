@@ -60,3 +60,13 @@ def test_model_pull_from_checks_the_file_even_when_already_imported(smol_dir, tm
     assert main(["model", "pull", "--from", str(garbage)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvchat: error: ")
+
+
+def test_every_bench_command_names_its_runner():
+    """``kvchat bench NAME`` runs ``kvchat.bench.NAME.cmd_bench_NAME``: each listed command has one."""
+    import importlib
+
+    from kvchat.bench.args import COMMANDS
+
+    for name, _, _ in COMMANDS:
+        assert callable(getattr(importlib.import_module(f"kvchat.bench.{name}"), f"cmd_bench_{name}")), name
