@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,12 @@ BINARY_SNIFF_BYTES = 8192
 def doc_id(text: str) -> str:
     """Stable id of a document's content: ``d_`` + 10 hex of blake2b."""
     return "d_" + hashlib.blake2b(text.encode(), digest_size=5).hexdigest()
+
+
+def prefix_doc_id(token_ids: list[int]) -> str:
+    """Stable id of a pasted document by the ids of its whole prefix (``d_`` + 10 hex of blake2b over the ids
+    as uint32 in this machine's byte order): the same text after another system prompt or history is another prefix."""
+    return "d_" + hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=5, person=b"kvchat-pasted").hexdigest()
 
 
 class DocumentError(ValueError):

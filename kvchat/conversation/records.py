@@ -8,7 +8,7 @@ from typing import Sequence
 
 from sqlite_utils import Database
 
-from kvchat.model.chat_format import Segment
+from kvchat.model.chat_format import PASTED_DOCUMENT_TOKENS, Segment
 from kvchat.model.loader import Runtime
 from kvchat.engine.session import Session
 from kvchat.store.conversations import Conversation, NewMessage, append_turn, create_conversation, delete_conversation
@@ -46,7 +46,13 @@ def session_from_store(rt: Runtime, conv: Conversation) -> Session:
         )
     fmt = rt.chat_format(conv.settings)
     segments = [Segment(kind, start, end) for start, end, kind in conv.segments]
-    return Session(rt.engine, fmt, list(conv.token_ids), segments)
+    session = Session(rt.engine, fmt, list(conv.token_ids), segments)
+    for m in conv.messages:  # pasted documents' ends: the chunk edges the turns were computed with
+        if m.role == "user" and m.token_end - m.token_start >= PASTED_DOCUMENT_TOKENS:
+            turn = fmt.user_turn(m.text)
+            if turn.document_end is not None and turn.ids == conv.token_ids[m.token_start:m.token_end]:
+                session.sequence.document_ends.append(m.token_start + turn.document_end)
+    return session
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, ChatMessage, ChatView
 from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
 from kvchat.conversation.events import Emit, TurnDone
 from kvchat.conversation.listing import register_documents
+from kvchat.conversation.pasted import register_turn_documents
 from kvchat.conversation.rewind import carry_over, turn_spans
 from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
 from kvchat.engine.turn import SamplingParams, TurnStats
@@ -215,7 +216,7 @@ class ChatService:
         session = Session.new(self.rt.engine, fmt, system, [], self.persist)
         messages = []
         for user, text, ids in history:
-            append_segment(session.token_ids, session.segments, "user", fmt.user_turn_ids(user))
+            session.append_user(fmt.user_turn(user))
             append_segment(session.token_ids, session.segments, "assistant", ids)
             messages += [ChatMessage("user", user), ChatMessage("assistant", text)]
         title = chat_title(history[0][0]) if history else UNTITLED
@@ -331,6 +332,7 @@ class ChatService:
             mark("generated")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
             if chat.lazy:
                 self._name_shortfall(chat, stored)
+            first_turn = chat.chat_id is None
             if self.store:
                 self._store_turn(chat, text, rewind, stored)
             chat.lazy = False
@@ -349,6 +351,10 @@ class ChatService:
                           ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
         if self.store:
             session.save_snapshot(chat.chat_id)
+            try:
+                register_turn_documents(self, text, first_turn)
+            except Exception as exc:  # noqa: BLE001 - e.g. locked past the busy timeout: the turn is stored; say it
+                self.persist.errors.append(f"pasted document not recorded: {exc}")
         done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
         emit(done)
         return done

@@ -226,7 +226,8 @@ class KVPersist:
         return res
 
     # ---- save ----------------------------------------------------------------------------
-    def save(self, seq: SeqBlocks, token_ids: Sequence[int], segment_ends: Sequence[int], owner: str | None) -> list[str]:
+    def save(self, seq: SeqBlocks, token_ids: Sequence[int], segment_ends: Sequence[int], owner: str | None,
+             upto: int | None = None) -> list[str]:
         """Queue the chain of ``seq``'s computed tokens for writing; returns its keys.
 
         Tails are stored at every ``segment_ends`` offset not beyond the
@@ -234,8 +235,9 @@ class KVPersist:
         of the computed tokens. Pool bytes are copied now, written later.
         ``owner`` (a chat or document id) gets a reference on each key; keys
         it no longer uses are released (and deleted when nobody else uses them).
+        ``upto``: save only the first ``upto`` tokens (a document's prefix inside a longer chat).
         """
-        done = seq.num_computed
+        done = seq.num_computed if upto is None else min(seq.num_computed, upto)
         ends = [e for e in segment_ends if 0 < e <= done] + [done]
         links = chain(self.fingerprint, token_ids, ends)
         db = get_db()

@@ -29,12 +29,15 @@ class Sequence:
         blocks: its block table in the engine's pool.
         dense: its own contiguous K/V copy (CPU read path) when several
             sequences run at once; None: the engine's shared copy.
+        document_ends: token offsets where a pasted document's part of a user message ends
+            (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`): prefill chunk edges and snapshot tails.
     """
 
     token_ids: list[int] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
     dense: DenseKV | None = None
+    document_ends: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

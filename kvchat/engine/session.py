@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from kvchat.engine.block_manager import SeqBlocks
-from kvchat.model.chat_format import ChatFormat, Segment, append_segment
+from kvchat.model.chat_format import ChatFormat, Segment, UserTurn, append_segment
 from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.runner import ContextOverflowError, Engine, last_cut
 from kvchat.engine.sampling import Sampler
@@ -40,6 +40,7 @@ class Turn:
     user_span: tuple[int, int] = (0, 0)
     assistant_span: tuple[int, int] = (0, 0)
     stats: TurnStats = field(default_factory=TurnStats)
+    document_chars: int = 0  # the user message is a pasted document: its part's length in the text
 
 
 class Session:
@@ -98,8 +99,14 @@ class Session:
 
     @property
     def boundaries(self) -> list[int]:
-        """Segment start offsets (tokens), for the prefill chunk plan."""
-        return [s.start for s in self.segments]
+        """Segment start offsets and pasted documents' ends (tokens), for the prefill chunk plan."""
+        return sorted({s.start for s in self.segments} | set(self.sequence.document_ends))
+
+    def append_user(self, turn: UserTurn) -> None:
+        """Append a rendered user turn (:meth:`ChatFormat.user_turn`), marking its pasted document's end."""
+        if turn.document_end is not None:
+            self.sequence.document_ends.append(len(self.token_ids) + turn.document_end)
+        append_segment(self.token_ids, self.segments, "user", turn.ids)
 
     @property
     def tokens_left(self) -> int:
@@ -139,11 +146,15 @@ class Session:
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         return result
 
-    def save_snapshot(self, owner: str | None) -> list[str]:
-        """Queue this conversation's computed K/V for writing (no-op without ``persist``); returns chain keys."""
+    def save_snapshot(self, owner: str | None, upto: int | None = None) -> list[str]:
+        """Queue this conversation's computed K/V for writing (no-op without ``persist``); returns chain keys.
+
+        Tails at the prefix's end and at each pasted document's end. ``upto``: only the first ``upto``
+        tokens (a document's prefix, for its own ``owner``)."""
         if self.persist is None:
             return []
-        return self.persist.save(self.seq, self.token_ids, [self.segments[0].end], owner)
+        return self.persist.save(self.seq, self.token_ids, [self.segments[0].end, *self.sequence.document_ends],
+                                 owner, upto)
 
     def check_turn_fits(self, text: str) -> list[int]:
         """Render the user turn and check it fits, before any work.
@@ -155,16 +166,20 @@ class Session:
             ContextOverflowError: the conversation plus the turn and one answer
                 token exceed the context (message names both lengths).
         """
+        return self._checked_turn(text).ids
+
+    def _checked_turn(self, text: str) -> UserTurn:
+        """:meth:`check_turn_fits`, returning the whole :class:`UserTurn`."""
         if not text.strip():
             raise EmptyPromptError("the prompt is empty")
-        ids = self.fmt.user_turn_ids(text)
-        needed = len(self.token_ids) + len(ids) + 1
+        turn = self.fmt.user_turn(text)
+        needed = len(self.token_ids) + len(turn.ids) + 1
         if needed > self.engine.max_context:
             raise ContextOverflowError(
-                f"this turn needs {needed} tokens (conversation {len(self.token_ids)} + message {len(ids)} + 1 to answer); "
+                f"this turn needs {needed} tokens (conversation {len(self.token_ids)} + message {len(turn.ids)} + 1 to answer); "
                 f"{self.engine.context_limit_text}"
             )
-        return ids
+        return turn
 
     def send(
         self,
@@ -208,9 +223,9 @@ class Session:
         """
         t0 = time.perf_counter()
         sampler = Sampler(params)
-        user_ids = self.check_turn_fits(text)
+        user = self._checked_turn(text)
         user_start = len(self.token_ids)
-        append_segment(self.token_ids, self.segments, "user", user_ids)
+        self.append_user(user)
         stats = TurnStats(prompt_tokens=len(self.token_ids))
         try:
             result = yield from self._reuse_and_prefill_steps(stats)
@@ -253,7 +268,8 @@ class Session:
             yield text_out[len(shown):]
         append_segment(self.token_ids, self.segments, "assistant", generated)
         append_segment(self.token_ids, self.segments, "assistant", self.fmt.assistant_close_ids(stop_id))
-        self.last_turn = Turn(text_out, (user_start, gen_start), (gen_start, len(self.token_ids)), stats)
+        self.last_turn = Turn(text_out, (user_start, gen_start), (gen_start, len(self.token_ids)), stats,
+                              user.document_chars)
         self._settle(gen_start)
 
     def _settle(self, gen_start: int) -> None:
@@ -279,6 +295,7 @@ class Session:
         del self.token_ids[user_start:]
         while self.segments and self.segments[-1].start >= user_start:
             self.segments.pop()
+        self.sequence.document_ends = [e for e in self.sequence.document_ends if e <= user_start]
         self.engine.release(self.seq)
 
     def truncate(self, num_tokens: int) -> None:
@@ -296,6 +313,7 @@ class Session:
         self.seq = child
         del self.token_ids[num_tokens:]
         self.segments = [Segment(s.kind, s.start, min(s.end, num_tokens)) for s in self.segments if s.start < num_tokens]
+        self.sequence.document_ends = [e for e in self.sequence.document_ends if e <= num_tokens]
         self.last_turn = None
 
     def close(self) -> None:

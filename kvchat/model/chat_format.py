@@ -55,6 +55,12 @@ from typing import Iterable
 import jinja2
 
 KINDS = ("prefix", "user", "assistant")
+# A user message whose text is at least this many tokens is a pasted document (see ChatFormat.user_turn).
+# Typed messages stay well below it (a long paragraph is ~150 tokens); a pasted file or page is above it.
+# It equals one disk chunk (kvchat.engine.persistence.CHUNK_TOKENS): below that a message never fills a
+# chunk of its own, so its reuse across chats rests on the pool alone and a document row would be noise.
+PASTED_DOCUMENT_TOKENS = 256
+_PARAGRAPH_BREAK = re.compile(r"[ \t]*\n[ \t]*\n\s*")
 DOC_ROLE = "system"
 _SENT_SYSTEM, _SENT_DOC, _SENT_USER, _SENT_ASSISTANT, _SENT_DATE, _SENT_CONTENT = (
     f"KVCHAT-SENTINEL-{name}" for name in ("SYSTEM", "DOCUMENT", "USER", "ASSISTANT", "DATE", "CONTENT"))
@@ -62,6 +68,21 @@ _SENT_SYSTEM, _SENT_DOC, _SENT_USER, _SENT_ASSISTANT, _SENT_DATE, _SENT_CONTENT 
 
 class ChatTemplateError(ValueError):
     """The tokenizer's chat template cannot be used to build a conversation append-only."""
+
+
+@dataclass(slots=True)
+class UserTurn:
+    """A user turn's ids and, when the message is a pasted document, where the document part ends.
+
+    Attributes:
+        ids: the turn's ids (message, then the generation prompt).
+        document_end: offset into ``ids`` just after the document part (None: not a pasted document).
+        document_chars: length of the document part in the message text (0 when not a pasted document).
+    """
+
+    ids: list[int]
+    document_end: int | None = None
+    document_chars: int = 0
 
 
 @dataclass(slots=True)
@@ -192,7 +213,36 @@ class ChatFormat:
             ChatTemplateError: the template fails on this message, or renders the text
                 around it differently depending on its content.
         """
-        return self._message_ids(self._after_assistant, _msg("user", text), True)
+        return self.user_turn(text).ids
+
+    def user_turn(self, text: str) -> UserTurn:
+        """:meth:`user_turn_ids` with the end of a pasted document's part (:class:`UserTurn`).
+
+        A message of at least :data:`PASTED_DOCUMENT_TOKENS` tokens is a pasted document. Its document part
+        is the text before its last paragraph break (a blank line) when that part alone has at least
+        :data:`PASTED_DOCUMENT_TOKENS` tokens (a document, then a question), else the whole message. The
+        part and the rest are tokenized as two literal runs, so the part's ids (template head included) are
+        the same whatever question follows it, and a later message repeating the part with another question
+        shares them token-exactly (one tokenization of the whitespace at the break differs from encoding
+        the message whole; the model reads the same text). A message without a split has the ids it always
+        had, and the same rule applies wherever a user message is rendered (TUI, CLI, server), so the ids
+        of a stored chat's turns are reproduced from their text.
+
+        Raises: as :meth:`user_turn_ids`.
+        """
+        head, content, foot = self._frame(self._after_assistant, _msg("user", text), True)
+        start = max((head.rindex(t) + len(t) for t in self._specials if t in head), default=0)
+        end = min((foot.index(t) for t in self._specials if t in foot), default=len(foot))
+        before = self._encode(head[:start])
+        if len(self._encode_literal(content)) < PASTED_DOCUMENT_TOKENS:
+            return UserTurn(before + self._encode_literal(head[start:] + content + foot[:end]) + self._encode(foot[end:]))
+        cut = len(content)
+        breaks = [m for m in _PARAGRAPH_BREAK.finditer(content) if content[:m.start()].strip() and m.end() < len(content)]
+        if breaks and len(self._encode_literal(content[:breaks[-1].start()])) >= PASTED_DOCUMENT_TOKENS:
+            cut = breaks[-1].start()
+        part = before + self._encode_literal(head[start:] + content[:cut])
+        rest = self._encode_literal(content[cut:] + foot[:end]) if cut < len(content) or end else []
+        return UserTurn(part + rest + self._encode(foot[end:]), len(part), cut)
 
     def assistant_close_ids(self, stop_id: int | None) -> list[int]:
         """Token ids appended after the generated ids when an assistant turn ends.
