@@ -140,3 +140,12 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path):
     edges = import_edges(module_files(tmp_path, {"kvchat": "kvchat"}))
     assert cycles(edges) == [["kvchat.a", "kvchat.b"]]
     assert upward_imports(edges) == ["kvchat.d -> kvchat.bench.x"]
+
+
+def test_the_server_reaches_the_store_only_through_the_conversation_layer():
+    """``kvchat.server`` translates HTTP to the conversation service: none of its modules imports ``kvchat.store``."""
+    edges = import_edges(module_files(ROOT, PACKAGES))
+    server = [m for m in edges if _is_under(m, "kvchat.server")]
+    assert "kvchat.server.scheduler" in server
+    found = sorted(f"{m} -> {t}" for m in server for t in edges[m] if _is_under(t, "kvchat.store"))
+    assert not found, "server modules importing the store: " + "; ".join(found)

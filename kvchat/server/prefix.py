@@ -19,10 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvchat.model.chat_format import ChatFormat, Segment, append_segment
-from kvchat.store.conversations import conversations_with_prefix, get_conversation
-
-THINK_END = "</think>"
-NO_LIMIT = -1  # conversations_with_prefix: SQLite's LIMIT -1 has no upper bound
 
 
 @dataclass(slots=True)
@@ -40,18 +36,12 @@ class Rendered:
     drift: str | None = None
 
 
-def strip_think(text: str) -> str:
-    """``text`` as reasoning-dropping templates resend it: what follows the last ``</think>``, leading newlines
-    removed (Qwen3's ``content.split('</think>')[-1].lstrip('\\n')``); ``text`` itself without a think block."""
-    return text.rsplit(THINK_END, 1)[-1].lstrip("\n") if THINK_END in text else text
-
-
 def render(fmt: ChatFormat, system: str, turns: Sequence[tuple[str, str]],
            generated: Callable[[list[int], str], list[int] | None]) -> Rendered:
     """Build the ids of ``system`` + ``turns`` ``(user, assistant)`` append-only.
 
     ``generated(ids, text)`` gives the ids kvchat generated right after ``ids`` whose text is ``text``
-    (None if none): see :func:`stored_answer`.
+    (None if none): see :func:`kvchat.conversation.history_match.generated_answer`.
     """
     ids: list[int] = []
     segments: list[Segment] = []
@@ -68,19 +58,3 @@ def render(fmt: ChatFormat, system: str, turns: Sequence[tuple[str, str]],
         append_segment(ids, segments, "assistant", found)
         history.append((user, answer, found))
     return Rendered(history, ids, drift)
-
-
-def stored_answer(db, model_fingerprint: str, ids: list[int], text: str) -> list[int] | None:
-    """The ids of an assistant segment that starts right after ``ids`` in a stored chat of this model and whose
-    stored text equals ``text`` (or, stripped of its think block, equals it); None if there is none."""
-    start = len(ids)
-    # every chat sharing the prefix (many may: the same first question asked again), newest first
-    for conv_id in conversations_with_prefix(db, ids, model_fingerprint, limit=NO_LIMIT):
-        conv = get_conversation(db, conv_id)
-        seg = next((s for s in conv.segments if s[0] == start), None)
-        if seg is None or seg[2] != "assistant":
-            continue
-        msg = next((m for m in conv.messages if m.role == "assistant" and m.token_start == start), None)
-        if msg is not None and text in (msg.text, strip_think(msg.text)):
-            return conv.token_ids[seg[0]:seg[1]]
-    return None

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from kvchat.conversation.events import TokenBatch
+from kvchat.conversation.history_match import chat_with_ids, generated_answer
 from kvchat.conversation.records import new_settings
 from kvchat.conversation.service import ChatService
 from kvchat.conversation.views import ContextFullError
@@ -43,12 +44,10 @@ from kvchat.engine.persistence import KVPersist
 from kvchat.engine.runner import ContextOverflowError
 from kvchat.engine.sequence import DecodeStep
 from kvchat.engine.turn import TurnStats
-from kvchat.index import get_db
 from kvchat.model.chat_format import ChatTemplateError
 from kvchat.model.loader import Runtime
-from kvchat.server.prefix import render, stored_answer
+from kvchat.server.prefix import render
 from kvchat.server.protocol import ApiError, ChatRequest
-from kvchat.store.conversations import conversations_with_prefix
 
 DEFAULT_MAX_TOKENS = 512  # when a request names none (as `kvchat ask`)
 IDLE_WAIT_S = 0.5  # the thread sleeps at most this long with nothing to do
@@ -218,9 +217,8 @@ class Scheduler:
             print(f"kvchat serve: request: {req.user!r} ({len(req.turns)} earlier turns)", file=sys.stderr)
         settings = new_settings([])
         fmt = rt.chat_format(settings)
-        db = get_db()
         fp = rt.info.fingerprint
-        rendered = render(fmt, req.system, req.turns, lambda ids, text: stored_answer(db, fp, ids, text))
+        rendered = render(fmt, req.system, req.turns, lambda ids, text: generated_answer(ids, text, fp))
         job.drift = rendered.drift
         prompt = len(rendered.token_ids) + len(fmt.user_turn_ids(req.user))
         limit = rt.engine.max_context
@@ -230,10 +228,10 @@ class Scheduler:
                            param="messages", code="context_length_exceeded")
         req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
         service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store)
-        found = conversations_with_prefix(db, rendered.token_ids, fp, exact=True, limit=1) if req.turns else []
+        found = chat_with_ids(rendered.token_ids, fp) if req.turns else None
         busy = {j.service.chat.chat_id for j in [*self.running, *self.queued] if j.service and j.service.chat}
-        if found and self.store and found[0] not in busy:  # a chat answered by another request now: branch off
-            service.open_chat(found[0], restore=False)
+        if found and self.store and found not in busy:  # a chat answered by another request now: branch off
+            service.open_chat(found, restore=False)
         else:
             service.start_given_chat(req.system, settings, rendered.history)
         if rt.engine.dense is not None:  # several chats run at once: each reads its own contiguous K/V copy

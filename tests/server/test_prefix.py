@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 
 from kvchat.index import get_db
 from kvchat.model.chat_format import ChatFormat
-from kvchat.server.prefix import render, stored_answer, strip_think
+from kvchat.conversation.history_match import generated_answer, strip_think
+from kvchat.server.prefix import render
 from kvchat.store.conversations import NewMessage, append_turn, create_conversation
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
@@ -41,7 +42,7 @@ def _store_chat(fmt, user, generated, text):
 
 
 def _lookup(ids, text):
-    return stored_answer(get_db(), FP, ids, text)
+    return generated_answer(ids, text, FP)
 
 
 def test_smollm2_resent_answer_maps_to_generated_ids(smol_dir):
