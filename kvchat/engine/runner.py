@@ -317,17 +317,22 @@ class Engine:
         :class:`PrefillResult` (so a scheduler can run other sequences' decode steps between chunks).
 
         The caller holds ``torch.inference_mode`` (``prefill`` and the server's scheduler thread do).
+        ``prefill_ms`` counts this sequence's chunks only, not what the caller runs between them (other
+        requests' decode steps), so it and :attr:`prefill_tokens_per_s` are this prefill's own.
         """
         self.check_fits(len(token_ids))
         start = min(seq.num_computed, len(token_ids) - 1)
         seq.num_computed = start
-        timer = DeviceTimer(self.device).start()
+        timer, ms = DeviceTimer(self.device), 0.0
         hidden = None
         for a, b in chunk_plan(start, len(token_ids), boundaries):
+            timer.start()
             hidden = self._forward(seq, token_ids, a, b, dense_kv=dense_kv)
+            ms += timer.stop()
             yield PrefillChunk(b - start, len(token_ids) - start)
+        timer.start()
         logits = self.model.logits(hidden[-1:])[0]
-        ms = timer.stop()
+        ms += timer.stop()
         if len(token_ids) - start >= 64:
             self.prefill_tokens_per_s = (len(token_ids) - start) / (ms / 1e3)
         return PrefillResult(logits, len(token_ids) - start, ms)

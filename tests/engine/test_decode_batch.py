@@ -7,6 +7,8 @@ reading its own dense K/V copy, against the same turns run one at a time.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -97,6 +99,31 @@ def test_int8_decode_is_batch_invariant(rt):
             waiting = [DecodeStep(w.sequence, w.token_ids + [int(row.argmax())]) for w, row in zip(waiting, batched)]
     for s in sessions:
         s.close()
+
+
+def test_an_interleaved_prefill_times_only_its_own_chunks(rt):
+    """A scheduler runs other requests' steps between a prefill's chunks (here: a pause); ``prefill_ms`` and the
+    engine's prefill speed leave that time out."""
+    s = _session(rt)
+    ids = s.token_ids + s.fmt.user_turn_ids("Tell me about rivers and the mills along them. " * 55)
+    pause_s, paused, chunks = 0.4, 0.0, 0
+    steps = rt.engine.prefill_steps(s.seq, ids, [0, len(s.token_ids)])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                result = done.value
+                break
+            chunks += 1
+            time.sleep(pause_s)
+            paused += pause_s
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    s.close()
+    assert chunks >= 2 and result.prefilled_tokens == len(ids)
+    assert 0 < result.prefill_ms <= wall_ms - paused * 1e3
+    assert rt.engine.prefill_tokens_per_s == pytest.approx(len(ids) / (result.prefill_ms / 1e3))
 
 
 def test_dense_path_needs_one_copy_per_sequence(rt):
