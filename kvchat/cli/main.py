@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain = csub.add_parser("explain", help="show a chat's chunk chain and where it stops")
     explain.add_argument("chat")
     explain.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPE_NAMES)
+    for flag, choices in (("--dtype", DTYPE_CHOICES), ("--weights", WEIGHTS_CHOICES)):  # the run whose fingerprint
+        explain.add_argument(flag, choices=choices, default=argparse.SUPPRESS, help=f"as the run's {flag}")
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible local server whose chats resume from disk")
     _add_model_args(serve)

@@ -22,6 +22,10 @@ import json
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 KV_DTYPE_NAMES = ("fp8", "bf16", "fp16")  # the pool dtypes a cache can be stored in (torch dtypes: kv_pool.KV_DTYPES)
 WEIGHT_FORMATS = ("fp32", "bf16", "int8")  # what the linear layers compute with (int8: kvchat.model.quant)
+COMPUTE_NAMES = ("bf16", "fp16", "fp32")  # the compute dtypes KVCHAT_DTYPE / --dtype name (besides auto)
+# the compute dtype of each weight format when KVCHAT_DTYPE is auto; int8: fp32 everywhere but the int8
+# matmul's bf16 input (kvchat.model.quant), and no other (kvchat.engine.runner.Engine refuses it)
+FORMAT_COMPUTE = {"fp32": "fp32", "bf16": "bf16", "int8": "fp32"}
 LAYOUT_VERSION = 1
 NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomputed as prefill chunks
 
@@ -48,6 +52,19 @@ def resolve_weight_format(name: str, device_type: str, compute: str = "auto") ->
     if fmt == "int8" and device_type != "cpu":
         raise ValueError(f"int8 weights run on the CPU only; use --weights bf16 on {device_type}")
     return fmt
+
+
+def compute_key(weight_format: str, dtype_name: str) -> str | None:
+    """The compute dtype as it enters the cache fingerprint (``compute``): None when ``dtype_name``
+    (``auto`` or a :data:`COMPUTE_NAMES` name) is what ``weight_format`` computes in anyway, else the name."""
+    return None if dtype_name in ("auto", FORMAT_COMPUTE[weight_format]) else dtype_name
+
+
+def compute_keys(weight_format: str) -> tuple[str | None, ...]:
+    """Every ``compute`` key an engine with ``weight_format`` may have (None: the format's own dtype)."""
+    if weight_format == "int8":
+        return (None,)
+    return (None, *(n for n in COMPUTE_NAMES if n != FORMAT_COMPUTE[weight_format]))
 
 
 def weight_scheme(weight_format: str) -> str:
@@ -117,30 +134,37 @@ def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: s
 
 
 def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
-                         weight_formats: tuple[str, ...] = WEIGHT_FORMATS) -> set[str]:
+                         weight_formats: tuple[str, ...] = WEIGHT_FORMATS,
+                         computes: tuple[str | None, ...] | None = None) -> set[str]:
     """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant),
-    with any of ``weight_formats``."""
-    weights = [weight_scheme(w) for w in weight_formats]
+    with any of ``weight_formats`` and, for each, any of ``computes`` (:func:`compute_key` values; None:
+    every one the format allows, :func:`compute_keys`)."""
+    pairs = [(weight_scheme(w), c or "") for w in weight_formats
+             for c in (compute_keys(w) if computes is None else computes)]
     if kv_dtype != "fp8":
-        return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, weights=w) for w in weights}
+        return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=c, weights=w)
+                for w, c in pairs}
     from kvchat.engine.calibration import stored_digest
 
     digest = stored_digest(model_fingerprint)
     return {cache_fingerprint(model_fingerprint, "fp8", fp8_scheme_name(kc, sink), block_size, digest if kc else "",
-                              weights=w)
-            for kc in ({False, True} if digest else {False}) for sink in (False, True) for w in weights}
+                              compute=c, weights=w)
+            for kc in ({False, True} if digest else {False}) for sink in (False, True) for w, c in pairs}
 
 
-def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None) -> str:
+def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None,
+                               dtype: str | None = None) -> str:
     """The cache fingerprint :func:`kvchat.model.loader.load_runtime`'s engine gets, without loading the model.
 
     ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8``
-    (None: ``KVCHAT_WEIGHTS``). For fp8: K centring when the model's calibration is stored, and the exact
-    sink, which every attention backend reads (PyTorch and Triton, CPU and GPU alike).
+    (None: ``KVCHAT_WEIGHTS``); ``dtype``: the compute dtype name, ``auto`` or a :data:`COMPUTE_NAMES`
+    name (None: ``KVCHAT_DTYPE``, which ``--dtype`` sets). For fp8: K centring when the model's
+    calibration is stored, and the exact sink, which every attention backend reads (PyTorch and Triton,
+    CPU and GPU alike).
 
     Raises:
         kvchat.settings.SettingError: ``device`` is None and ``KVCHAT_DEVICE`` is bad, or (``weights`` None)
-            ``KVCHAT_WEIGHTS`` is.
+            ``KVCHAT_WEIGHTS`` is, or (``dtype`` None) ``KVCHAT_DTYPE`` is.
         ValueError: see :func:`resolve_weight_format`.
     """
     import torch
@@ -149,8 +173,11 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=Non
     from kvchat.engine.calibration import stored_digest
 
     dev = torch.device(device) if device is not None else settings.device()
-    fmt = resolve_weight_format(weights or settings.weights(), dev.type, settings.compute_dtype())
+    dtype = dtype or settings.compute_dtype()
+    fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype)
+    compute = compute_key(fmt, dtype)
     if kv_dtype != "fp8":
-        return engine_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE, weight_format=fmt)[1]
+        return engine_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE, weight_format=fmt,
+                               compute=compute)[1]
     return engine_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), True, BLOCK_SIZE,
-                           weight_format=fmt)[1]
+                           weight_format=fmt, compute=compute)[1]

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from kvchat.engine.cache_identity import KV_DTYPE_NAMES, WEIGHT_FORMATS, fingerprint_variants
+from kvchat.engine.cache_identity import FORMAT_COMPUTE, KV_DTYPE_NAMES, WEIGHT_FORMATS, compute_keys, fingerprint_variants
 from kvchat.store.chunk_refs import owner_fingerprints
 
 
 
 def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerprint: str, kv_dtype: str,
-                     block_size: int, weight_format: str = "fp32") -> str:
+                     block_size: int, weight_format: str = "fp32", compute: str | None = None) -> str:
     """One line saying why ``owner``'s stored KV could not be restored by an engine with ``fingerprint``.
 
     Args:
@@ -23,6 +23,7 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
         kv_dtype: the running engine's KV dtype.
         block_size: the running engine's block size.
         weight_format: the running engine's weight format (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`).
+        compute: the running engine's compute key (:func:`kvchat.engine.cache_identity.compute_key`).
     """
     stored = set(owner_fingerprints(db, owner))
     if not stored:
@@ -37,11 +38,17 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
     for other in WEIGHT_FORMATS:
         if other != weight_format and fingerprint_variants(model_fingerprint, kv_dtype, block_size, (other,)) & stored:
             return f"its KV was saved with {other} weights; this run uses {weight_format} (--weights {other} restores it)"
+    for other in compute_keys(weight_format):
+        if other != compute and fingerprint_variants(model_fingerprint, kv_dtype, block_size, (weight_format,),
+                                                     (other,)) & stored:
+            was, now = other or FORMAT_COMPUTE[weight_format], compute or FORMAT_COMPUTE[weight_format]
+            return f"its KV was computed in {was}; this run computes in {now} (--dtype {was} restores it)"
     return "its KV was saved under another cache fingerprint (another model, scale scheme or kvchat version)"
 
 
 def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_tokens: int, fingerprint: str,
-                     model_fingerprint: str, kv_dtype: str, block_size: int, weight_format: str = "fp32") -> str | None:
+                     model_fingerprint: str, kv_dtype: str, block_size: int, weight_format: str = "fp32",
+                     compute: str | None = None) -> str | None:
     """Why reopening ``owner`` recomputed stored history, or None when it did not.
 
     A resume always recomputes the last token and the few end-of-turn ids
@@ -52,4 +59,4 @@ def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_token
     """
     if history_tokens - 1 - reused_tokens < block_size:
         return None
-    return why_not_restored(db, owner, fingerprint, model_fingerprint, kv_dtype, block_size, weight_format)
+    return why_not_restored(db, owner, fingerprint, model_fingerprint, kv_dtype, block_size, weight_format, compute)

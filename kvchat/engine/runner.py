@@ -16,7 +16,7 @@ import torch
 
 from kvchat import kernels, settings
 from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
-from kvchat.engine.cache_identity import engine_identity
+from kvchat.engine.cache_identity import FORMAT_COMPUTE, compute_key, engine_identity
 from kvchat.model.config import ModelConfig
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
@@ -31,9 +31,7 @@ from kvchat.engine.sequence import DecodeStep, PrefillChunk, drive_prefill
 from kvchat.model.quant import int8_path, quantize_linears
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
-# the compute dtype of each weight format (cache_identity.WEIGHT_FORMATS) when KVCHAT_DTYPE is auto; int8: fp32
-# everywhere but the int8 matmul's bf16 input (kvchat.model.quant)
-FORMAT_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+FORMAT_COMPUTE_DTYPES = {f: COMPUTE_DTYPES[n] for f, n in FORMAT_COMPUTE.items()}  # see cache_identity.FORMAT_COMPUTE
 PREFILL_CHUNK_TOKENS = 512
 SMALL_MODEL_PARAMS = 2_000_000_000
 DEFAULT_PREFILL_TOKENS_PER_S = 150.0  # until measured; CPU-conservative
@@ -175,9 +173,10 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.compute_key = compute_key(self.weight_format, dtype_name)  # the fingerprint's compute: None = implied
         self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.spec.block_size, self.weight_format, compute=None if self.dtype == implied else dtype_name)
+            self.spec.block_size, self.weight_format, compute=self.compute_key)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
