@@ -92,7 +92,8 @@ class Sidebar(Vertical):
         view.index = ids.index(keep) if keep in ids else None
 
     async def set_documents(self, docs: list[DocumentSummary]) -> None:
-        await _set_rows(self.query_one("#documents", ListView), [(d.path, document_row(d)) for d in docs])
+        # a document pasted into a message names no file: nothing to start a chat on (`kvchat doc list` shows it)
+        await _set_rows(self.query_one("#documents", ListView), [(d.path, document_row(d)) for d in docs if d.path])
 
     @on(Input.Changed, "#search")
     def _search(self, event: Input.Changed) -> None:
