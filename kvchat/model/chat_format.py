@@ -223,19 +223,17 @@ class ChatFormat:
         :data:`PASTED_DOCUMENT_TOKENS` tokens (a document, then a question), else the whole message. The
         part and the rest are tokenized as two literal runs, so the part's ids (template head included) are
         the same whatever question follows it, and a later message repeating the part with another question
-        shares them token-exactly (one tokenization of the whitespace at the break differs from encoding
-        the message whole; the model reads the same text). A message without a split has the ids it always
-        had, and the same rule applies wherever a user message is rendered (TUI, CLI, server), so the ids
+        shares them token-exactly (at the break the ids may differ from encoding the message whole; the text
+        is the same). A message without a split has the ids it always had, and the same rule applies wherever a user message is rendered (TUI, CLI, server), so the ids
         of a stored chat's turns are reproduced from their text.
 
         Raises: as :meth:`user_turn_ids`.
         """
         head, content, foot = self._frame(self._after_assistant, _msg("user", text), True)
-        start = max((head.rindex(t) + len(t) for t in self._specials if t in head), default=0)
-        end = min((foot.index(t) for t in self._specials if t in foot), default=len(foot))
-        before = self._encode(head[:start])
         if len(self._encode_literal(content)) < PASTED_DOCUMENT_TOKENS:
-            return UserTurn(before + self._encode_literal(head[start:] + content + foot[:end]) + self._encode(foot[end:]))
+            return UserTurn(self._encode_framed(head, content, foot))
+        start, end = self._run_bounds(head, foot)
+        before = self._encode(head[:start])
         cut = len(content)
         breaks = [m for m in _PARAGRAPH_BREAK.finditer(content) if content[:m.start()].strip() and m.end() < len(content)]
         if breaks and len(self._encode_literal(content[:breaks[-1].start()])) >= PASTED_DOCUMENT_TOKENS:
@@ -324,10 +322,16 @@ class ChatFormat:
         the first of ``foot``) is encoded as one literal piece, so BPE sees the same run
         as when the whole text is encoded.
         """
-        start = max((head.rindex(t) + len(t) for t in self._specials if t in head), default=0)
-        end = min((foot.index(t) for t in self._specials if t in foot), default=len(foot))
+        start, end = self._run_bounds(head, foot)
         run = head[start:] + content + foot[:end]
         return self._encode(head[:start]) + self._encode_literal(run) + self._encode(foot[end:])
+
+    def _run_bounds(self, head: str, foot: str) -> tuple[int, int]:
+        """Where the plain-text run around a message's content starts in ``head`` (after its last special
+        token) and ends in ``foot`` (before its first)."""
+        start = max((head.rindex(t) + len(t) for t in self._specials if t in head), default=0)
+        end = min((foot.index(t) for t in self._specials if t in foot), default=len(foot))
+        return start, end
 
     def _tail(self, skeleton: list[dict]) -> str:
         """What the template renders after the last skeleton message's content (its closing)."""
