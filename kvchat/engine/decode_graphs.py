@@ -78,7 +78,8 @@ class DecodeGraphs:
             self._step(rows, width)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads (the snapshot
+            # writer waiting on its copy, a restore's lanes) may use CUDA meanwhile
             out = self._step(rows, width)
         self._graphs[(rows, width)] = (graph, out)
         return graph, out
