@@ -6,9 +6,9 @@ what changed and a CUDA graph can replay over the same addresses; this module is
 tensors are sized for :data:`BATCH_BUCKETS`' largest batch and the engine's context limit, and a step
 reads views of them:
 
-- **batch bucket** (:func:`batch_bucket`): where decode runs as CUDA graphs (CUDA with the Triton
-  kernels, :mod:`kvchat.engine.decode_graphs`; eagerly too when graphs are switched off there, so both
-  run the same shapes) a batch of 3 runs as 4 rows; a padded row has slot ``-1`` (the cache write skips
+- **batch bucket** (:func:`batch_bucket`): where decode can run as CUDA graphs (CUDA with the Triton
+  kernels, :mod:`kvchat.engine.decode_graphs`; also with graphs switched off, so both run the shapes the
+  load-time warm-up compiled) a batch of 3 runs as 4 rows; a padded row has slot ``-1`` (the cache write skips
   it), length 0 (the Triton kernels read nothing and give zeros), token id and position 0, and its
   logits are dropped. Elsewhere rows are not padded: on a CPU the BLAS blocking changes with the row
   count (measured: the first 3 rows of a 3-row and a 4-row ``F.linear`` differ in the last bits), and

@@ -189,8 +189,11 @@ class Engine:
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
         warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink,  # GPU only
                 BATCH_BUCKETS, context_buckets(max_blocks), max_blocks)
+        backend = kernels.backend_for(self.pool.k)
+        # decode batches padded to BATCH_BUCKETS where graphs can run (with them off too: the warmed-up shapes)
+        self.pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
         self.decode_graphs = None  # CUDA graphs of the decode step (None: eager; always on CPU)
-        if self.dense is None and graphs_wanted(self.device, kernels.backend_for(self.pool.k), settings.cuda_graphs()):
+        if self.pad_decode and settings.cuda_graphs():
             self.decode_graphs = DecodeGraphs(self.paged_decode_step)
         self.load_ms = timer.stop()
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
@@ -409,7 +412,7 @@ class Engine:
                      denses: list[DenseKV] | None) -> torch.Tensor:
         """:meth:`decode_batch`'s body over ``(blocks, token_ids)`` pairs through the persistent decode
         buffers (:mod:`kvchat.engine.decode_buffers`); ``denses``: one dense copy per row on the CPU read path."""
-        rows = batch_bucket(len(items), padded=self.decode_graphs is not None)
+        rows = batch_bucket(len(items), padded=self.pad_decode)
         sinks = [self.sink_kv(ids[0]) if self.exact_sink else None for _, ids in items]
         for i, (seq, ids) in enumerate(items):
             n = len(ids)

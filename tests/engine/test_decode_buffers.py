@@ -23,7 +23,6 @@ if not torch.cuda.is_available() and "triton" not in sys.modules and importlib.u
 
 from kvchat.engine.block_manager import SeqBlocks  # noqa: E402
 from kvchat.engine.decode_buffers import batch_bucket, context_bucket, context_buckets  # noqa: E402
-from kvchat.engine.decode_graphs import DecodeGraphs  # noqa: E402
 from kvchat.engine.dense_kv import DenseKV  # noqa: E402
 from kvchat.engine.runner import Engine  # noqa: E402
 from kvchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
@@ -222,8 +221,7 @@ def test_padded_rows_write_nothing_and_the_real_rows_match(smol_info, weights, m
             engine.prefill(s.blocks, p[:-1])
             group.append(s)
     ref = engine.decode_batch([DecodeStep(s, s.token_ids) for s in plain])
-    engine.decode_graphs = DecodeGraphs(engine.paged_decode_step)
-    engine.decode_graphs.enabled = False  # padded as with graphs, run eagerly (the GPU's graphs-off path)
+    engine.pad_decode = True  # as on a GPU with the Triton kernels (graphs or not), run eagerly
     pool = [t.clone() for t in (engine.pool.k, engine.pool.v, engine.pool.k_scale, engine.pool.v_scale)]
     out = engine.decode_batch([DecodeStep(s, s.token_ids) for s in padded])
     assert out.shape == ref.shape == (3, vocab)
