@@ -20,8 +20,8 @@ reads views of them:
 
 Per step the host writes ids, positions, slots and lengths into one staging tensor (pinned on CUDA) and
 uploads it with one non-blocking copy; a block table row is uploaded only from its first changed entry
-(a sequence's new block, a copy-on-write, a different sequence in that row); a row's exact sink is
-copied only when its sink changes. Nothing here reads device memory back: the one host sync of a
+(a sequence's new block, a copy-on-write, a different sequence in that row); each row's exact sink
+is copied in on the device. Nothing here reads device memory back: the one host sync of a
 token is the sampled id (:mod:`kvchat.engine.sampling`).
 """
 
@@ -144,7 +144,6 @@ class DecodeBuffers:
             self.sink = tuple(torch.zeros((max_rows, *sink_shape), device=device) for _ in range(2))
         self._owners: list[SeqBlocks | None] = [None] * max_rows
         self._tables: list[list[int]] = [[] for _ in range(max_rows)]
-        self._sinks: list[tuple | None] = [None] * max_rows
         self._uploaded: torch.cuda.Event | None = None
         self.uploads = 0
 
@@ -183,10 +182,9 @@ class DecodeBuffers:
         self.step.copy_(self._host, non_blocking=True)  # all of it: a contiguous pinned source, one copy
         for i, r in enumerate(rows):
             self._table_row(i, r.blocks)
-            if r.sink is not None and self.sink is not None and self._sinks[i] is not r.sink:
+            if r.sink is not None and self.sink is not None:  # device to device, 46 KB a row for SmolLM2
                 self.sink[0][i].copy_(r.sink[0])
                 self.sink[1][i].copy_(r.sink[1])
-                self._sinks[i] = r.sink
         self.seq_lens.copy_(self.step[_LEN])
         if self.device.type == "cuda":
             self._uploaded = torch.cuda.Event()
