@@ -17,8 +17,8 @@ Sections (issue 14's (a)-(e)):
 (d) the real engine end to end at SmolLM2's and Llama-3.1-8B's shape: a random bf16
     checkpoint written to disk, then loaded (time, peak device memory against the bf16
     weight bytes + 10%, peak host RSS), prefill tok/s and decode tok/s at 4K and 32K
-    tokens, fp8 and bf16 pools. Decode with CUDA graphs is recorded as ``"not built"``:
-    no graph capture exists yet;
+    tokens, fp8 and bf16 pools; decode with CUDA graphs on and off (``decode_tok_s`` and
+    ``decode_tok_s_eager``; ``decode_graphs`` says whether graphs ran: ``captured``, or why not);
 (e) a 32K-token chat snapshotted to disk (the real ``KVPersist`` writer) and restored
     in a fresh engine: restore ms with the page cache dropped and warm, TTFT of a
     15-token question after the restore, and cold prefill for comparison. It needs
@@ -150,28 +150,43 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _decode_tok_s(engine, seq, ids: list[int], logits, decode_steps: int):
+    """``(tok/s, last logits)`` of ``decode_steps`` greedy steps timed as the chat app runs them (device
+    argmax, one sync per token), after 3 untimed ones (a graph's capture happens in the first)."""
+    from kvchat.engine.sampling import Sampler, SamplingParams
+
+    sampler, warm = Sampler(SamplingParams()), 3
+    for step in range(warm + decode_steps):
+        if step == warm:
+            _sync(engine.device)
+            t0 = time.perf_counter()
+        ids.append(sampler(logits))
+        logits = engine.decode(seq, ids)
+    _sync(engine.device)
+    return decode_steps / (time.perf_counter() - t0), logits
+
+
 def prefill_decode(engine, context: int, decode_steps: int) -> dict:
-    """Prefill ``context`` random tokens (tok/s from the engine's synced ``prefill_ms``), then ``decode_steps``
-    greedy steps timed as the chat app runs them (host argmax per step: one sync per token)."""
+    """Prefill ``context`` random tokens (tok/s from the engine's synced ``prefill_ms``), then decode tok/s with
+    CUDA graphs (where the engine captures them) and without (``engine.decode_graphs.enabled = False``)."""
     from kvchat.engine.block_manager import SeqBlocks
 
     ids = _ids(context, engine.cfg.vocab_size, 1)
     seq = SeqBlocks()
     res = engine.prefill(seq, ids)
-    logits = res.logits
-    warm = 3
-    for step in range(warm + decode_steps):
-        if step == warm:
-            _sync(engine.device)
-            t0 = time.perf_counter()
-        ids.append(int(logits.argmax()))
-        logits = engine.decode(seq, ids)
-    _sync(engine.device)
-    decode_s = time.perf_counter() - t0
+    graphs = engine.decode_graphs
+    tok_s, logits = _decode_tok_s(engine, seq, ids, res.logits, decode_steps)
+    if graphs is not None:
+        graphs.enabled = False
+        eager, _ = _decode_tok_s(engine, seq, ids, logits, decode_steps)
+        graphs.enabled = True
+        state = graphs.failed and f"eager: capture failed ({graphs.failed})" or "captured"
+    else:
+        eager, state = tok_s, f"eager: no graphs on {engine.device.type} (KVCHAT_CUDA_GRAPHS, the Triton backend)"
     engine.release(seq)
     return {"context": context, "prefill_tok_s": context / (res.prefill_ms / 1e3), "prefill_ms": res.prefill_ms,
-            "decode_tok_s": decode_steps / decode_s, "decode_steps": decode_steps,
-            "decode_graphs": "not built"}
+            "decode_tok_s": tok_s, "decode_tok_s_eager": eager, "decode_steps": decode_steps,
+            "decode_graphs": state}
 
 
 def section_engine(device: torch.device, tiny: bool, workdir: Path) -> dict:
@@ -195,7 +210,8 @@ def section_engine(device: torch.device, tiny: bool, workdir: Path) -> dict:
             print(f"engine {label:13s} {kv_dtype:5s} load {stats['load_s']:.1f} s"
                   + (f", device peak {stats['device_peak_bytes'] / 1e9:.2f} GB (bound {stats['device_bound_bytes'] / 1e9:.2f})"
                      if "device_peak_bytes" in stats else "")
-                  + "".join(f" | {r['context']}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
+                  + "".join(f" | {r['context']}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f}"
+                            f" tok/s (graphs off {r['decode_tok_s_eager']:.1f})"
                             for r in runs))
             del engine
             if device.type == "cuda":

@@ -40,11 +40,14 @@ def int_class(n: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class DecodeLaunch:
-    """One decode launch: ``num_seqs`` queries, a block table ``width`` columns wide, ``num_splits`` splits."""
+    """One decode launch: ``num_seqs`` queries, a block table ``width`` columns wide, ``num_splits`` splits;
+    ``row_stride``: the table's row stride (0: ``width``, a table of its own; the engine's persistent
+    table, ``kvchat.engine.decode_buffers``, is read through views of its full width)."""
 
     num_seqs: int
     width: int
     num_splits: int
+    row_stride: int = 0
 
     @property
     def variant(self) -> tuple[str, int, str]:
@@ -53,7 +56,7 @@ class DecodeLaunch:
         from .triton_decode import merge_block
 
         merge = merge_block(self.num_splits) if self.num_splits > 1 else 0
-        return int_class(self.num_splits), merge, int_class(self.width)
+        return int_class(self.num_splits), merge, int_class(self.row_stride or self.width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,8 @@ class ExtendLaunch:
 
 
 def plan_warmup(num_kv_heads: int, block_size: int, max_context: int, num_sms: int,
-                batch_sizes: Sequence[int] = DECODE_BATCHES) -> list[DecodeLaunch | ExtendLaunch]:
+                batch_sizes: Sequence[int] = DECODE_BATCHES, decode_widths: Sequence[int] | None = None,
+                row_stride: int = 0) -> list[DecodeLaunch | ExtendLaunch]:
     """One launch per kernel variant that sequences of 1 .. ``max_context`` tokens reach.
 
     Args:
@@ -77,6 +81,8 @@ def plan_warmup(num_kv_heads: int, block_size: int, max_context: int, num_sms: i
         max_context: longest sequence in tokens (the engine's context limit).
         num_sms: the GPU's SM count (sets the split counts, see ``triton_decode.splits_for``).
         batch_sizes: numbers of sequences decoded together.
+        decode_widths, row_stride: the only block-table widths decode launches with (the engine's context
+            buckets) and the row stride they are read with; None: every width, each a table of its own.
     Returns:
         Decode launches (the first width reaching each variant, per variant) then extend launches.
     """
@@ -87,8 +93,10 @@ def plan_warmup(num_kv_heads: int, block_size: int, max_context: int, num_sms: i
     extend: dict[str, ExtendLaunch] = {}
     for width in range(1, max_width + 1):
         extend.setdefault(ExtendLaunch(width).variant, ExtendLaunch(width))
+        if decode_widths is not None and width not in decode_widths:
+            continue
         for b in batch_sizes:
-            launch = DecodeLaunch(b, width, splits_for(b, num_kv_heads, width * block_size, num_sms))
+            launch = DecodeLaunch(b, width, splits_for(b, num_kv_heads, width * block_size, num_sms), row_stride)
             decode.setdefault(launch.variant, launch)
     return [*decode.values(), *extend.values()]
 
@@ -121,8 +129,8 @@ def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Te
     def sink(n: int):
         return tuple(torch.zeros(n, num_kv_heads, head_dim, device=device) for _ in range(2)) if exact_sink else None
 
-    def table(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:  # block table, sequence lengths 0
-        return (torch.zeros(n, width, dtype=torch.int32, device=device),
+    def table(n: int, width: int, stride: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # lengths 0
+        return (torch.zeros(n, stride or width, dtype=torch.int32, device=device)[:, :width],
                 torch.zeros(n, dtype=torch.int32, device=device))
 
     kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -130,7 +138,8 @@ def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Te
     for launch in plan:
         if isinstance(launch, DecodeLaunch):
             n = launch.num_seqs
-            paged_decode(queries(n), k_cache, v_cache, k_scale, v_scale, *table(n, launch.width), head_dim**-0.5,
+            paged_decode(queries(n), k_cache, v_cache, k_scale, v_scale, *table(n, launch.width, launch.row_stride),
+                         head_dim**-0.5,
                          sink(n), num_splits=launch.num_splits)
         else:
             extend_attention(queries(1), k_cache, v_cache, k_scale, v_scale, *table(1, launch.width),
@@ -139,7 +148,8 @@ def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Te
 
 def warm_up(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], num_heads: int,
             dtype: torch.dtype, max_context: int, exact_sink: bool,
-            batch_sizes: Sequence[int] = DECODE_BATCHES) -> list[DecodeLaunch | ExtendLaunch]:
+            batch_sizes: Sequence[int] = DECODE_BATCHES, decode_widths: Sequence[int] | None = None,
+            row_stride: int = 0) -> list[DecodeLaunch | ExtendLaunch]:
     """Compile every kernel variant an engine will launch, at its start; the launches made.
 
     A no-op (``[]``) unless ``layer`` (one layer's ``(k_cache, v_cache, k_scale,
@@ -153,7 +163,8 @@ def warm_up(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.
     from .triton_decode import num_sms
 
     t0 = time.perf_counter()
-    plan = plan_warmup(k_cache.shape[2], k_cache.shape[1], max_context, num_sms(k_cache.device), batch_sizes)
+    plan = plan_warmup(k_cache.shape[2], k_cache.shape[1], max_context, num_sms(k_cache.device), batch_sizes,
+                       decode_widths, row_stride)
     with torch.cuda.device(k_cache.device):
         launch_warmup(plan, *layer, num_heads, dtype, exact_sink)
         torch.cuda.synchronize()

@@ -9,6 +9,7 @@
 - ``KVCHAT_RESIDENT_CHATS``: how many chats of full context the default KV pool is sized for.
 - ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
 - ``KVCHAT_WEIGHTS``: the weight format the model computes with.
+- ``KVCHAT_CUDA_GRAPHS``: ``0`` turns off the CUDA graphs of decode.
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 - ``KVCHAT_API_KEY``: the key ``kvchat serve`` requires when ``--api-key`` is not given.
@@ -52,6 +53,8 @@ DEFAULT_RESIDENT_CHATS = 4
 WEIGHTS = "KVCHAT_WEIGHTS"
 WEIGHTS_CHOICES = ("auto", "fp32", "bf16", "int8")  # auto: resolved by kvchat.engine.cache_identity.resolve_weight_format
 ATTENTION_CHOICES = ("torch", "triton")
+CUDA_GRAPHS = "KVCHAT_CUDA_GRAPHS"
+CUDA_GRAPHS_CHOICES = ("1", "0")
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -251,6 +254,16 @@ def weights() -> str:
     return _choice(WEIGHTS, WEIGHTS_CHOICES)
 
 
+def cuda_graphs() -> bool:
+    """``KVCHAT_CUDA_GRAPHS``: ``1`` (default) captures the decode step as CUDA graphs where it can
+    (:func:`kvchat.engine.decode_graphs.graphs_wanted`: CUDA with the Triton kernels), ``0`` decodes eagerly.
+
+    Raises:
+        SettingError: any other value.
+    """
+    return _choice(CUDA_GRAPHS, CUDA_GRAPHS_CHOICES) == "1"
+
+
 def phase_trace() -> Path | None:
     """``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends one line per phase to (fault-injection runs,
     :mod:`kvchat.phase_trace`). Default (None): no trace."""
@@ -279,3 +292,4 @@ def check() -> None:
     resident_chats()
     cache_budget_gb()
     weights()
+    cuda_graphs()

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.device_copies import DeviceCopies
 from kvchat.engine.disk_budget import Eviction
 from kvchat.engine.disk_budget import enforce as enforce_budget
 from kvchat.engine.runner import Engine
@@ -158,7 +159,9 @@ class KVPersist:
         on a CPU, dequantized into the engine's dense copy, so the first
         forward after a resume reads nothing back from the pool) through
         one reused staging buffer (a fresh buffer per file paid a first-touch
-        page fault per 4 KiB: about 40 ms per 100 MB here). A corrupt or missing
+        page fault per 4 KiB: about 40 ms per 100 MB here); on CUDA that buffer
+        is pinned and the copy runs non-blocking on the thread's side stream
+        (:mod:`kvchat.engine.device_copies`), joined before the pool is read. A corrupt or missing
         chunk ends the chain there: it is dropped from the index, and only the
         tokens before it are committed; the rest stay reserved, uncommitted, for
         the prefill that recomputes them. Skipped entirely when reading would
@@ -187,14 +190,18 @@ class KVPersist:
         self.engine.prepare_write(seq, first, end, dense, sink)
         staging = threading.local()
         capacity = self.layout.data_bytes(max(r.token_count for _, _, r in todo))  # read_chunk checks the counts
+        copies = DeviceCopies(pool.k.device)
 
         @torch.inference_mode()  # per thread: the dense copy may be an inference tensor, updated in place here
         def load(a: int, b: int, row: ChunkRow) -> None:
             if not hasattr(staging, "buf"):
-                staging.buf = torch.empty(capacity, dtype=torch.uint8)
+                staging.buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=copies.cuda)
+                staging.lane = copies.lane()
             lo = max(a, first)
-            data = read_row(row, self.layout, out=staging.buf)
-            _write_tokens(pool, blocks, seq, data, lo - a, lo, b)
+            staging.lane.wait_buffer_free()  # the previous chunk's copy out of this buffer is done
+            data = read_row(row, self.layout, out=staging.buf)  # checksum verified on these host bytes
+            with staging.lane:  # CUDA: a side stream, non-blocking copies from the pinned buffer
+                _write_tokens(pool, blocks, seq, data, lo - a, lo, b)
             if dense is not None:  # the CPU read path's copy, from the chunk itself: no read-back from the pool
                 dense.fill(lo, data, lo - a, b - lo)
 
@@ -213,6 +220,7 @@ class KVPersist:
                 last = b
                 res.bytes_read += row.bytes
                 res.keys.append(row.key)
+        copies.join()  # the main stream waits for every side stream's copies before the pool is read
         if last == first:
             return res
         blocks.commit(seq, token_ids, last)
@@ -243,7 +251,7 @@ class KVPersist:
         db = get_db()
         for link in links:
             if get_chunk(db, link.key) is None:
-                self._queue.put((link, _read_tokens(self.engine.pool, self.engine.blocks, seq, link.start, link.end)))
+                self._queue.put((link, *_read_tokens(self.engine.pool, self.engine.blocks, seq, link.start, link.end)))
         self._queue.put(("refs", owner, [l.key for l in links]))
         return [l.key for l in links]
 
@@ -270,7 +278,9 @@ class KVPersist:
                         chunk_refs.set_refs(get_db(), item[1], item[2], self.fingerprint)
                     self.evicted = self.evicted.then(enforce_budget(get_db()))
                 else:
-                    link, data = item
+                    link, data, copied = item
+                    if copied is not None:  # the device -> pinned host copy, queued on the main stream
+                        copied.synchronize()
                     add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key, fingerprint=self.fingerprint)
             except OSError as exc:  # disk full, permissions: the turn's text is already saved
                 self.errors.append(f"KV snapshot not saved: {exc.strerror or exc}")
@@ -306,17 +316,30 @@ def _rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return flat
 
 
-def _read_tokens(pool: KVPool, blocks, seq: SeqBlocks, start: int, end: int) -> ChunkData:
-    """Copy tokens ``[start, end)`` of ``seq`` out of the pool as a chunk (all layers)."""
+def _read_tokens(pool: KVPool, blocks, seq: SeqBlocks, start: int, end: int) -> tuple[ChunkData, object]:
+    """Copy tokens ``[start, end)`` of ``seq`` out of the pool as a chunk (all layers).
+
+    Returns ``(chunk, copied)``: on CUDA the chunk's tensors are pinned host memory filled by non-blocking
+    copies queued on the current stream (after every write before them), and ``copied`` is the CUDA
+    event the writer thread waits on before it reads them, so the main thread never waits; on a CPU
+    ``copied`` is None and the copy is done.
+    """
     slots = _slots(blocks, seq, start, end).to(pool.k.device)
 
     def take(t: torch.Tensor) -> torch.Tensor:
         (rows,) = _rows(_flat(t))
-        return rows[:, slots].cpu().view(torch.uint8).view(t.dtype).view(t.shape[0], len(slots), *t.shape[3:])
+        rows = rows[:, slots]
+        if rows.is_cuda:
+            rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+        return rows.cpu().view(torch.uint8).view(t.dtype).view(t.shape[0], len(slots), *t.shape[3:])
 
-    if pool.k_scale is None:
-        return ChunkData(take(pool.k), take(pool.v))
-    return ChunkData(take(pool.k), take(pool.v), take(pool.k_scale), take(pool.v_scale))
+    parts = (pool.k, pool.v) if pool.k_scale is None else (pool.k, pool.v, pool.k_scale, pool.v_scale)
+    chunk = ChunkData(*(take(t) for t in parts))
+    copied = None
+    if pool.k.is_cuda:
+        copied = torch.cuda.Event()
+        copied.record()
+    return chunk, copied
 
 
 def _write_tokens(pool: KVPool, blocks, seq: SeqBlocks, data: ChunkData, offset: int, start: int, end: int) -> None:
@@ -328,7 +351,7 @@ def _write_tokens(pool: KVPool, blocks, seq: SeqBlocks, data: ChunkData, offset:
         if dst is None:
             continue
         rows_dst, rows_src = _rows(_flat(dst), src[:, offset : offset + n])
-        rows_dst[:, slots] = rows_src.to(dst.device)
+        rows_dst[:, slots] = rows_src.to(dst.device, non_blocking=True)  # CUDA: from pinned memory, on the lane
 
 
 def release_owner(owner: str) -> list[str]:

@@ -18,6 +18,8 @@ from kvchat import kernels, settings
 from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
 from kvchat.engine.cache_identity import FORMAT_COMPUTE, compute_key, engine_identity
 from kvchat.model.config import ModelConfig
+from kvchat.engine.decode_buffers import BATCH_BUCKETS, DecodeBuffers, DecodeRow, batch_bucket, context_bucket, context_buckets
+from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.calibration import KVCalibration
@@ -181,7 +183,17 @@ class Engine:
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
-        warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink)  # GPU only
+        max_blocks = -(-self.max_context // self.spec.block_size)
+        sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
+        self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
+        warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink,  # GPU only
+                BATCH_BUCKETS, context_buckets(max_blocks), max_blocks)
+        backend = kernels.backend_for(self.pool.k)
+        # decode batches padded to BATCH_BUCKETS where graphs can run (with them off too: the warmed-up shapes)
+        self.pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
+        self.decode_graphs = None  # CUDA graphs of the decode step (None: eager; always on CPU)
+        if self.pad_decode and settings.cuda_graphs():
+            self.decode_graphs = DecodeGraphs(self.paged_decode_step)
         self.load_ms = timer.stop()
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
 
@@ -361,10 +373,8 @@ class Engine:
         of the prefix cache and :meth:`kvchat.engine.session.Session.send` recomputes
         the answer as a chunk once it ends (see :func:`last_cut`).
         """
-        n = len(token_ids)
-        self.check_fits(n)
-        hidden = self._forward(seq, token_ids, n - 1, n, register=False, dense_kv=dense_kv)
-        return self.model.logits(hidden)[0]
+        dense = None if self.dense is None else [dense_kv or self.dense]
+        return self._decode_rows([(seq, token_ids)], dense)[0]
 
     @torch.inference_mode()
     def decode_batch(self, steps: Sequence[DecodeStep]) -> torch.Tensor:
@@ -380,47 +390,68 @@ class Engine:
             PoolFullError: a sequence cannot get a slot; ``exc.index`` is its place in ``steps``
                 (the others are unchanged but for a reserved slot).
             ValueError: on the CPU read path, two steps share a dense copy (or lack one).
+
+        More steps than the largest batch bucket (:data:`kvchat.engine.decode_buffers.BATCH_BUCKETS`) run
+        as one forward per group of that many.
         """
-        if len(steps) == 1:
-            s = steps[0]
-            return self.decode(s.sequence.blocks, s.token_ids, s.sequence.dense)[None]
-        dev = self.device
-        denses = [s.sequence.dense for s in steps] if self.dense is not None else None
-        if denses is not None and (None in denses or len({id(d) for d in denses}) < len(denses)):
-            raise ValueError("a batched decode on the CPU read path needs one dense copy per sequence")
-        sinks = [self.sink_kv(s.token_ids[0]) if self.exact_sink else None for s in steps]
-        for i, s in enumerate(steps):
-            n = len(s.token_ids)
+        denses = None
+        if self.dense is not None:
+            denses = [s.sequence.dense for s in steps]
+            if len(steps) == 1:
+                denses = [denses[0] or self.dense]
+            elif None in denses or len({id(d) for d in denses}) < len(denses):
+                raise ValueError("a batched decode on the CPU read path needs one dense copy per sequence")
+        top, out = BATCH_BUCKETS[-1], []
+        for g in range(0, len(steps), top):  # the buffers hold the largest bucket: one forward per group of it
+            part = steps[g : g + top]
+            try:
+                out.append(self._decode_rows([(s.sequence.blocks, s.token_ids) for s in part],
+                                             None if denses is None else denses[g : g + top]))
+            except PoolFullError as exc:  # earlier groups have run: sent again, they recompute the same K/V
+                exc.index += g
+                raise
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _decode_rows(self, items: Sequence[tuple[SeqBlocks, Sequence[int]]],
+                     denses: list[DenseKV] | None) -> torch.Tensor:
+        """:meth:`decode_batch`'s body over ``(blocks, token_ids)`` pairs through the persistent decode
+        buffers (:mod:`kvchat.engine.decode_buffers`); ``denses``: one dense copy per row on the CPU read path."""
+        rows = batch_bucket(len(items), padded=self.pad_decode)
+        sinks = [self.sink_kv(ids[0]) if self.exact_sink else None for _, ids in items]
+        for i, (seq, ids) in enumerate(items):
+            n = len(ids)
             self.check_fits(n)
             try:
-                self.prepare_write(s.sequence.blocks, n - 1, n, denses[i] if denses else None, sinks[i])
+                self.prepare_write(seq, n - 1, n, denses[i] if denses else None, sinks[i])
             except PoolFullError as exc:
                 exc.index = i
                 raise
-        lens = [len(s.token_ids) for s in steps]
-        slots = [self.blocks.slots(s.sequence.blocks, n - 1, n)[0] for s, n in zip(steps, lens)]
-        width = max(len(s.sequence.blocks.block_table) for s in steps)
-        table = [s.sequence.blocks.block_table + [0] * (width - len(s.sequence.blocks.block_table)) for s in steps]
-        sink = None
-        if self.exact_sink and denses is None:
-            sink = (torch.stack([k for k, _ in sinks]), torch.stack([v for _, v in sinks]))
-        meta = AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.arange(len(steps) + 1, dtype=torch.int32, device=dev),
-            is_decode=True,
-            sink=sink,
-            dense_batch=None if denses is None else [(d, n - 1) for d, n in zip(denses, lens)],
-        )
-        ids = torch.tensor([s.token_ids[-1] for s in steps], dtype=torch.long, device=dev)
-        with device_guard(dev):
-            hidden = self.model(ids, torch.tensor([n - 1 for n in lens], device=dev), meta, self.pool)
-        for i, (s, n) in enumerate(zip(steps, lens)):
+        step = [DecodeRow(seq, ids[-1], len(ids) - 1, self.blocks.slots(seq, len(ids) - 1, len(ids))[0],
+                          None if denses else sink) for (seq, ids), sink in zip(items, sinks)]
+        width = context_bucket(max(len(seq.block_table) for seq, _ in items), self.decode_buffers.max_blocks)
+        with device_guard(self.device):
+            view = self.decode_buffers.load(step, rows, width)
+            if denses is None:
+                logits = (self.decode_graphs or self.paged_decode_step)(rows, width)[: len(items)]
+            else:
+                one = len(items) == 1
+                meta = AttnMetadata(view.slot_mapping, view.block_table, view.seq_lens, view.cu_seqlens_q, True,
+                                    dense=denses[0] if one else None, q_start=step[0].position,
+                                    dense_batch=None if one else [(d, r.position) for d, r in zip(denses, step)])
+                logits = self.model.logits(self.model(view.input_ids, view.positions, meta, self.pool))
+        for i, (seq, ids) in enumerate(items):
             if denses is not None:
-                denses[i].finish(s.sequence.blocks, n)
-            self.blocks.commit(s.sequence.blocks, s.token_ids, n, register=False)
-        return self.model.logits(hidden)
+                denses[i].finish(seq, len(ids))
+            self.blocks.commit(seq, ids, len(ids), register=False)
+        return logits
+
+    def paged_decode_step(self, rows: int, width: int) -> torch.Tensor:
+        """The decode forward over the decode buffers' current views, ``rows`` rows and ``width`` block-table
+        columns, through the paged kernels: float32 logits ``[rows, vocab_size]``. What a CUDA graph
+        captures (:mod:`kvchat.engine.decode_graphs`): device work only, no host read."""
+        view = self.decode_buffers.view(rows, width, with_sink=self.exact_sink)
+        meta = AttnMetadata(view.slot_mapping, view.block_table, view.seq_lens, view.cu_seqlens_q, True, sink=view.sink)
+        return self.model.logits(self.model(view.input_ids, view.positions, meta, self.pool))
 
     def release(self, seq: SeqBlocks) -> None:
         """Free a sequence's blocks (they stay in the prefix cache until reused)."""

@@ -1,6 +1,15 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020)."""
+"""Next-token sampling on the logits' device: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020).
+
+Every operation runs where the logits are (a GPU's decode never copies its ``[vocab_size]`` row to the
+host); the sampled id is the one value read back, one host sync per step, and one for all rows of a
+batched step (:func:`sample_rows`). Random draws use a ``torch.Generator`` on the logits' device, seeded
+from the sampler's seed, so a seeded run repeats on one device; on a CPU the draws are the ones this
+module made when it sampled on the host (same generator, same operations).
+"""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -19,12 +28,22 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """Pick one token id from float32 ``logits`` ``[vocab_size]``."""
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The generator on ``device``: the CPU one, or one made once per generation on another device and
+        seeded with the CPU one's seed."""
+        if self.generator.device != device:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.generator.initial_seed())
+            self.generator = gen
+        return self.generator
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The chosen id of float32 ``logits`` ``[vocab_size]`` as an int64 0-d tensor on their device
+        (nothing read back: no host sync)."""
         p = self.params
         if p.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits.float().cpu() / p.temperature
+            return torch.argmax(logits)
+        logits = logits.float() / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -32,6 +51,16 @@ class Sampler:
         if p.top_p < 1:
             sorted_p, order = torch.sort(probs, descending=True)
             drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-            sorted_p[drop] = 0
+            sorted_p.masked_fill_(drop, 0)  # not sorted_p[drop] = 0: a boolean index reads the mask back
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.multinomial(probs, 1, generator=self._generator(probs.device))[0]
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """Pick one token id from float32 ``logits`` ``[vocab_size]`` (one host sync: the id)."""
+        return int(self.pick(logits).item())
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
+    """One id per row of float32 ``logits`` ``[len(samplers), vocab_size]``, row ``i`` by ``samplers[i]``;
+    all ids come back in one host read."""
+    return torch.stack([s.pick(row) for s, row in zip(samplers, logits)]).tolist()

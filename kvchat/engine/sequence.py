@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.model.chat_format import Segment
+
+if TYPE_CHECKING:
+    from kvchat.engine.sampling import Sampler
 
 
 @dataclass(slots=True)
@@ -44,13 +48,18 @@ class Sequence:
 class DecodeStep:
     """A turn waiting for the logits of the last id of ``token_ids`` (every earlier id is in the pool).
 
+    The caller sends back the logits (float32 ``[vocab_size]``) or, having sampled them with ``sampler``
+    itself (a batch's ids in one host read, :func:`kvchat.engine.sampling.sample_rows`), the next id.
+
     Attributes:
         sequence: whose blocks (and dense copy) the step writes.
         token_ids: the sequence's ids so far, generated ones included.
+        sampler: the turn's sampler, or None.
     """
 
     sequence: Sequence
     token_ids: list[int]
+    sampler: "Sampler | None" = None
 
 
 @dataclass(slots=True)

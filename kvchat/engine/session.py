@@ -217,7 +217,8 @@ class Session:
 
     def turn(self, text: str, params: SamplingParams, cancel: threading.Event | None = None):
         """:meth:`send` as steps: yields text pieces, :class:`PrefillChunk` after each prefill chunk, and
-        :class:`DecodeStep` whenever it needs logits, which the caller sends back (float32 ``[vocab_size]``).
+        :class:`DecodeStep` whenever it needs logits, which the caller sends back (float32 ``[vocab_size]``),
+        or the id it sampled from them with the step's sampler.
 
         Raises: as :meth:`send`.
         """
@@ -237,7 +238,7 @@ class Session:
         logits, stop_id, shown = result.logits, None, ""
         t_first = t_last = None
         while True:
-            token = sampler(logits)
+            token = logits if isinstance(logits, int) else sampler(logits)  # a batch's caller may have sampled
             generated.append(token)
             t_last = time.perf_counter()
             if t_first is None:
@@ -259,7 +260,7 @@ class Session:
             if cancel is not None and cancel.is_set():
                 stats.finish_reason = "cancelled"
                 break
-            logits = yield DecodeStep(self.sequence, self.token_ids + generated)
+            logits = yield DecodeStep(self.sequence, self.token_ids + generated, sampler)
         stats.new_tokens = len(generated)
         if len(generated) > 1:
             stats.decode_tokens_per_s = (len(generated) - 1) / max(t_last - t_first, 1e-9)

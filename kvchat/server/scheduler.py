@@ -42,6 +42,7 @@ from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.persistence import KVPersist
 from kvchat.engine.runner import ContextOverflowError
+from kvchat.engine.sampling import sample_rows
 from kvchat.engine.sequence import DecodeStep
 from kvchat.engine.turn import TurnStats
 from kvchat.model.chat_format import ChatTemplateError
@@ -251,8 +252,9 @@ class Scheduler:
                 self._abort(job, exc)
             return
         self.decode_steps += 1
-        for job, row in zip(jobs, logits):
-            self._advance(job, row)
+        tokens = sample_rows([j.waiting.sampler for j in jobs], logits)  # every row's id in one host read
+        for job, token in zip(jobs, tokens):
+            self._advance(job, token)
 
     def _abort(self, job: Job, exc: Exception) -> None:
         """End ``job``'s turn with ``exc`` (the service rolls the turn back and re-raises) and answer the error."""
