@@ -22,6 +22,7 @@ from kvchat.engine.runner import ContextOverflowError, Engine, last_cut
 from kvchat.engine.sampling import Sampler
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence, drive_prefill
 from kvchat.engine.turn import SamplingParams, TurnStats
+from kvchat.utf8 import require_utf8
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. When documents are provided, answer from them and say so when they do not cover the question."
@@ -90,7 +91,14 @@ class Session:
 
         ``persist`` (a :class:`kvchat.engine.persistence.KVPersist`) enables restoring
         from and saving to snapshot files.
+
+        Raises:
+            kvchat.utf8.NotUtf8Error: the system prompt or a document's title or text is not UTF-8.
         """
+        require_utf8(system, "the system prompt")
+        for title, text in documents:
+            require_utf8(title, f"the document title {title!r}")
+            require_utf8(text, f"the document {title!r}")
         ids: list[int] = []
         segments: list[Segment] = []
         append_segment(ids, segments, "prefix", fmt.prefix_ids(system, documents))
@@ -152,11 +160,13 @@ class Session:
             The turn's ids.
         Raises:
             EmptyPromptError: blank message.
+            kvchat.utf8.NotUtf8Error: the message is not UTF-8 (a lone surrogate).
             ContextOverflowError: the conversation plus the turn and one answer
                 token exceed the context (message names both lengths).
         """
         if not text.strip():
             raise EmptyPromptError("the prompt is empty")
+        require_utf8(text, "the prompt")
         ids = self.fmt.user_turn_ids(text)
         needed = len(self.token_ids) + len(ids) + 1
         if needed > self.engine.max_context:

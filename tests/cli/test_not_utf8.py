@@ -1,0 +1,31 @@
+"""Text that is not UTF-8 on the command line (a prompt, a system prompt, a document's file name) is one
+``kvchat: error:`` line and exit 2, before the model loads, and nothing is stored."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from process_helpers import assert_one_error_line, run_kvchat
+
+BAD = {name: os.fsdecode(raw) for name, raw in
+       (("prompt", b"caf\xe9"), ("system", b"\xff"), ("doc-system", b"\xfe"), ("file", b"p\xffname.txt"))}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["ask", BAD["prompt"], "--threads", "1", "--max-tokens", "3"], ["the prompt", "not UTF-8", "0xe9"]),
+    (["ask", "hi", "--system", BAD["system"]], ["the system prompt", "not UTF-8", "0xff"]),
+    (["doc", "add", "paper.txt", "--system", BAD["doc-system"]], ["the system prompt", "not UTF-8", "0xfe"]),
+    (["doc", "add", BAD["file"]], ["document path", "not UTF-8", "0xff"]),
+    (["ask", "hi", "--doc", BAD["file"]], ["document path", "not UTF-8", "0xff"]),
+], ids=["ask-prompt", "ask-system", "doc-add-system", "doc-add-file-name", "ask-doc-file-name"])
+def test_text_that_is_not_utf8_is_one_error_line(tmp_path, monkeypatch, argv, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "paper.txt").write_text("A short paper about caches.\n")
+    with open(os.fsencode(tmp_path) + b"/p\xffname.txt", "w") as f:  # its contents are fine, only its name is not
+        f.write("A short paper about caches.\n")
+    home = tmp_path / "home"
+    proc = run_kvchat(home, *argv)
+    assert_one_error_line(proc, *words)
+    assert not home.exists()  # nothing stored, no database created
