@@ -49,6 +49,7 @@ from kvchat.model.loader import Runtime
 from kvchat.server.prefix import render, stored_answer
 from kvchat.server.protocol import ApiError, ChatRequest
 from kvchat.store.conversations import conversations_with_prefix
+from kvchat.store.errors import ConversationConflictError
 
 DEFAULT_MAX_TOKENS = 512  # when a request names none (as `kvchat ask`)
 IDLE_WAIT_S = 0.5  # the thread sleeps at most this long with nothing to do
@@ -229,7 +230,8 @@ class Scheduler:
             raise ApiError(400, f"the conversation is {prompt} tokens; {rt.engine.context_limit_text}",
                            param="messages", code="context_length_exceeded")
         req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
-        service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store)
+        service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store,
+                              branch_on_conflict=True)  # another process changed the chat: branch, as below
         found = conversations_with_prefix(db, rendered.token_ids, fp, exact=True, limit=1) if req.turns else []
         busy = {j.service.chat.chat_id for j in [*self.running, *self.queued] if j.service and j.service.chat}
         if found and self.store and found[0] not in busy:  # a chat answered by another request now: branch off
@@ -331,6 +333,8 @@ def _api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, (ContextFullError, ContextOverflowError)):
         return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, ConversationConflictError):  # the turn branches instead (ChatService.branch_on_conflict)
+        return ApiError(409, str(exc), code="conversation_conflict")
     if isinstance(exc, PoolFullError):
         return ApiError(503, str(exc), "server_error", code="pool_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, (ValueError, ChatTemplateError)):
