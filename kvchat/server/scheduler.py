@@ -219,6 +219,7 @@ class Scheduler:
             print(f"kvchat serve: request: {req.user!r} ({len(req.turns)} earlier turns)", file=sys.stderr)
         settings = new_settings([])
         fmt = rt.chat_format(settings)
+        _refuse_too_many_turns(fmt, len(req.turns), rt.engine)  # before tokenizing them all on this thread
         db = get_db()
         fp = rt.info.fingerprint
         rendered = render(fmt, req.system, req.turns, lambda ids, text: stored_answer(db, fp, ids, text))
@@ -325,6 +326,22 @@ class Scheduler:
         if job.service is not None and job.service.chat is not None:
             job.service.chat.session.close()
             job.service.chat = None
+
+
+def _refuse_too_many_turns(fmt, turns: int, engine) -> None:
+    """Refuse a request whose ``turns`` earlier (user, assistant) pairs plus its last user message cannot fit
+    the context, from a lower bound on their tokens (:meth:`ChatFormat.min_user_turn_tokens`; an assistant
+    message holds at least the closing ids), so a huge history is not tokenized first.
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded``.
+    """
+    close = len(fmt.assistant_close_ids(None))
+    least = (turns + 1) * fmt.min_user_turn_tokens() + turns * close
+    if least + close >= engine.max_context:
+        raise ApiError(400, f"the conversation has {2 * turns + 1:,} user and assistant messages, at least "
+                            f"{least:,} tokens; {engine.context_limit_text}", param="messages",
+                       code="context_length_exceeded")
 
 
 def _api_error(exc: BaseException) -> ApiError:
