@@ -128,6 +128,10 @@ class Session:
                 # The chain stopped early inside a segment (a chunk missing or corrupt): recompute
                 # from a chunk edge, in a cold run's chunks, so the K/V are bit-identical to a cold run's.
                 self.seq.num_computed = cut
+                # the counters say what is reused (reused = from_memory + from_disk); bytes_read stays the
+                # bytes actually read, the trimmed chunks' included
+                stats.from_memory = min(stats.from_memory, cut)
+                stats.from_disk = cut - stats.from_memory
         stats.reused_tokens = self.seq.num_computed
 
     def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
