@@ -70,8 +70,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvchat.server.app import create_app
     from kvchat.server.scheduler import Scheduler
 
+    made: list[Scheduler] = []
+
     def scheduler():
-        return Scheduler(rt, store=not args.no_store, queue_timeout_s=args.queue_timeout, verbose=args.verbose)
+        made.append(Scheduler(rt, store=not args.no_store, queue_timeout_s=args.queue_timeout, verbose=args.verbose))
+        return made[-1]
 
     app = create_app(scheduler, rt.info.name, api_key, args.host)
     sock = bind(args.host, args.port)
@@ -81,6 +84,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             access_log=args.verbose, lifespan="on", timeout_graceful_shutdown=GRACEFUL_S)
     server = uvicorn.Server(config)
+    uvicorn_exit = server.handle_exit
+
+    def end_turns_then_exit(sig, frame) -> None:
+        """At SIGINT/SIGTERM end the running turns first: each stream gets its finish chunk and [DONE] (the
+        turn is stored as a cancelled one), so uvicorn's graceful shutdown has no stream left to cut."""
+        for s in made:
+            s.request_stop()
+        uvicorn_exit(sig, frame)
+
+    server.handle_exit = end_turns_then_exit  # uvicorn installs its signal handlers from this attribute
     with sock:
         server.run(sockets=[sock])
     return 0 if server.started else 2

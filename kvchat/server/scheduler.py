@@ -116,8 +116,11 @@ class Scheduler:
 
     # ---- called from the HTTP side -------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Queue ``job`` (any thread)."""
+        """Queue ``job`` (any thread); once stopping, answer it 503 instead."""
         with self._wake:
+            if self._stopping:
+                job.push(("error", ApiError(503, "the server is shutting down", "server_error")))
+                return
             self._inbox.append(job)
             self._wake.notify()
 
@@ -134,11 +137,16 @@ class Scheduler:
         """The scheduler thread runs (False once it has stopped or died): /health answers 503 otherwise."""
         return self._thread.is_alive()
 
-    def stop(self) -> None:
-        """Cancel every request, let running turns end (stored, as a cancelled turn), flush snapshot writes."""
+    def request_stop(self) -> None:
+        """Start stopping without waiting (a signal handler may call it): every request is cancelled, running
+        turns end after their next token (answered and stored, as a cancelled turn), queued ones get 503."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
+
+    def stop(self) -> None:
+        """:meth:`request_stop`, wait for the thread to end, flush snapshot writes."""
+        self.request_stop()
         self._thread.join()
         self.persist.close()
 
