@@ -83,3 +83,14 @@ def test_cmd_plan_reads_a_config_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fp16" in out
     assert 'as in the 40 GB example of the article "KV Cache Optimization: Efficient Context Storage"' in out
+
+
+@pytest.mark.parametrize("flag, value", [("--gpu-gb", "inf"), ("--gpu-gb", "nan"), ("--reserve-gb", "nan"),
+                                         ("--params", "inf")])
+def test_inf_or_nan_sizes_are_one_error_line(tmp_path, flag, value):
+    from process_helpers import assert_one_error_line, run_kvchat
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"), "--context", "8192",
+                      flag, value)
+    assert_one_error_line(proc, "must be finite numbers (not inf or nan)")
