@@ -104,7 +104,7 @@ class Scheduler:
 
     def __init__(self, rt: Runtime, store: bool = True, queue_timeout_s: float = 30.0, verbose: bool = False):
         self.rt, self.store, self.queue_timeout_s, self.verbose = rt, store, queue_timeout_s, verbose
-        self.persist = KVPersist(rt.engine)
+        self.persist = KVPersist(rt.engine, touch_lru=store)  # --no-store: not even LRU stamps are written
         self.queued: deque[Job] = deque()
         self.running: list[Job] = []
         self._inbox: deque[Job] = deque()

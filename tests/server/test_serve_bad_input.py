@@ -3,6 +3,7 @@ object (never a 500), and a huge history is refused before it is tokenized."""
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import pytest
@@ -39,3 +40,15 @@ def test_a_history_that_cannot_fit_is_refused_by_its_message_count(server):
     assert "20,001 user and assistant messages" in err["message"]
     r = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("host", ["evil.example", "127.0.0.1.evil.example:80", "[::2]:80"])
+def test_a_foreign_host_header_gets_an_openai_error_object(server, host):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("GET", "/v1/models", skip_host=True)
+    conn.putheader("Host", host)
+    conn.endheaders()
+    resp = conn.getresponse()
+    status, body = resp.status, json.loads(resp.read())
+    conn.close()
+    assert status == 400 and body["error"]["code"] == "invalid_host" and body["error"]["type"] == "invalid_request_error"
