@@ -39,6 +39,8 @@ def read_document(path: str | Path, max_bytes: int = MAX_DOCUMENT_BYTES) -> Docu
     Raises:
         DocumentError: with a one-line reason.
     """
+    if not str(path).strip():  # Path("") is ".": say what was given
+        raise DocumentError("the document path is empty")
     p = Path(path).expanduser()
     try:
         size = p.stat().st_size

@@ -1,5 +1,5 @@
-"""Text that is not UTF-8 on the command line (a prompt, a system prompt, a document's file name) is one
-``kvchat: error:`` line and exit 2, before the model loads, and nothing is stored."""
+"""Text that is not UTF-8 on the command line (a prompt, a system prompt, a document's file name), and empty or
+directory paths, are one ``kvchat: error:`` line and exit 2, before the model loads, and nothing is stored."""
 
 from __future__ import annotations
 
@@ -29,3 +29,13 @@ def test_text_that_is_not_utf8_is_one_error_line(tmp_path, monkeypatch, argv, wo
     proc = run_kvchat(home, *argv)
     assert_one_error_line(proc, *words)
     assert not home.exists()  # nothing stored, no database created
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["ask", "hi", "--doc", ""], ["the document path is empty"]),
+    (["model", "pull", "--from", "."], ["--from '.'", "a directory, not a wheel or .gguf file"]),
+], ids=["empty-doc-path", "pull-from-a-directory"])
+def test_an_empty_or_directory_path_is_named_as_such(tmp_path, monkeypatch, argv, words):
+    monkeypatch.chdir(tmp_path)
+    proc = run_kvchat(tmp_path / "home", *argv)
+    assert_one_error_line(proc, *words)
