@@ -27,3 +27,4 @@ def test_a_request_with_a_lone_surrogate_is_a_400_naming_the_message(content):
         parse_chat_request(raw)
     assert err.value.status == 400 and err.value.param == "messages[1]"
     assert err.value.body()["error"]["type"] == "invalid_request_error" and "not UTF-8" in err.value.message
+

@@ -53,6 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ValueError: a non-loopback host without an API key, a bad port or queue timeout, a port in use.
     """
     api_key = serve_api_key(args)
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key (--api-key or KVCHAT_API_KEY) is blank; give a real key or none")
     if not is_loopback(args.host) and not api_key:
         raise ValueError(f"--host {args.host} is reachable from other machines: set KVCHAT_API_KEY or pass "
                          "--api-key KEY too (clients send it as 'Authorization: Bearer KEY')")

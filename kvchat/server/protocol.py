@@ -171,6 +171,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise _bad("stream_options.include_usage must be a boolean", "stream_options")
     max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)

@@ -39,3 +39,10 @@ def test_an_empty_or_directory_path_is_named_as_such(tmp_path, monkeypatch, argv
     monkeypatch.chdir(tmp_path)
     proc = run_kvchat(tmp_path / "home", *argv)
     assert_one_error_line(proc, *words)
+
+
+@pytest.mark.parametrize("key", [" ", ""], ids=["blank", "empty"])
+def test_a_blank_api_key_is_refused(tmp_path, key):
+    proc = run_kvchat(tmp_path / "home", "serve", "--host", "0.0.0.0", "--api-key", key)
+    assert_one_error_line(proc)
+    assert "blank" in proc.stderr or "reachable from other machines" in proc.stderr
