@@ -4,6 +4,7 @@ directory paths, are one ``kvchat: error:`` line and exit 2, before the model lo
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,10 @@ def test_a_blank_api_key_is_refused(tmp_path, key):
     proc = run_kvchat(tmp_path / "home", "serve", "--host", "0.0.0.0", "--api-key", key)
     assert_one_error_line(proc)
     assert "blank" in proc.stderr or "reachable from other machines" in proc.stderr
+
+
+
+def test_an_unusable_data_dir_is_named_without_an_errno():
+    proc = run_kvchat(Path("/proc/nope"), "cache", "ls")  # /proc takes no new folder, even for root
+    assert_one_error_line(proc, "cannot use /proc/nope: No such file or directory")
+    assert "Errno" not in proc.stderr
