@@ -130,7 +130,8 @@ def load_plan_config(spec: str | None) -> tuple[str, ModelConfig, int | None]:
     :func:`kvchat.model.registry.resolve_model` (imported names, ``.gguf``).
 
     Raises:
-        kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError.
+        kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError,
+        PlanInputError: a config file that is not JSON.
     """
     from kvchat.model.fingerprint import tensor_entries
     from kvchat.model.registry import resolve_model
@@ -138,8 +139,12 @@ def load_plan_config(spec: str | None) -> tuple[str, ModelConfig, int | None]:
     path = Path(spec).expanduser() if spec else None
     if path is not None and (path.suffix == ".json" and path.is_file() or (path / "config.json").is_file()):
         config_file = path if path.is_file() else path / "config.json"
-        cfg = ModelConfig.from_hf(json.loads(config_file.read_text(encoding="utf-8")))
-        model_dir = config_file.parent
+        try:
+            hf = json.loads(config_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PlanInputError(f"{config_file}: not a JSON model config ({exc})") from None
+        cfg = ModelConfig.from_hf(hf)
+        model_dir = config_file.parent.resolve()  # named after its folder, also for a bare "config.json"
         has_weights = any(model_dir.glob("*.safetensors"))
         params = sum(math.prod(e.shape) for e in tensor_entries(model_dir)) if has_weights else None
         return model_dir.name, cfg, params

@@ -94,3 +94,17 @@ def test_inf_or_nan_sizes_are_one_error_line(tmp_path, flag, value):
     proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"), "--context", "8192",
                       flag, value)
     assert_one_error_line(proc, "must be finite numbers (not inf or nan)")
+
+
+def test_a_config_file_is_named_in_errors_and_its_folder_names_the_model(tmp_path, monkeypatch):
+    from process_helpers import assert_one_error_line, run_kvchat
+
+    (tmp_path / "bad.json").write_text("{not json")
+    assert_one_error_line(run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "bad.json")),
+                          str(tmp_path / "bad.json"), "not a JSON model config")
+    folder = tmp_path / "llama7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA2_7B))
+    monkeypatch.chdir(folder)
+    proc = run_kvchat(tmp_path / "home", "plan", "--model", "config.json")
+    assert proc.returncode == 0 and proc.stdout.startswith("llama7b: "), proc.stdout + proc.stderr
