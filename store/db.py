@@ -168,8 +168,8 @@ def check_database(db: Database, path: Path, full: bool = False) -> None:
 
 
 def _no_backup_hint(path: Path) -> str:
-    """The next step for a damaged database without backups (none in :func:`backups_dir`)."""
-    return (f"; there is no backup of it in {backups_dir(path)}: move it away to start a new index "
+    """The next step for a damaged database without backups (none in :func:`backups_dir`; the folder is not named)."""
+    return ("; there is no backup of it: move it away to start a new index "
             "(its chats are lost; `kvchat cache gc` then removes the chunk files nothing indexes)")
 
 

@@ -141,6 +141,5 @@ def test_a_damaged_database_without_backups_names_the_next_step(kvchat_home):
     _garbage_in_the_middle(kvchat_home / "kvchat.db")
     before = tree(kvchat_home)
     proc = run_kvchat(kvchat_home, "cache", "ls")
-    assert_one_error_line(proc, "is damaged", f"there is no backup of it in {backups_dir(kvchat_home / 'kvchat.db')}",
-                          "move it away to start a new index")
+    assert_one_error_line(proc, "is damaged", "there is no backup of it: move it away to start a new index")
     assert tree(kvchat_home) == before
