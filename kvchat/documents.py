@@ -7,6 +7,8 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat.utf8 import NotUtf8Error, require_utf8
+
 MAX_DOCUMENT_BYTES = 4 * 2**20
 BINARY_SNIFF_BYTES = 8192
 
@@ -44,6 +46,8 @@ def read_document(path: str | Path, max_bytes: int = MAX_DOCUMENT_BYTES) -> Docu
     Raises:
         DocumentError: with a one-line reason.
     """
+    if not str(path).strip():  # Path("") is ".": say what was given
+        raise DocumentError("the document path is empty")
     p = Path(path).expanduser()
     try:
         size = p.stat().st_size
@@ -65,4 +69,9 @@ def read_document(path: str | Path, max_bytes: int = MAX_DOCUMENT_BYTES) -> Docu
         raise DocumentError(f"document {str(p)!r} is not UTF-8 text (bad byte at offset {exc.start})") from None
     if not text.strip():
         raise DocumentError(f"document {str(p)!r} is empty")
+    try:  # the file name is the document's title (tokenized), its path is stored: both must be UTF-8 too
+        full = str(p.resolve())
+        require_utf8(full, f"the document path {full!r}")
+    except NotUtf8Error as exc:
+        raise DocumentError(str(exc)) from None
     return Document(p.name, text, p)

@@ -82,7 +82,7 @@ def plan_memory(
     *,
     context: int,
     gpu_gb: float,
-    params: int | None = None,
+    params: float | None = None,
     weight_dtype: str = "bf16",
     reserve_gb: float = 0.0,
     model: str = "",
@@ -94,17 +94,20 @@ def plan_memory(
         cfg: the model's config.
         context: tokens per chat (rounded up to whole blocks of ``BLOCK_SIZE``).
         gpu_gb: GPU memory in decimal GB, as advertised (40 -> 40e9 bytes).
-        params: parameter count (None: :func:`count_params`).
+        params: parameter count, rounded down (None: :func:`count_params`).
         weight_dtype: ``fp32|bf16|fp16``, bytes per weight.
         reserve_gb: decimal GB set aside for activations and runtime.
     Raises:
-        PlanInputError: non-positive context, GPU size or params, negative reserve, unknown weight dtype.
+        PlanInputError: non-positive context, GPU size or params, negative reserve, inf or nan sizes,
+            unknown weight dtype.
     """
+    if not all(map(math.isfinite, (gpu_gb, reserve_gb, 1.0 if params is None else params))):
+        raise PlanInputError("--gpu-gb, --reserve-gb and --params must be finite numbers (not inf or nan)")
     if context < 1 or gpu_gb <= 0 or reserve_gb < 0:
         raise PlanInputError("--context and --gpu-gb must be positive and --reserve-gb not negative")
     if weight_dtype not in WEIGHT_BYTES:
         raise PlanInputError(f"unknown weight dtype {weight_dtype!r} (choose {', '.join(WEIGHT_BYTES)})")
-    params = count_params(cfg) if params is None else params
+    params = count_params(cfg) if params is None else int(params)
     if params < 1:
         raise PlanInputError(f"--params must be positive, not {params}")
     weight_bytes = params * WEIGHT_BYTES[weight_dtype]
@@ -127,7 +130,8 @@ def load_plan_config(spec: str | None) -> tuple[str, ModelConfig, int | None]:
     :func:`kvchat.model.registry.resolve_model` (imported names, ``.gguf``).
 
     Raises:
-        kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError.
+        kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError,
+        PlanInputError: a config file that is not JSON.
     """
     from kvchat.model.fingerprint import tensor_entries
     from kvchat.model.registry import resolve_model
@@ -135,8 +139,12 @@ def load_plan_config(spec: str | None) -> tuple[str, ModelConfig, int | None]:
     path = Path(spec).expanduser() if spec else None
     if path is not None and (path.suffix == ".json" and path.is_file() or (path / "config.json").is_file()):
         config_file = path if path.is_file() else path / "config.json"
-        cfg = ModelConfig.from_hf(json.loads(config_file.read_text(encoding="utf-8")))
-        model_dir = config_file.parent
+        try:
+            hf = json.loads(config_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PlanInputError(f"{config_file}: not a JSON model config ({exc})") from None
+        cfg = ModelConfig.from_hf(hf)
+        model_dir = config_file.parent.resolve()  # named after its folder, also for a bare "config.json"
         has_weights = any(model_dir.glob("*.safetensors"))
         params = sum(math.prod(e.shape) for e in tensor_entries(model_dir)) if has_weights else None
         return model_dir.name, cfg, params

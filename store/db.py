@@ -164,7 +164,13 @@ def check_database(db: Database, path: Path, full: bool = False) -> None:
         rows = [str(exc)]
     if rows != ["ok"]:
         raise DamagedDatabaseError(f"the database {path} is damaged ({pragma}: {' '.join(rows[0].split())}); "
-                                   f"nothing was changed{_backups_hint(path)}")
+                                   f"nothing was changed{_backups_hint(path) or _no_backup_hint(path)}")
+
+
+def _no_backup_hint(path: Path) -> str:
+    """The next step for a damaged database without backups (none in :func:`backups_dir`; the folder is not named)."""
+    return ("; there is no backup of it: move it away to start a new index "
+            "(its chats are lost; `kvchat cache gc` then removes the chunk files nothing indexes)")
 
 
 def database_error_line(exc: sqlite3.Error, path: Path) -> str:

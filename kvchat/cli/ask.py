@@ -40,9 +40,13 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     from kvchat.phase_trace import mark
     from kvchat.engine.sampling import SamplingParams
     from kvchat.engine.session import EmptyPromptError
+    from kvchat.utf8 import require_utf8
 
     if not args.prompt.strip():
         raise EmptyPromptError("the prompt is empty")
+    require_utf8(args.prompt, "the prompt")  # before the model loads (the session checks again)
+    if args.system is not None:
+        require_utf8(args.system, "the system prompt")
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.max_tokens)
     params.validate()
     threads = checked_threads(args.threads)

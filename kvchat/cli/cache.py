@@ -107,8 +107,11 @@ def _doc_add(args: argparse.Namespace) -> int:
     from kvchat.model.loader import load_runtime, set_threads
     from kvchat.paths import db_path
     from kvchat.store.db import require_writable
+    from kvchat.utf8 import require_utf8
 
     doc = read_document(args.path)
+    if args.system is not None:
+        require_utf8(args.system, "the system prompt")  # before the model loads (the session checks again)
     require_writable(db_path())  # before the model loads and the document is prefilled
     set_threads(args.threads)
     service = ChatService(load_runtime(args.model, args.kv_dtype))

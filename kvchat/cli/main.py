@@ -188,10 +188,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvchat: error: {database_error_line(exc, db_path())}", file=sys.stderr)
             return EXIT_USAGE
         if _is_user_error(exc):
-            print(f"kvchat: error: {exc}", file=sys.stderr)
+            print(f"kvchat: error: {_error_text(exc)}", file=sys.stderr)
             return EXIT_USAGE
         raise
     return 0
+
+
+def _error_text(exc: Exception) -> str:
+    """An error's line: an ``OSError`` about a path names it, without Python's ``[Errno N]``."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        return f"cannot use {exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 def _is_user_error(exc: Exception) -> bool:

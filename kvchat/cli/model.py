@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from kvchat.model.config import UnsupportedModelError
-from kvchat.model.fingerprint import tensor_entries
+from kvchat.model.fingerprint import WeightFileError, tensor_entries
 from kvchat.model.importer import ModelImportError, pull_model, read_manifest
 from kvchat.model.registry import list_models
 
@@ -48,9 +48,13 @@ def cmd_model_list() -> int:
         return 0
     rows = [("NAME", "PARAMS", "FINGERPRINT", "SIZE", "SOURCE")]
     for m in models:
-        params = sum(math.prod(e.shape) for e in tensor_entries(m.path))
+        try:  # headers only; a damaged model is listed, with how to repair it
+            params = f"{sum(math.prod(e.shape) for e in tensor_entries(m.path)) / 1e6:.1f}M"
+        except WeightFileError as exc:
+            params = "damaged"
+            print(f"kvchat: warning: {exc}; remove {m.path} and run `kvchat model pull` again", file=sys.stderr)
         size = sum(p.stat().st_size for p in m.path.iterdir() if p.is_file())
-        rows.append((m.name, f"{params / 1e6:.1f}M", m.fingerprint[:12], f"{size / 1e6:.1f} MB", m.source))
+        rows.append((m.name, params, m.fingerprint[:12], f"{size / 1e6:.1f} MB", m.source))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])

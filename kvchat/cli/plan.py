@@ -40,7 +40,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kvchat.plan.PlanInputError, kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError.
     """
     name, cfg, counted = load_plan_config(args.model)
-    params = int(args.params) if args.params is not None else counted
+    params = args.params if args.params is not None else counted  # plan_memory checks and rounds it
     plan = plan_memory(cfg, context=args.context, gpu_gb=args.gpu_gb, params=params,
                        weight_dtype=args.weight_dtype, reserve_gb=args.reserve_gb, model=name)
     if args.json:

@@ -53,6 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ValueError: a non-loopback host without an API key, a bad port or queue timeout, a port in use.
     """
     api_key = serve_api_key(args)
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key (--api-key or KVCHAT_API_KEY) is blank; give a real key or none")
     if not is_loopback(args.host) and not api_key:
         raise ValueError(f"--host {args.host} is reachable from other machines: set KVCHAT_API_KEY or pass "
                          "--api-key KEY too (clients send it as 'Authorization: Bearer KEY')")
@@ -70,8 +72,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvchat.server.app import create_app
     from kvchat.server.scheduler import Scheduler
 
+    made: list[Scheduler] = []
+
     def scheduler():
-        return Scheduler(rt, store=not args.no_store, queue_timeout_s=args.queue_timeout, verbose=args.verbose)
+        made.append(Scheduler(rt, store=not args.no_store, queue_timeout_s=args.queue_timeout, verbose=args.verbose))
+        return made[-1]
 
     app = create_app(scheduler, rt.info.name, api_key, args.host)
     sock = bind(args.host, args.port)
@@ -81,6 +86,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             access_log=args.verbose, lifespan="on", timeout_graceful_shutdown=GRACEFUL_S)
     server = uvicorn.Server(config)
+    uvicorn_exit = server.handle_exit
+
+    def end_turns_then_exit(sig, frame) -> None:
+        """At SIGINT/SIGTERM end the running turns first: each stream gets its finish chunk and [DONE] (the
+        turn is stored as a cancelled one), so uvicorn's graceful shutdown has no stream left to cut."""
+        for s in made:
+            s.request_stop()
+        uvicorn_exit(sig, frame)
+
+    server.handle_exit = end_turns_then_exit  # uvicorn installs its signal handlers from this attribute
     with sock:
         server.run(sockets=[sock])
     return 0 if server.started else 2

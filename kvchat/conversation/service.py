@@ -70,12 +70,15 @@ class ChatService:
     the prefix ids of documents prefilled in this process."""
 
     def __init__(self, rt: Runtime, batch_interval_s: float = 0.04, persist: KVPersist | None = None,
-                 store: bool = True):
+                 store: bool = True, branch_on_conflict: bool = False):
         """``batch_interval_s``: answer text is emitted at most this often (0: every piece, as a CLI streams).
         ``persist``: share another service's snapshot store (the server: one service per request).
-        ``store``: store turns and their snapshots (``kvchat serve --no-store``: False, nothing is written)."""
+        ``store``: store turns and their snapshots (``kvchat serve --no-store``: False, nothing is written).
+        ``branch_on_conflict``: a turn whose chat another process changed meanwhile is stored as a new chat
+        (its history + the turn), as a resent history is (the server); else ConversationConflictError."""
         self.rt = rt
         self.store = store
+        self.branch_on_conflict = branch_on_conflict
         self.batch_interval_s = batch_interval_s
         self.persist = persist or KVPersist(rt.engine)
         self.chat: _Chat | None = None
@@ -392,21 +395,35 @@ class ChatService:
         """Commit the session's last turn onto the stored version it was computed on (a new chat: create it).
 
         Raises:
-            ConversationConflictError: another process changed the chat meanwhile; nothing was stored.
+            ConversationConflictError: another process changed the chat meanwhile (and the service does not
+                branch on conflict, or the turn rewrote the last one); nothing was stored.
             sqlite3.Error: the database could not take the turn; nothing was stored.
         """
         db = get_db()
         if chat.chat_id is None:
-            saved = save_new_chat(db, self.rt, chat.session, chat.system, chat.settings, text, chat.history)
-            chat.chat_id, chat.title, chat.version = saved.id, saved.title, saved.version
-            self._stored = True
+            self._store_new(db, chat, text)
             return
-        with write_transaction(db):
-            version = chat.version
-            if rewind is not None:
-                version = rewind_conversation(db, chat.chat_id, *rewind, expected_version=version)
-            version = save_turn(db, chat.chat_id, chat.session, text, stored, version)
+        try:
+            with write_transaction(db):
+                version = chat.version
+                if rewind is not None:
+                    version = rewind_conversation(db, chat.chat_id, *rewind, expected_version=version)
+                version = save_turn(db, chat.chat_id, chat.session, text, stored, version)
+        except ConversationConflictError:
+            if not self.branch_on_conflict or rewind is not None:
+                raise
+            # the turn was computed on the history this chat had: keep it, in a new chat holding that history
+            msgs = chat.messages
+            chat.history = [(u.text, a.text) for u, a in zip(msgs[::2], msgs[1::2])]
+            self._store_new(db, chat, text)
+            return
         chat.version = version
+        self._stored = True
+
+    def _store_new(self, db, chat: _Chat, text: str) -> None:
+        """Store the session as a new chat (its given history, then the last turn); sets its id, title, version."""
+        saved = save_new_chat(db, self.rt, chat.session, chat.system, chat.settings, text, chat.history)
+        chat.chat_id, chat.title, chat.version = saved.id, saved.title, saved.version
         self._stored = True
 
     def set_system_prompt(self, text: str) -> ChatView:

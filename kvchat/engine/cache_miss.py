@@ -30,7 +30,8 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
         return "no KV snapshot on disk (never saved, purged or evicted)"
     if fingerprint in stored:
         if len(stored) > 1:
-            return "its snapshot chain stops early (later turns were stored under another KV dtype or scheme)"
+            return ("its snapshot chain stops early (chunks evicted or dropped as corrupt, or later turns stored "
+                    "under another KV dtype or scheme)")
         return "its snapshot chain stops early (chunks evicted or dropped as corrupt)"
     for other in KV_DTYPE_NAMES:
         if other != kv_dtype and fingerprint_variants(model_fingerprint, other, block_size) & stored:

@@ -129,8 +129,11 @@ def restorable_tokens(db, owner: str, token_ids: Sequence[int], fingerprint: str
 class KVPersist:
     """Saves and restores sequences of one engine; owns the background writer thread."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, touch_lru: bool = True):
+        """``touch_lru``: a restore stamps its chunks' LRU time (False: a restore writes nothing, as
+        ``kvchat serve --no-store`` promises)."""
         self.engine = engine
+        self.touch_lru = touch_lru
         spec = engine.spec
         self.fingerprint = engine.cache_fingerprint
         self.layout = ChunkLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.pool.k.dtype)
@@ -162,7 +165,8 @@ class KVPersist:
         page fault per 4 KiB: about 40 ms per 100 MB here); on CUDA that buffer
         is pinned and the copy runs non-blocking on the thread's side stream
         (:mod:`kvchat.engine.device_copies`), joined before the pool is read. A corrupt or missing
-        chunk ends the chain there: it is dropped from the index, and only the
+        chunk ends the chain there: it and the chain's later chunks (recomputed, so
+        rewritten by the next save) are dropped from the index, and only the
         tokens before it are committed; the rest stay reserved, uncommitted, for
         the prefill that recomputes them. Skipped entirely when reading would
         be slower than prefilling the same tokens.
@@ -208,13 +212,16 @@ class KVPersist:
         last = first
         with ThreadPoolExecutor(READ_THREADS) as ex:  # several files in flight: reads overlap checksums and faults
             futures = [ex.submit(load, *item) for item in todo]
-            for (_, b, row), fut in zip(todo, futures):
+            for k, ((_, b, row), fut) in enumerate(zip(todo, futures)):
                 try:
                     fut.result()
                 except CorruptChunkError as exc:
                     for f in futures:
                         f.cancel()
-                    delete_chunk(get_db(), row.key)
+                    # the chunks after it in the chain were not (all) verified and are recomputed now: drop
+                    # them too, so this turn's snapshot rewrites them instead of keeping a bad file
+                    for _, _, later in todo[k:]:
+                        delete_chunk(get_db(), later.key)
                     res.miss_reason = f"{exc.kind} chunk dropped and recomputed"
                     break
                 last = b
@@ -226,7 +233,8 @@ class KVPersist:
         blocks.commit(seq, token_ids, last)
         if dense is not None:
             dense.finish(seq, last)
-        self._queue.put(("touch", res.keys))  # LRU stamps: one commit, off the critical path
+        if self.touch_lru:
+            self._queue.put(("touch", res.keys))  # LRU stamps: one commit, off the critical path
         res.from_disk = last - first
         res.restore_ms = timer.stop()
         if res.bytes_read > 1e6:

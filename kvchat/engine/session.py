@@ -22,6 +22,7 @@ from kvchat.engine.runner import ContextOverflowError, Engine, last_cut
 from kvchat.engine.sampling import Sampler
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence, drive_prefill
 from kvchat.engine.turn import SamplingParams, TurnStats
+from kvchat.utf8 import require_utf8
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. When documents are provided, answer from them and say so when they do not cover the question."
@@ -91,7 +92,14 @@ class Session:
 
         ``persist`` (a :class:`kvchat.engine.persistence.KVPersist`) enables restoring
         from and saving to snapshot files.
+
+        Raises:
+            kvchat.utf8.NotUtf8Error: the system prompt or a document's title or text is not UTF-8.
         """
+        require_utf8(system, "the system prompt")
+        for title, text in documents:
+            require_utf8(title, f"the document title {title!r}")
+            require_utf8(text, f"the document {title!r}")
         ids: list[int] = []
         segments: list[Segment] = []
         append_segment(ids, segments, "prefix", fmt.prefix_ids(system, documents))
@@ -127,6 +135,10 @@ class Session:
                 # The chain stopped early inside a segment (a chunk missing or corrupt): recompute
                 # from a chunk edge, in a cold run's chunks, so the K/V are bit-identical to a cold run's.
                 self.seq.num_computed = cut
+                # the counters say what is reused (reused = from_memory + from_disk); bytes_read stays the
+                # bytes actually read, the trimmed chunks' included
+                stats.from_memory = min(stats.from_memory, cut)
+                stats.from_disk = cut - stats.from_memory
         stats.reused_tokens = self.seq.num_computed
 
     def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
@@ -163,6 +175,7 @@ class Session:
             The turn's ids.
         Raises:
             EmptyPromptError: blank message.
+            kvchat.utf8.NotUtf8Error: the message is not UTF-8 (a lone surrogate).
             ContextOverflowError: the conversation plus the turn and one answer
                 token exceed the context (message names both lengths).
         """
@@ -172,6 +185,7 @@ class Session:
         """:meth:`check_turn_fits`, returning the whole :class:`UserTurn`."""
         if not text.strip():
             raise EmptyPromptError("the prompt is empty")
+        require_utf8(text, "the prompt")
         turn = self.fmt.user_turn(text)
         needed = len(self.token_ids) + len(turn.ids) + 1
         if needed > self.engine.max_context:

@@ -242,6 +242,16 @@ class ChatFormat:
         rest = self._encode_literal(content[cut:] + foot[:end]) if cut < len(content) or end else []
         return UserTurn(part + rest + self._encode(foot[end:]), len(part), cut)
 
+    def min_user_turn_tokens(self) -> int:
+        """A lower bound on ``len(user_turn_ids(text))`` for any ``text``, found without tokenizing ``text``:
+        the template's ids outside the plain-text run that holds the content, plus 1 if that run holds
+        template text (a non-empty string is at least one token). Lets a caller refuse a history that
+        cannot fit the context before tokenizing its messages."""
+        head, _, foot = self._frame(self._after_assistant, _msg("user", ""), True)
+        start = max((head.rindex(t) + len(t) for t in self._specials if t in head), default=0)
+        end = min((foot.index(t) for t in self._specials if t in foot), default=len(foot))
+        return len(self._encode(head[:start])) + len(self._encode(foot[end:])) + bool(head[start:] + foot[:end])
+
     def assistant_close_ids(self, stop_id: int | None) -> list[int]:
         """Token ids appended after the generated ids when an assistant turn ends.
 

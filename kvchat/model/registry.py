@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.model.config import ModelConfig, UnsupportedModelError
-from kvchat.model.fingerprint import HASHES, IMPORT_FINGERPRINT_VERSION, cached_fingerprint, compute_fingerprint, weight_files
+from kvchat.model.fingerprint import (HASHES, IMPORT_FINGERPRINT_VERSION, WeightFileError, cached_fingerprint,
+                                      compute_fingerprint, tensor_entries, weight_files)
 from kvchat.model.importer import (
     DEFAULT_MODEL_NAME,
     import_default_model,
@@ -61,6 +62,7 @@ def resolve_model(spec: str | None, *, auto_pull: bool = True) -> ModelInfo:
 
     Raises:
         ModelNotFoundError: unknown name or path, or a directory without config/safetensors.
+        kvchat.model.fingerprint.WeightFileError: an imported model's weights are damaged (truncated, …).
         kvchat.model.config.UnsupportedModelError: the model type is not llama/mistral/qwen2/qwen3,
             or the checkpoint is quantized.
         kvchat.model.importer.ModelImportError: (and subclasses) an import failed.
@@ -68,10 +70,12 @@ def resolve_model(spec: str | None, *, auto_pull: bool = True) -> ModelInfo:
     name = DEFAULT_MODEL_NAME if spec is None else spec
     imported = models_dir() / name
     if "/" not in name and "\\" not in name and not name.startswith(".") and read_manifest(imported) is not None:
+        check_imported_weights(imported)
         return _imported_info(imported)
     path = Path(name).expanduser() if spec is not None else None
     if path is not None and path.is_dir():
         if read_manifest(path) is not None:
+            check_imported_weights(path)
             return _imported_info(path)
         return _checkpoint_info(path)
     if path is not None and path.is_file() and path.suffix == ".gguf":
@@ -87,6 +91,20 @@ def resolve_model(spec: str | None, *, auto_pull: bool = True) -> ModelInfo:
         f"unknown model {name!r}: not an imported model (imported: {known}), "
         "a checkpoint directory or a .gguf file"
     )
+
+
+def check_imported_weights(model_dir: Path) -> None:
+    """Parse an imported model's safetensors headers (no tensor data is read) and check every tensor lies
+    inside its file.
+
+    Raises:
+        WeightFileError: a file is missing, malformed or truncated; the message says how to repair it.
+    """
+    try:
+        tensor_entries(model_dir)
+    except WeightFileError as exc:
+        raise WeightFileError(f"{exc}; the imported model is damaged: remove {model_dir} and run "
+                              "`kvchat model pull` again") from None
 
 
 def list_models() -> list[ModelInfo]:

@@ -18,11 +18,11 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvchat.server.host_check import HostCheck
 from kvchat.server.protocol import ApiError, chunk_body, completion_body, kvchat_block, parse_chat_request, usage_block
 from kvchat.server.scheduler import Finished, Job
 
@@ -147,7 +147,8 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
                     done: Finished = item[1]
                     yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done)))
                     if req.include_usage:
-                        yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats)))
+                        yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
+                                              kvchat=_kvchat(done)))  # the README: stats on the last chunk too
                 yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # the client went away (or the stream ended): stop generating
@@ -167,7 +168,7 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
     middleware = []
     if api_key is None:
         names = {*LOOPBACK_NAMES, f"[{host}]" if ":" in host else host}
-        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=sorted(names)))
+        middleware.append(Middleware(HostCheck, allowed=sorted(names)))
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={ApiError: api_error, HTTPException: http_error})
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvchat.engine.turn import SamplingParams, TurnStats
+from kvchat.utf8 import NotUtf8Error, require_utf8
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4  # stop sequences at most (as the OpenAI API)
@@ -73,7 +74,16 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> Api
 
 
 def _text(content, where: str) -> str:
-    """A message's content as text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    """A message's content as UTF-8 text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    text = _parts(content, where)
+    try:
+        return require_utf8(text, f"{where}.content")
+    except NotUtf8Error as exc:
+        raise _bad(str(exc), where) from None
+
+
+def _parts(content, where: str) -> str:
+    """A message's content, a string or a list of ``{"type": "text", "text": ...}`` parts, as one string."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -161,6 +171,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise _bad("stream_options.include_usage must be a boolean", "stream_options")
     max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)

@@ -36,7 +36,7 @@ import torch
 from kvchat.conversation.events import TokenBatch
 from kvchat.conversation.history_match import chat_with_ids, generated_answer
 from kvchat.conversation.records import new_settings
-from kvchat.conversation.service import ChatService
+from kvchat.conversation.service import ChatService, ConversationConflictError
 from kvchat.conversation.views import ContextFullError
 from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.dense_kv import DenseKV
@@ -103,7 +103,7 @@ class Scheduler:
 
     def __init__(self, rt: Runtime, store: bool = True, queue_timeout_s: float = 30.0, verbose: bool = False):
         self.rt, self.store, self.queue_timeout_s, self.verbose = rt, store, queue_timeout_s, verbose
-        self.persist = KVPersist(rt.engine)
+        self.persist = KVPersist(rt.engine, touch_lru=store)  # --no-store: not even LRU stamps are written
         self.queued: deque[Job] = deque()
         self.running: list[Job] = []
         self._inbox: deque[Job] = deque()
@@ -115,8 +115,11 @@ class Scheduler:
 
     # ---- called from the HTTP side -------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Queue ``job`` (any thread)."""
+        """Queue ``job`` (any thread); once stopping, answer it 503 instead."""
         with self._wake:
+            if self._stopping:
+                job.push(("error", ApiError(503, "the server is shutting down", "server_error")))
+                return
             self._inbox.append(job)
             self._wake.notify()
 
@@ -133,11 +136,16 @@ class Scheduler:
         """The scheduler thread runs (False once it has stopped or died): /health answers 503 otherwise."""
         return self._thread.is_alive()
 
-    def stop(self) -> None:
-        """Cancel every request, let running turns end (stored, as a cancelled turn), flush snapshot writes."""
+    def request_stop(self) -> None:
+        """Start stopping without waiting (a signal handler may call it): every request is cancelled, running
+        turns end after their next token (answered and stored, as a cancelled turn), queued ones get 503."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
+
+    def stop(self) -> None:
+        """:meth:`request_stop`, wait for the thread to end, flush snapshot writes."""
+        self.request_stop()
         self._thread.join()
         self.persist.close()
 
@@ -218,6 +226,7 @@ class Scheduler:
             print(f"kvchat serve: request: {req.user!r} ({len(req.turns)} earlier turns)", file=sys.stderr)
         settings = new_settings([])
         fmt = rt.chat_format(settings)
+        _refuse_too_many_turns(fmt, len(req.turns), rt.engine)  # before tokenizing them all on this thread
         fp = rt.info.fingerprint
         rendered = render(fmt, req.system, req.turns, lambda ids, text: generated_answer(ids, text, fp))
         job.drift = rendered.drift
@@ -228,7 +237,8 @@ class Scheduler:
             raise ApiError(400, f"the conversation is {prompt} tokens; {rt.engine.context_limit_text}",
                            param="messages", code="context_length_exceeded")
         req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
-        service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store)
+        service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store,
+                              branch_on_conflict=True)  # another process changed the chat: branch, as below
         found = chat_with_ids(rendered.token_ids, fp) if req.turns else None
         busy = {j.service.chat.chat_id for j in [*self.running, *self.queued] if j.service and j.service.chat}
         if found and self.store and found not in busy:  # a chat answered by another request now: branch off
@@ -325,12 +335,30 @@ class Scheduler:
             job.service.chat = None
 
 
+def _refuse_too_many_turns(fmt, turns: int, engine) -> None:
+    """Refuse a request whose ``turns`` earlier (user, assistant) pairs plus its last user message cannot fit
+    the context, from a lower bound on their tokens (:meth:`ChatFormat.min_user_turn_tokens`; an assistant
+    message holds at least the closing ids), so a huge history is not tokenized first.
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded``.
+    """
+    close = len(fmt.assistant_close_ids(None))
+    least = (turns + 1) * fmt.min_user_turn_tokens() + turns * close
+    if least + close >= engine.max_context:
+        raise ApiError(400, f"the conversation has {2 * turns + 1:,} user and assistant messages, at least "
+                            f"{least:,} tokens; {engine.context_limit_text}", param="messages",
+                       code="context_length_exceeded")
+
+
 def _api_error(exc: BaseException) -> ApiError:
     """The HTTP answer to an exception raised while preparing or running a request."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, (ContextFullError, ContextOverflowError)):
         return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, ConversationConflictError):  # the turn branches instead (ChatService.branch_on_conflict)
+        return ApiError(409, str(exc), code="conversation_conflict")
     if isinstance(exc, PoolFullError):
         return ApiError(503, str(exc), "server_error", code="pool_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, (ValueError, ChatTemplateError)):

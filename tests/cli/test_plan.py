@@ -83,3 +83,28 @@ def test_cmd_plan_reads_a_config_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fp16" in out
     assert 'as in the 40 GB example of the article "KV Cache Optimization: Efficient Context Storage"' in out
+
+
+@pytest.mark.parametrize("flag, value", [("--gpu-gb", "inf"), ("--gpu-gb", "nan"), ("--reserve-gb", "nan"),
+                                         ("--params", "inf")])
+def test_inf_or_nan_sizes_are_one_error_line(tmp_path, flag, value):
+    from process_helpers import assert_one_error_line, run_kvchat
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"), "--context", "8192",
+                      flag, value)
+    assert_one_error_line(proc, "must be finite numbers (not inf or nan)")
+
+
+def test_a_config_file_is_named_in_errors_and_its_folder_names_the_model(tmp_path, monkeypatch):
+    from process_helpers import assert_one_error_line, run_kvchat
+
+    (tmp_path / "bad.json").write_text("{not json")
+    assert_one_error_line(run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "bad.json")),
+                          str(tmp_path / "bad.json"), "not a JSON model config")
+    folder = tmp_path / "llama7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA2_7B))
+    monkeypatch.chdir(folder)
+    proc = run_kvchat(tmp_path / "home", "plan", "--model", "config.json")
+    assert proc.returncode == 0 and proc.stdout.startswith("llama7b: "), proc.stdout + proc.stderr

@@ -133,3 +133,13 @@ def test_a_full_disk_is_said_before_the_answer_is_generated(smol_info, small_dis
     assert again.returncode == 0, again.stderr
     monkeypatch.setenv("KVCHAT_HOME", str(home))
     assert [m.text for m in get_conversation(get_db(), chat).messages[::2]] == ["Name a fruit.", "Name a colour."]
+
+
+def test_a_damaged_database_without_backups_names_the_next_step(kvchat_home):
+    kvchat_home.mkdir()
+    _chats(kvchat_home)
+    _garbage_in_the_middle(kvchat_home / "kvchat.db")
+    before = tree(kvchat_home)
+    proc = run_kvchat(kvchat_home, "cache", "ls")
+    assert_one_error_line(proc, "is damaged", "there is no backup of it: move it away to start a new index")
+    assert tree(kvchat_home) == before
