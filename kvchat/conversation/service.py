@@ -133,7 +133,8 @@ class ChatService:
     def cached_documents(self) -> set[str]:
         """Ids of documents whose prefix (default system prompt + document) is still cached."""
         bs = self.rt.engine.spec.block_size
-        return {d for d, ids in self.doc_prefixes.items() if self.cached_tokens(ids) >= len(ids) // bs * bs}
+        prefixes = list(self.doc_prefixes.items())  # a copy: the engine thread may add one meanwhile
+        return {d for d, ids in prefixes if self.cached_tokens(ids) >= len(ids) // bs * bs}
 
     def status(self) -> Status:
         e = self.rt.engine
@@ -308,15 +309,15 @@ class ChatService:
                     rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None):
         session, stored = chat.session, chat.stored_len
         try:
-            user_ids = session.check_turn_fits(text)
+            user = session.check_turn_fits(text)
         except ContextOverflowError as exc:
             needed = len(session.token_ids) + len(session.fmt.user_turn_ids(text)) + 1
             raise ContextFullError(str(exc), needed, self.rt.engine.max_context) from None
-        check_turn_space(data_dir(), session, len(user_ids), gs.max_tokens)
+        check_turn_space(data_dir(), session, len(user.ids), gs.max_tokens)
         self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
         try:
             batcher = TokenBatcher(emit, self.batch_interval_s)
-            steps, reply = session.turn(text, SamplingParams(**asdict(gs)), cancel), None
+            steps, reply = session.turn(text, SamplingParams(**asdict(gs)), cancel, user), None
             while True:
                 try:
                     item = steps.send(reply)
