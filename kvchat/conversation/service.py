@@ -34,7 +34,7 @@ from kvchat.conversation.rewind import carry_over, turn_spans
 from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
-from kvchat.model.chat_format import append_segment
+from kvchat.model.chat_format import UserTurn, append_segment
 
 import torch
 
@@ -206,19 +206,21 @@ class ChatService:
             session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
         return self._switch(_Chat(session, None, UNTITLED, system, settings, resume=resume))
 
-    def start_given_chat(self, system: str, settings: dict, history: Sequence[tuple[str, str, list[int]]]) -> ChatView:
+    def start_given_chat(self, system: str, settings: dict, history: Sequence[tuple[str, str, list[int]]],
+                         user_turns: Sequence[UserTurn] = ()) -> ChatView:
         """A new chat (stored at its first turn) whose history was given, not generated here: an API client's
         earlier messages, ``(user text, assistant text, assistant ids)`` per turn; ``settings`` as from
         :func:`kvchat.conversation.records.new_settings`, the ones the ids were rendered with.
 
         The assistant ids are appended as given (the ids kvchat produced, when the caller mapped the text
-        back to them), so the token list matches the cached prefix token-exactly.
+        back to them), so the token list matches the cached prefix token-exactly. ``user_turns``: the user
+        messages as already rendered with these settings (:func:`kvchat.server.prefix.render`), else here.
         """
         fmt = self.rt.chat_format(settings)
         session = Session.new(self.rt.engine, fmt, system, [], self.persist)
         messages = []
-        for user, text, ids in history:
-            session.append_user(fmt.user_turn(user))
+        for (user, text, ids), turn in zip(history, user_turns or [fmt.user_turn(u) for u, _, _ in history]):
+            session.append_user(turn)
             append_segment(session.token_ids, session.segments, "assistant", ids)
             messages += [ChatMessage("user", user), ChatMessage("assistant", text)]
         title = chat_title(history[0][0]) if history else UNTITLED
@@ -279,15 +281,16 @@ class ChatService:
             raise
 
     def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
-                   answer_text: Callable[[str], str] | None = None):
+                   answer_text: Callable[[str], str] | None = None, user: UserTurn | None = None):
         """:meth:`send` as engine steps (:meth:`kvchat.engine.session.Session.turn`), for a scheduler that
         runs several chats at once: it answers each ``DecodeStep`` with logits; the generator returns the
         :class:`TurnDone` (also emitted). Same checks, storing and rollback as :meth:`send`.
 
         ``answer_text(generated text)``: the answer's text as stored and returned (a server cuts it at a
         stop string, as its client saw it); the ids stay those generated, so a resent history maps the
-        text back to them (:mod:`kvchat.server.prefix`)."""
-        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text)
+        text back to them (:mod:`kvchat.server.prefix`). ``user``: ``text`` already rendered as the open chat
+        renders it (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`), not tokenized again."""
+        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text, user=user)
 
     def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
@@ -306,10 +309,11 @@ class ChatService:
                 timer(item.done, item.total)
 
     def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
-                    rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None):
+                    rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None,
+                    user: UserTurn | None = None):
         session, stored = chat.session, chat.stored_len
         try:
-            user = session.check_turn_fits(text)
+            user = session.check_turn_fits(text, user)
         except ContextOverflowError as exc:
             needed = len(session.token_ids) + len(session.fmt.user_turn_ids(text)) + 1
             raise ContextFullError(str(exc), needed, self.rt.engine.max_context) from None

@@ -167,8 +167,9 @@ class Session:
         self.persist.add_refs(owner, keys)
         return keys
 
-    def check_turn_fits(self, text: str) -> UserTurn:
-        """Render the user turn and check it fits, before any work.
+    def check_turn_fits(self, text: str, user: UserTurn | None = None) -> UserTurn:
+        """Render the user turn (``user``: ``text`` already rendered, not tokenized again) and check it fits,
+        before any work.
 
         Returns:
             The rendered turn (hand it to :meth:`turn` so the message is not tokenized again).
@@ -179,7 +180,7 @@ class Session:
         """
         if not text.strip():
             raise EmptyPromptError("the prompt is empty")
-        turn = self.fmt.user_turn(text)
+        turn = user or self.fmt.user_turn(text)
         needed = len(self.token_ids) + len(turn.ids) + 1
         if needed > self.engine.max_context:
             raise ContextOverflowError(

@@ -109,3 +109,22 @@ def test_a_long_message_in_a_later_turn_keeps_its_chunk_edge_but_gets_no_row(ser
 
     listing.delete_chat(service, chat)
     assert totals(db).count == 0 and _chunk_files() == []
+
+
+def test_a_message_is_tokenized_once_per_turn(service, monkeypatch):
+    from kvchat.model.chat_format import ChatFormat
+    from kvchat.server.prefix import render
+
+    rendered = []
+    user_turn = ChatFormat.user_turn
+    monkeypatch.setattr(ChatFormat, "user_turn", lambda self, text: rendered.append(text) or user_turn(self, text))
+    text = DOC + "\n\nWhat does the miller keep?"
+    _new(service, text)
+    assert rendered == [text]  # was twice: the fit check, then the turn
+    settings = service.chat.settings
+    fmt = service.rt.chat_format(settings)
+    given = render(fmt, "You are terse.", [(text, "Cats.")], lambda ids, answer: None)
+    rendered.clear()
+    service.start_given_chat("You are terse.", settings, given.history, given.user_turns)
+    assert rendered == [] and service.chat.session.token_ids == given.token_ids
+    assert service.chat.session.sequence.document_ends  # the given turn's document end came with it
