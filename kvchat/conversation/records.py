@@ -137,8 +137,16 @@ def delete_chat(db: Database, conv_id: str) -> list[str]:
 
     ids = histories(db, [conv_id]).get(conv_id, [])
     delete_conversation(db, conv_id)
-    deleted = release_owner(conv_id)
-    for did in orphaned_documents(db, ids):
+    return release_owner(conv_id) + drop_orphaned_documents(db, ids)
+
+
+def drop_orphaned_documents(db: Database, token_ids: list[int]) -> list[str]:
+    """Delete the rows of :func:`orphaned_documents` and release their chunks; returns the chunk keys deleted
+    (after a chat of ``token_ids`` was deleted, or edited into another history)."""
+    from kvchat.engine.persistence import release_owner
+
+    deleted = []
+    for did in orphaned_documents(db, token_ids):
         delete_document(db, did)
         deleted += release_owner(did)
     return deleted

@@ -10,7 +10,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from kvchat.conversation.records import UNTITLED, chat_title, new_settings, save_new_chat, save_turn, session_from_store
+from kvchat.conversation.records import (UNTITLED, chat_title, drop_orphaned_documents, new_settings, save_new_chat,
+                                         save_turn, session_from_store)
 from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
 from kvchat.documents import Document, doc_id, read_document
 from kvchat.phase_trace import mark
@@ -272,13 +273,20 @@ class ChatService:
         if chat.chat_id is None or not turns:
             raise LookupError("this chat has no answer yet")
         cut, kept = turns[-1].start, len(chat.messages) - 2
+        before = list(chat.session.token_ids)
         chat.session.truncate(cut)
         del chat.messages[kept:]
         try:
-            return self._turn(chat, text, gs, cancel, emit, rewind=(cut, kept))
+            done = self._turn(chat, text, gs, cancel, emit, rewind=(cut, kept))
         except BaseException:
             self.open_chat(chat.chat_id)  # the store still has the old turn: resync from it
             raise
+        if self.store:  # a document the edit took out of its last chat (the chat's own references keep
+            try:        # what it still uses, its queued save included)
+                drop_orphaned_documents(get_db(), before)
+            except Exception as exc:  # noqa: BLE001 - e.g. locked past the busy timeout: the turn is stored
+                self.persist.errors.append(f"pasted document not released: {exc}")
+        return done
 
     def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
                    answer_text: Callable[[str], str] | None = None, user: UserTurn | None = None):

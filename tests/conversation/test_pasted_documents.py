@@ -128,3 +128,14 @@ def test_a_message_is_tokenized_once_per_turn(service, monkeypatch):
     service.start_given_chat("You are terse.", settings, given.history, given.user_turns)
     assert rendered == [] and service.chat.session.token_ids == given.token_ids
     assert service.chat.session.sequence.document_ends  # the given turn's document end came with it
+
+
+def test_editing_the_first_message_away_from_a_pasted_document_drops_it(service):
+    _new(service, DOC + "\n\nWhat does the miller keep?")
+    db = get_db()
+    assert len(list_documents(db)) == 1
+    service.edit_last("What does a miller keep?", GS, threading.Event(), lambda ev: None)
+    service.persist.flush()
+    assert list_documents(db) == []
+    owners = {r["owner"] for r in db.query("SELECT DISTINCT owner FROM chunk_refs")}
+    assert owners == {service.chat.chat_id}  # the chat's own chunks stay; the document's unshared ones went
