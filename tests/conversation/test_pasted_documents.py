@@ -139,3 +139,19 @@ def test_editing_the_first_message_away_from_a_pasted_document_drops_it(service)
     assert list_documents(db) == []
     owners = {r["owner"] for r in db.query("SELECT DISTINCT owner FROM chunk_refs")}
     assert owners == {service.chat.chat_id}  # the chat's own chunks stay; the document's unshared ones went
+
+
+def test_a_turn_rolled_back_takes_its_document_end_with_it(service):
+    service.start_chat(None, [], lambda ev: None)
+    session = service.chat.session
+
+    class Stop(Exception):
+        pass
+
+    def stop(done: int, total: int) -> None:
+        assert session.sequence.document_ends  # the turn's document end is a chunk edge of this prefill
+        raise Stop
+
+    with pytest.raises(Stop):
+        list(session.send(DOC + "\n\nWhat does the miller keep?", GS, progress=stop))
+    assert session.sequence.document_ends == [] and len(session.token_ids) == session.segments[0].end
