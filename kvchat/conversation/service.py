@@ -16,12 +16,11 @@ from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
 from kvchat.documents import Document, doc_id, read_document
 from kvchat.phase_trace import mark
 from kvchat.store.documents import upsert_document
-from kvchat.engine.runner import ContextOverflowError
 from kvchat.free_space import check_turn_space
 from kvchat.engine.persistence import KVPersist
 from kvchat.model.loader import Runtime
 from kvchat.paths import data_dir
-from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session, TurnOverflowError
 from kvchat.store.conversations import get_conversation, rewind_conversation
 from kvchat.store.errors import ConversationConflictError
 from kvchat.index import get_db
@@ -322,9 +321,8 @@ class ChatService:
         session, stored = chat.session, chat.stored_len
         try:
             user = session.check_turn_fits(text, user)
-        except ContextOverflowError as exc:
-            needed = len(session.token_ids) + len(session.fmt.user_turn_ids(text)) + 1
-            raise ContextFullError(str(exc), needed, self.rt.engine.max_context) from None
+        except TurnOverflowError as exc:
+            raise ContextFullError(str(exc), exc.needed, self.rt.engine.max_context) from None
         check_turn_space(data_dir(), session, len(user.ids), gs.max_tokens)
         self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
         try:

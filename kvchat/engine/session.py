@@ -33,6 +33,14 @@ class EmptyPromptError(ValueError):
     """The user message is empty or whitespace only."""
 
 
+class TurnOverflowError(ContextOverflowError):
+    """A user turn does not fit the context: ``needed`` tokens (conversation + turn + one answer token)."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
 @dataclass(slots=True)
 class Turn:
     """Result of :meth:`Session.send` once the stream is exhausted."""
@@ -175,7 +183,7 @@ class Session:
             The rendered turn (hand it to :meth:`turn` so the message is not tokenized again).
         Raises:
             EmptyPromptError: blank message.
-            ContextOverflowError: the conversation plus the turn and one answer
+            TurnOverflowError: the conversation plus the turn and one answer
                 token exceed the context (message names both lengths).
         """
         if not text.strip():
@@ -183,9 +191,9 @@ class Session:
         turn = user or self.fmt.user_turn(text)
         needed = len(self.token_ids) + len(turn.ids) + 1
         if needed > self.engine.max_context:
-            raise ContextOverflowError(
+            raise TurnOverflowError(
                 f"this turn needs {needed} tokens (conversation {len(self.token_ids)} + message {len(turn.ids)} + 1 to answer); "
-                f"{self.engine.context_limit_text}"
+                f"{self.engine.context_limit_text}", needed
             )
         return turn
 
