@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +11,7 @@ from kvchat.utf8 import NotUtf8Error, require_utf8
 
 MAX_DOCUMENT_BYTES = 4 * 2**20
 BINARY_SNIFF_BYTES = 8192
+PASTED_PATH = ""  # the stored path of a document pasted into a message (it names no file)
 
 
 def doc_id(text: str) -> str:
@@ -20,8 +21,9 @@ def doc_id(text: str) -> str:
 
 def prefix_doc_id(token_ids: list[int]) -> str:
     """Stable id of a pasted document by the ids of its whole prefix (``d_`` + 10 hex of blake2b over the ids
-    as uint32 in this machine's byte order): the same text after another system prompt or history is another prefix."""
-    return "d_" + hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=5, person=b"kvchat-pasted").hexdigest()
+    as little-endian uint32, the same on every machine): the same text after another system prompt is another prefix."""
+    data = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return "d_" + hashlib.blake2b(data, digest_size=5, person=b"kvchat-pasted").hexdigest()
 
 
 class DocumentError(ValueError):

@@ -1,25 +1,29 @@
-"""Documents pasted into a chat: a long user message, or a long system message, kept as a reusable prefix.
+"""Documents pasted into a chat: a long first user message, or a long system message, kept as a reusable prefix.
 
-An API client (or a TUI user) pastes a document into a user message, then asks
-about it; the next conversation pastes it again with another question. Such a
-message is split by :meth:`kvchat.model.chat_format.ChatFormat.user_turn` into its
-document part and the rest, its ids the same whatever follows the part. After
-the turn is stored, the prefix up to the part's end (system prompt, earlier
-turns, the user turn's template head, the document) is recorded in the
-``documents`` table as ``kvchat doc add`` records a file (``kvchat doc ls``,
-pinning, ``doc rm``) and snapshotted under the document's own id, with a tail
-at the part's end, so a later request repeating it restores it in full from
-disk, past the last full chunk. A system message of at least
-:data:`~kvchat.model.chat_format.PASTED_DOCUMENT_TOKENS` tokens (a document
-pasted as instructions) is the prefix segment, already stored with a tail; it
-is recorded the same way when its chat is first stored.
+An API client (or a TUI or CLI user) pastes a document into a new chat's first user message, then asks about
+it; the next conversation pastes it again with another question. Such a message is split by
+:meth:`kvchat.model.chat_format.ChatFormat.user_turn` into its document part and the question, the part's
+ids the same whatever follows it. After the turn is stored, the prefix up to the part's end (system prompt,
+the user turn's template head, the document) is recorded in the ``documents`` table as ``kvchat doc add``
+records a file (``kvchat doc ls``, pinning, ``doc rm``) and references the chat's own chunks up to that end
+(the chat's snapshot has a tail there), so a later request repeating it restores it in full from disk.
+
+Only there can another conversation reuse it: a long message in a later turn follows that chat's own
+history, so it keeps its chunk edge and tail in the chat's snapshot (a regenerate or edit reuses it) but gets
+no row; nor does a message without a question after the document (nothing to tell the next question from).
+A system message of at least :data:`~kvchat.model.chat_format.PASTED_DOCUMENT_TOKENS` tokens (a document
+pasted as instructions) is the prefix segment, recorded the same way when its chat is first stored.
+
+A pasted document lives as long as a chat containing it: deleting the last such chat deletes its row and
+releases its chunks (:func:`kvchat.conversation.records.delete_chat`), unless the user pinned it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvchat.documents import prefix_doc_id
+from kvchat.conversation.records import chat_title
+from kvchat.documents import PASTED_PATH, prefix_doc_id
 from kvchat.index import get_db
 from kvchat.model.chat_format import PASTED_DOCUMENT_TOKENS
 from kvchat.store.documents import upsert_document
@@ -27,41 +31,33 @@ from kvchat.store.documents import upsert_document
 if TYPE_CHECKING:
     from kvchat.conversation.service import ChatService
 
-TITLE_CHARS = 48  # of the document's first non-blank line, in `kvchat doc ls` and the sidebar
-PASTED_PATH = ""  # a pasted document names no file (requests never name files)
-
-
-def _title(kind: str, text: str) -> str:
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    return f"{kind}: {line[:TITLE_CHARS]}"
-
 
 def register_turn_documents(service: ChatService, user_text: str, first_turn: bool) -> list[str]:
-    """After a stored turn of ``service``'s open chat: record and snapshot its pasted documents.
+    """After a stored turn of ``service``'s open chat: record its pasted documents and reference their chunks.
 
-    The user message's document part (when :attr:`kvchat.engine.session.Turn.document_chars` says it is
-    one) and, on a new chat's ``first_turn``, a system message of at least ``PASTED_DOCUMENT_TOKENS``
-    tokens when no file document is attached. Id: :func:`kvchat.documents.prefix_doc_id` of the prefix's
-    ids, so the same document after the same history is one row. Returns the ids recorded.
+    On a new chat's ``first_turn``: a system message of at least ``PASTED_DOCUMENT_TOKENS`` tokens when no
+    file document is attached. When the turn is the chat's first user turn (right after the prefix) and
+    its message is a document then a question (:class:`kvchat.model.chat_format.UserTurn`): the
+    document part. Id: :func:`kvchat.documents.prefix_doc_id` of the prefix's ids, so the same document
+    after the same system prompt is one row. Call it after the chat's own
+    :meth:`~kvchat.engine.session.Session.save_snapshot`: the documents take references on the chunks
+    that save queued, nothing is read or written twice. Returns the ids recorded.
     """
     chat = service.chat
     session = chat.session
     found: list[tuple[str, int]] = []  # (title, prefix end)
     prefix = session.segments[0]
     if first_turn and not chat.settings.get("documents") and prefix.end - prefix.start >= PASTED_DOCUMENT_TOKENS:
-        found.append((_title("system prompt", chat.system), prefix.end))
+        found.append(("system prompt: " + chat_title(chat.system), prefix.end))
     turn = session.last_turn
-    if turn.document_chars:
-        start, end = turn.user_span
-        ends = [e for e in session.sequence.document_ends if start < e <= end]
-        if ends:
-            found.append((_title("pasted", user_text[:turn.document_chars]), ends[-1]))
+    user = turn.user
+    if user is not None and user.question and user.document_end is not None and turn.user_span[0] == prefix.end:
+        found.append(("pasted: " + chat_title(user_text[:user.document_chars]), prefix.end + user.document_end))
     db, ids = get_db(), []
     for title, end in found:
-        prefix_ids = session.token_ids[:end]
-        did = prefix_doc_id(prefix_ids)
+        did = prefix_doc_id(session.token_ids[:end])
         upsert_document(db, did, PASTED_PATH, title, end)
-        service.doc_prefixes[did] = prefix_ids
-        session.save_snapshot(did, upto=end)
+        session.share_snapshot(did, end)
         ids.append(did)
     return ids
+

@@ -10,17 +10,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from kvchat.conversation.records import UNTITLED, chat_title, new_settings, save_new_chat, save_turn, session_from_store
+from kvchat.conversation.records import (UNTITLED, chat_title, drop_orphaned_documents, new_settings, save_new_chat,
+                                         save_turn, session_from_store)
 from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
 from kvchat.documents import Document, doc_id, read_document
 from kvchat.phase_trace import mark
 from kvchat.store.documents import upsert_document
-from kvchat.engine.runner import ContextOverflowError
 from kvchat.free_space import check_turn_space
 from kvchat.engine.persistence import KVPersist
 from kvchat.model.loader import Runtime
 from kvchat.paths import data_dir
-from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session, TurnOverflowError
 from kvchat.store.conversations import get_conversation, rewind_conversation
 from kvchat.store.errors import ConversationConflictError
 from kvchat.index import get_db
@@ -34,7 +34,7 @@ from kvchat.conversation.rewind import carry_over, turn_spans
 from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
-from kvchat.model.chat_format import append_segment
+from kvchat.model.chat_format import UserTurn, append_segment
 
 import torch
 
@@ -136,7 +136,8 @@ class ChatService:
     def cached_documents(self) -> set[str]:
         """Ids of documents whose prefix (default system prompt + document) is still cached."""
         bs = self.rt.engine.spec.block_size
-        return {d for d, ids in self.doc_prefixes.items() if self.cached_tokens(ids) >= len(ids) // bs * bs}
+        prefixes = list(self.doc_prefixes.items())  # a copy: the engine thread may add one meanwhile
+        return {d for d, ids in prefixes if self.cached_tokens(ids) >= len(ids) // bs * bs}
 
     def status(self) -> Status:
         e = self.rt.engine
@@ -208,19 +209,21 @@ class ChatService:
             session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
         return self._switch(_Chat(session, None, UNTITLED, system, settings, resume=resume))
 
-    def start_given_chat(self, system: str, settings: dict, history: Sequence[tuple[str, str, list[int]]]) -> ChatView:
+    def start_given_chat(self, system: str, settings: dict, history: Sequence[tuple[str, str, list[int]]],
+                         user_turns: Sequence[UserTurn] = ()) -> ChatView:
         """A new chat (stored at its first turn) whose history was given, not generated here: an API client's
         earlier messages, ``(user text, assistant text, assistant ids)`` per turn; ``settings`` as from
         :func:`kvchat.conversation.records.new_settings`, the ones the ids were rendered with.
 
         The assistant ids are appended as given (the ids kvchat produced, when the caller mapped the text
-        back to them), so the token list matches the cached prefix token-exactly.
+        back to them), so the token list matches the cached prefix token-exactly. ``user_turns``: the user
+        messages as already rendered with these settings (:func:`kvchat.server.prefix.render`), else here.
         """
         fmt = self.rt.chat_format(settings)
         session = Session.new(self.rt.engine, fmt, system, [], self.persist)
         messages = []
-        for user, text, ids in history:
-            session.append_user(fmt.user_turn(user))
+        for (user, text, ids), turn in zip(history, user_turns or [fmt.user_turn(u) for u, _, _ in history]):
+            session.append_user(turn)
             append_segment(session.token_ids, session.segments, "assistant", ids)
             messages += [ChatMessage("user", user), ChatMessage("assistant", text)]
         title = chat_title(history[0][0]) if history else UNTITLED
@@ -272,24 +275,32 @@ class ChatService:
         if chat.chat_id is None or not turns:
             raise LookupError("this chat has no answer yet")
         cut, kept = turns[-1].start, len(chat.messages) - 2
+        before = list(chat.session.token_ids)
         chat.session.truncate(cut)
         del chat.messages[kept:]
         try:
-            return self._turn(chat, text, gs, cancel, emit, rewind=(cut, kept))
+            done = self._turn(chat, text, gs, cancel, emit, rewind=(cut, kept))
         except BaseException:
             self.open_chat(chat.chat_id)  # the store still has the old turn: resync from it
             raise
+        if self.store:  # a document the edit took out of its last chat (the chat's own references keep
+            try:        # what it still uses, its queued save included)
+                drop_orphaned_documents(get_db(), before)
+            except Exception as exc:  # noqa: BLE001 - e.g. locked past the busy timeout: the turn is stored
+                self.persist.errors.append(f"pasted document not released: {exc}")
+        return done
 
     def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
-                   answer_text: Callable[[str], str] | None = None):
+                   answer_text: Callable[[str], str] | None = None, user: UserTurn | None = None):
         """:meth:`send` as engine steps (:meth:`kvchat.engine.session.Session.turn`), for a scheduler that
         runs several chats at once: it answers each ``DecodeStep`` with logits; the generator returns the
         :class:`TurnDone` (also emitted). Same checks, storing and rollback as :meth:`send`.
 
         ``answer_text(generated text)``: the answer's text as stored and returned (a server cuts it at a
         stop string, as its client saw it); the ids stay those generated, so a resent history maps the
-        text back to them (:mod:`kvchat.server.prefix`)."""
-        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text)
+        text back to them (:mod:`kvchat.server.prefix`). ``user``: ``text`` already rendered as the open chat
+        renders it (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`), not tokenized again."""
+        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text, user=user)
 
     def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
@@ -308,18 +319,18 @@ class ChatService:
                 timer(item.done, item.total)
 
     def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
-                    rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None):
+                    rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None,
+                    user: UserTurn | None = None):
         session, stored = chat.session, chat.stored_len
         try:
-            user_ids = session.check_turn_fits(text)
-        except ContextOverflowError as exc:
-            needed = len(session.token_ids) + len(session.fmt.user_turn_ids(text)) + 1
-            raise ContextFullError(str(exc), needed, self.rt.engine.max_context) from None
-        check_turn_space(data_dir(), session, len(user_ids), gs.max_tokens)
+            user = session.check_turn_fits(text, user)
+        except TurnOverflowError as exc:
+            raise ContextFullError(str(exc), exc.needed, self.rt.engine.max_context) from None
+        check_turn_space(data_dir(), session, len(user.ids), gs.max_tokens)
         self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
         try:
             batcher = TokenBatcher(emit, self.batch_interval_s)
-            steps, reply = session.turn(text, SamplingParams(**asdict(gs)), cancel), None
+            steps, reply = session.turn(text, SamplingParams(**asdict(gs)), cancel, user), None
             while True:
                 try:
                     item = steps.send(reply)

@@ -152,19 +152,17 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
             for kc in ({False, True} if digest else {False}) for sink in (False, True) for w, c in pairs}
 
 
-def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None,
-                               dtype: str | None = None) -> str:
+def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None) -> str:
     """The cache fingerprint :func:`kvchat.model.loader.load_runtime`'s engine gets, without loading the model.
 
     ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8``
-    (None: ``KVCHAT_WEIGHTS``); ``dtype``: the compute dtype name, ``auto`` or a :data:`COMPUTE_NAMES`
-    name (None: ``KVCHAT_DTYPE``, which ``--dtype`` sets). For fp8: K centring when the model's
+    (None: ``KVCHAT_WEIGHTS``); the compute dtype is ``KVCHAT_DTYPE``'s (which ``--dtype`` sets). For fp8: K centring when the model's
     calibration is stored, and the exact sink, which every attention backend reads (PyTorch and Triton,
     CPU and GPU alike).
 
     Raises:
         kvchat.settings.SettingError: ``device`` is None and ``KVCHAT_DEVICE`` is bad, or (``weights`` None)
-            ``KVCHAT_WEIGHTS`` is, or (``dtype`` None) ``KVCHAT_DTYPE`` is.
+            ``KVCHAT_WEIGHTS`` is, or ``KVCHAT_DTYPE`` is.
         ValueError: see :func:`resolve_weight_format`.
     """
     import torch
@@ -173,7 +171,7 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=Non
     from kvchat.engine.calibration import stored_digest
 
     dev = torch.device(device) if device is not None else settings.device()
-    dtype = dtype or settings.compute_dtype()
+    dtype = settings.compute_dtype()
     fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype)
     compute = compute_key(fmt, dtype)
     if kv_dtype != "fp8":

@@ -36,14 +36,17 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
     for other in KV_DTYPE_NAMES:
         if other != kv_dtype and fingerprint_variants(model_fingerprint, other, block_size) & stored:
             return f"its KV was saved as {other}; this run uses {kv_dtype} (caches never cross KV dtypes)"
-    for other in WEIGHT_FORMATS:
-        if other != weight_format and fingerprint_variants(model_fingerprint, kv_dtype, block_size, (other,)) & stored:
-            return f"its KV was saved with {other} weights; this run uses {weight_format} (--weights {other} restores it)"
-    for other in compute_keys(weight_format):
-        if other != compute and fingerprint_variants(model_fingerprint, kv_dtype, block_size, (weight_format,),
-                                                     (other,)) & stored:
-            was, now = other or FORMAT_COMPUTE[weight_format], compute or FORMAT_COMPUTE[weight_format]
+    for w, c in ((w, c) for w in WEIGHT_FORMATS for c in compute_keys(w)):
+        if (w, c) == (weight_format, compute) or not (
+                fingerprint_variants(model_fingerprint, kv_dtype, block_size, (w,), (c,)) & stored):
+            continue
+        was, now = c or FORMAT_COMPUTE[w], compute or FORMAT_COMPUTE[weight_format]
+        if w == weight_format:
             return f"its KV was computed in {was}; this run computes in {now} (--dtype {was} restores it)"
+        if was == now and c == compute:
+            return f"its KV was saved with {w} weights; this run uses {weight_format} (--weights {w} restores it)"
+        return (f"its KV was saved with {w} weights computed in {was}; this run uses {weight_format} weights "
+                f"computed in {now} (--weights {w} --dtype {was} restores it)")
     return "its KV was saved under another cache fingerprint (another model, scale scheme or kvchat version)"
 
 

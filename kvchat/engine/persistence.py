@@ -242,8 +242,7 @@ class KVPersist:
         return res
 
     # ---- save ----------------------------------------------------------------------------
-    def save(self, seq: SeqBlocks, token_ids: Sequence[int], segment_ends: Sequence[int], owner: str | None,
-             upto: int | None = None) -> list[str]:
+    def save(self, seq: SeqBlocks, token_ids: Sequence[int], segment_ends: Sequence[int], owner: str | None) -> list[str]:
         """Queue the chain of ``seq``'s computed tokens for writing; returns its keys.
 
         Tails are stored at every ``segment_ends`` offset not beyond the
@@ -251,9 +250,8 @@ class KVPersist:
         of the computed tokens. Pool bytes are copied now, written later.
         ``owner`` (a chat or document id) gets a reference on each key; keys
         it no longer uses are released (and deleted when nobody else uses them).
-        ``upto``: save only the first ``upto`` tokens (a document's prefix inside a longer chat).
         """
-        done = seq.num_computed if upto is None else min(seq.num_computed, upto)
+        done = seq.num_computed
         ends = [e for e in segment_ends if 0 < e <= done] + [done]
         links = chain(self.fingerprint, token_ids, ends)
         db = get_db()
@@ -262,6 +260,12 @@ class KVPersist:
                 self._queue.put((link, *_read_tokens(self.engine.pool, self.engine.blocks, seq, link.start, link.end)))
         self._queue.put(("refs", owner, [l.key for l in links]))
         return [l.key for l in links]
+
+    def add_refs(self, owner: str, keys: Sequence[str]) -> None:
+        """Queue ``owner``'s references on ``keys`` (as :meth:`save` does), chunks a save already queued or
+        indexed: no pool read, no file written (a pasted document's prefix inside the chat just saved).
+        ``owner`` then references exactly these keys; those never written get no reference."""
+        self._queue.put(("refs", owner, list(keys)))
 
     def flush(self) -> None:
         """Block until every queued write is on disk and indexed."""

@@ -19,6 +19,7 @@ from kvchat.engine.block_manager import SeqBlocks
 from kvchat.model.chat_format import ChatFormat, Segment, UserTurn, append_segment
 from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.runner import ContextOverflowError, Engine, last_cut
+from kvchat.engine.persistence import chain
 from kvchat.engine.sampling import Sampler
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence, drive_prefill
 from kvchat.engine.turn import SamplingParams, TurnStats
@@ -33,6 +34,14 @@ class EmptyPromptError(ValueError):
     """The user message is empty or whitespace only."""
 
 
+class TurnOverflowError(ContextOverflowError):
+    """A user turn does not fit the context: ``needed`` tokens (conversation + turn + one answer token)."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
 @dataclass(slots=True)
 class Turn:
     """Result of :meth:`Session.send` once the stream is exhausted."""
@@ -41,7 +50,7 @@ class Turn:
     user_span: tuple[int, int] = (0, 0)
     assistant_span: tuple[int, int] = (0, 0)
     stats: TurnStats = field(default_factory=TurnStats)
-    document_chars: int = 0  # the user message is a pasted document: its part's length in the text
+    user: UserTurn | None = None  # the rendered user message (its pasted document's part, if any)
 
 
 class Session:
@@ -158,40 +167,47 @@ class Session:
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         return result
 
-    def save_snapshot(self, owner: str | None, upto: int | None = None) -> list[str]:
+    def save_snapshot(self, owner: str | None) -> list[str]:
         """Queue this conversation's computed K/V for writing (no-op without ``persist``); returns chain keys.
 
-        Tails at the prefix's end and at each pasted document's end. ``upto``: only the first ``upto``
-        tokens (a document's prefix, for its own ``owner``)."""
+        Tails at the prefix's end and at each pasted document's end."""
         if self.persist is None:
             return []
         return self.persist.save(self.seq, self.token_ids, [self.segments[0].end, *self.sequence.document_ends],
-                                 owner, upto)
+                                 owner)
 
-    def check_turn_fits(self, text: str) -> list[int]:
-        """Render the user turn and check it fits, before any work.
+    def share_snapshot(self, owner: str, end: int) -> list[str]:
+        """Give ``owner`` (a pasted document) references on the chain of the first ``end`` tokens, one of
+        :meth:`save_snapshot`'s tails (the prefix's or a pasted document's end), after that save: it reads
+        and writes nothing (:meth:`kvchat.engine.persistence.KVPersist.add_refs`). Returns the keys."""
+        if self.persist is None:
+            return []
+        ends = [e for e in (self.segments[0].end, *self.sequence.document_ends) if e < end] + [end]
+        keys = [link.key for link in chain(self.persist.fingerprint, self.token_ids, ends)]
+        self.persist.add_refs(owner, keys)
+        return keys
+
+    def check_turn_fits(self, text: str, user: UserTurn | None = None) -> UserTurn:
+        """Render the user turn (``user``: ``text`` already rendered, not tokenized again) and check it fits,
+        before any work.
 
         Returns:
-            The turn's ids.
+            The rendered turn (hand it to :meth:`turn` so the message is not tokenized again).
         Raises:
             EmptyPromptError: blank message.
             kvchat.utf8.NotUtf8Error: the message is not UTF-8 (a lone surrogate).
-            ContextOverflowError: the conversation plus the turn and one answer
+            TurnOverflowError: the conversation plus the turn and one answer
                 token exceed the context (message names both lengths).
         """
-        return self._checked_turn(text).ids
-
-    def _checked_turn(self, text: str) -> UserTurn:
-        """:meth:`check_turn_fits`, returning the whole :class:`UserTurn`."""
         if not text.strip():
             raise EmptyPromptError("the prompt is empty")
         require_utf8(text, "the prompt")
-        turn = self.fmt.user_turn(text)
+        turn = user or self.fmt.user_turn(text)
         needed = len(self.token_ids) + len(turn.ids) + 1
         if needed > self.engine.max_context:
-            raise ContextOverflowError(
+            raise TurnOverflowError(
                 f"this turn needs {needed} tokens (conversation {len(self.token_ids)} + message {len(turn.ids)} + 1 to answer); "
-                f"{self.engine.context_limit_text}"
+                f"{self.engine.context_limit_text}", needed
             )
         return turn
 
@@ -229,16 +245,18 @@ class Session:
             else:
                 yield item
 
-    def turn(self, text: str, params: SamplingParams, cancel: threading.Event | None = None):
+    def turn(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
+             user: UserTurn | None = None):
         """:meth:`send` as steps: yields text pieces, :class:`PrefillChunk` after each prefill chunk, and
         :class:`DecodeStep` whenever it needs logits, which the caller sends back (float32 ``[vocab_size]``),
         or the id it sampled from them with the step's sampler.
+        ``user``: ``text`` as :meth:`check_turn_fits` rendered it, for this token list (else rendered here).
 
         Raises: as :meth:`send`.
         """
         t0 = time.perf_counter()
         sampler = Sampler(params)
-        user = self._checked_turn(text)
+        user = user or self.check_turn_fits(text)
         user_start = len(self.token_ids)
         self.append_user(user)
         stats = TurnStats(prompt_tokens=len(self.token_ids))
@@ -283,8 +301,7 @@ class Session:
             yield text_out[len(shown):]
         append_segment(self.token_ids, self.segments, "assistant", generated)
         append_segment(self.token_ids, self.segments, "assistant", self.fmt.assistant_close_ids(stop_id))
-        self.last_turn = Turn(text_out, (user_start, gen_start), (gen_start, len(self.token_ids)), stats,
-                              user.document_chars)
+        self.last_turn = Turn(text_out, (user_start, gen_start), (gen_start, len(self.token_ids)), stats, user)
         self._settle(gen_start)
 
     def _settle(self, gen_start: int) -> None:

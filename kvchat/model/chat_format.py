@@ -57,10 +57,12 @@ import jinja2
 KINDS = ("prefix", "user", "assistant")
 # A user message whose text is at least this many tokens is a pasted document (see ChatFormat.user_turn).
 # Typed messages stay well below it (a long paragraph is ~150 tokens); a pasted file or page is above it.
-# It equals one disk chunk (kvchat.engine.persistence.CHUNK_TOKENS): below that a message never fills a
-# chunk of its own, so its reuse across chats rests on the pool alone and a document row would be noise.
+# It equals one disk chunk (kvchat.engine.persistence.CHUNK_TOKENS, asserted in tests/model/test_chat_format_pasted.py):
+# below that a message never fills a chunk of its own, so its reuse across chats rests on the pool alone.
 PASTED_DOCUMENT_TOKENS = 256
-_PARAGRAPH_BREAK = re.compile(r"[ \t]*\n[ \t]*\n\s*")
+_PARAGRAPH_BREAK = re.compile(r"[ \t]*\r?\n[ \t]*\r?\n\s*")  # a blank line (LF or CRLF), and the blanks after it
+# Text around a paragraph break whose split must tokenize as the whole (ChatFormat.__init__ probes it).
+_BREAK_PROBES = (("A.", " \n\n B"), ("A.", "\r\n\r\nB"), ("x", "\n \n\t\ty"))
 DOC_ROLE = "system"
 _SENT_SYSTEM, _SENT_DOC, _SENT_USER, _SENT_ASSISTANT, _SENT_DATE, _SENT_CONTENT = (
     f"KVCHAT-SENTINEL-{name}" for name in ("SYSTEM", "DOCUMENT", "USER", "ASSISTANT", "DATE", "CONTENT"))
@@ -77,12 +79,15 @@ class UserTurn:
     Attributes:
         ids: the turn's ids (message, then the generation prompt).
         document_end: offset into ``ids`` just after the document part (None: not a pasted document).
-        document_chars: length of the document part in the message text (0 when not a pasted document).
+        document_chars: length of the document part, in characters of the message content as the template
+            renders it (the message text itself for templates that do not alter it; 0 when not a pasted document).
+        question: text other than blanks follows the document part (a document, then a question).
     """
 
     ids: list[int]
     document_end: int | None = None
     document_chars: int = 0
+    question: bool = False
 
 
 @dataclass(slots=True)
@@ -181,6 +186,7 @@ class ChatFormat:
         for skeleton, message, gen in (([], _msg("system", _SENT_SYSTEM), False), (self._after_system, doc, False),
                                        (self._after_assistant, _msg("user", _SENT_USER), True)):
             self._check_literal_split(*self._frame(skeleton, message, gen))
+        self._split_at_breaks = self._breaks_are_token_neutral()
         specials = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.stop_token_ids: set[int] = set(extra_stop_ids) | {tokenizer.eos_token_id} - {None}
         self.stop_token_ids |= {self._close_ids[0]} & specials
@@ -219,28 +225,54 @@ class ChatFormat:
         """:meth:`user_turn_ids` with the end of a pasted document's part (:class:`UserTurn`).
 
         A message of at least :data:`PASTED_DOCUMENT_TOKENS` tokens is a pasted document. Its document part
-        is the text before its last paragraph break (a blank line) when that part alone has at least
-        :data:`PASTED_DOCUMENT_TOKENS` tokens (a document, then a question), else the whole message. The
-        part and the rest are tokenized as two literal runs, so the part's ids (template head included) are
-        the same whatever question follows it, and a later message repeating the part with another question
-        shares them token-exactly (at the break the ids may differ from encoding the message whole; the text
-        is the same). A message without a split has the ids it always had, and the same rule applies wherever a user message is rendered (TUI, CLI, server), so the ids
-        of a stored chat's turns are reproduced from their text.
+        is the text before its last paragraph break (a blank line, LF or CRLF) when that part alone has at
+        least :data:`PASTED_DOCUMENT_TOKENS` tokens (a document, then a question), else the whole message.
+        The part and the rest are tokenized as two literal runs, so the part's ids (template head included)
+        are the same whatever question follows it; the constructor checked that splitting at a break gives
+        the ids of the whole text for this tokenizer (else no message is split: ``document_end`` is None).
+        The same rule applies wherever a user message is rendered (TUI, CLI, server), so the ids of a stored
+        chat's turns are reproduced from their text. A message under :data:`PASTED_DOCUMENT_TOKENS` UTF-8
+        bytes is encoded without looking for a break (a token holds at least one byte); a long one is
+        encoded about once (the part, then the question).
 
         Raises: as :meth:`user_turn_ids`.
         """
         head, content, foot = self._frame(self._after_assistant, _msg("user", text), True)
-        if len(self._encode_literal(content)) < PASTED_DOCUMENT_TOKENS:
+        if not self._split_at_breaks or len(content.encode()) < PASTED_DOCUMENT_TOKENS:
             return UserTurn(self._encode_framed(head, content, foot))
         start, end = self._run_bounds(head, foot)
-        before = self._encode(head[:start])
-        cut = len(content)
-        breaks = [m for m in _PARAGRAPH_BREAK.finditer(content) if content[:m.start()].strip() and m.end() < len(content)]
-        if breaks and len(self._encode_literal(content[:breaks[-1].start()])) >= PASTED_DOCUMENT_TOKENS:
-            cut = breaks[-1].start()
-        part = before + self._encode_literal(head[start:] + content[:cut])
-        rest = self._encode_literal(content[cut:] + foot[:end]) if cut < len(content) or end else []
-        return UserTurn(part + rest + self._encode(foot[end:]), len(part), cut)
+        before, after = self._encode(head[:start]), self._encode(foot[end:])
+        framing = len(self._encode_literal(head[start:]))  # the run's template text, not counted as the message's
+        cut = self._last_break(content)
+        if cut is not None:
+            part = self._encode_literal(head[start:] + content[:cut])
+            if len(part) - framing >= PASTED_DOCUMENT_TOKENS:
+                rest = self._encode_literal(content[cut:] + foot[:end])
+                return UserTurn(before + part + rest + after, len(before) + len(part), cut, True)
+        part = self._encode_literal(head[start:] + content)
+        if len(part) - framing < PASTED_DOCUMENT_TOKENS:
+            return UserTurn(self._encode_framed(head, content, foot) if end else before + part + after)
+        rest = self._encode_literal(foot[:end]) if end else []
+        return UserTurn(before + part + rest + after, len(before) + len(part), len(content))
+
+    @staticmethod
+    def _last_break(content: str) -> int | None:
+        """Offset of the last paragraph break with text other than blanks before and after it (None: none)."""
+        first = len(content) - len(content.lstrip())  # the first non-blank character
+        last = None
+        for m in _PARAGRAPH_BREAK.finditer(content):
+            if m.start() > first and m.end() < len(content):  # the pattern ends by eating every blank after it
+                last = m.start()
+        return last
+
+    def _breaks_are_token_neutral(self) -> bool:
+        """Whether encoding a user message's run split at a paragraph break gives the ids of the whole run,
+        for each of :data:`_BREAK_PROBES` (BPE merging no characters across the break)."""
+        head, _, foot = self._frame(self._after_assistant, _msg("user", _SENT_CONTENT), True)
+        start, end = self._run_bounds(head, foot)
+        run_head, run_foot = head[start:], foot[:end]
+        return all(self._encode_literal(run_head + a) + self._encode_literal(b + run_foot)
+                   == self._encode_literal(run_head + a + b + run_foot) for a, b in _BREAK_PROBES)
 
     def min_user_turn_tokens(self) -> int:
         """A lower bound on ``len(user_turn_ids(text))`` for any ``text``, found without tokenizing ``text``:

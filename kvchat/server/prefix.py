@@ -15,10 +15,10 @@ tokenized from its text, and :attr:`Rendered.drift` says where.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvchat.model.chat_format import ChatFormat, Segment, append_segment
+from kvchat.model.chat_format import ChatFormat, Segment, UserTurn, append_segment
 
 
 @dataclass(slots=True)
@@ -29,11 +29,13 @@ class Rendered:
         history: per earlier turn ``(user text, assistant text, assistant ids)``.
         token_ids: prefix + history ids (the final user turn not included).
         drift: where the history stops matching what kvchat generated, or None.
+        user_turns: the earlier user messages as rendered (:meth:`ChatFormat.user_turn`), one per turn.
     """
 
     history: list[tuple[str, str, list[int]]]
     token_ids: list[int]
     drift: str | None = None
+    user_turns: list[UserTurn] = field(default_factory=list)
 
 
 def render(fmt: ChatFormat, system: str, turns: Sequence[tuple[str, str]],
@@ -46,9 +48,10 @@ def render(fmt: ChatFormat, system: str, turns: Sequence[tuple[str, str]],
     ids: list[int] = []
     segments: list[Segment] = []
     append_segment(ids, segments, "prefix", fmt.prefix_ids(system, []))
-    history, drift = [], None
+    history, drift, user_turns = [], None, []
     for k, (user, answer) in enumerate(turns, 1):
-        append_segment(ids, segments, "user", fmt.user_turn_ids(user))
+        user_turns.append(fmt.user_turn(user))
+        append_segment(ids, segments, "user", user_turns[-1].ids)
         found = generated(ids, answer)
         if found is None:
             found = fmt.assistant_text_ids(answer)
@@ -57,4 +60,4 @@ def render(fmt: ChatFormat, system: str, turns: Sequence[tuple[str, str]],
                          "history: its text was tokenized, so cached K/V stop there")
         append_segment(ids, segments, "assistant", found)
         history.append((user, answer, found))
-    return Rendered(history, ids, drift)
+    return Rendered(history, ids, drift, user_turns)

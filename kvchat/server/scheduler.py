@@ -45,7 +45,7 @@ from kvchat.engine.runner import ContextOverflowError
 from kvchat.engine.sampling import sample_rows
 from kvchat.engine.sequence import DecodeStep
 from kvchat.engine.turn import TurnStats
-from kvchat.model.chat_format import ChatTemplateError
+from kvchat.model.chat_format import ChatTemplateError, UserTurn
 from kvchat.model.loader import Runtime
 from kvchat.server.prefix import render
 from kvchat.server.protocol import ApiError, ChatRequest
@@ -89,6 +89,9 @@ class Job:
     text: str = ""
     sent: int = 0
     stop_at: int | None = None
+    # the last user message as _prepare rendered it, tokenized once per request (a stored chat it continues
+    # was found by the same rendering's ids, so its own format renders the message the same)
+    user: UserTurn | None = None
 
 
 class Scheduler:
@@ -206,7 +209,7 @@ class Scheduler:
                 self.queued.remove(job)
                 job.steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
                                                    lambda ev, job=job: self._on_event(job, ev),
-                                                   lambda text, job=job: text[: job.stop_at])
+                                                   lambda text, job=job: text[: job.stop_at], job.user)
                 self.running.append(job)
             elif time.perf_counter() - job.received > self.queue_timeout_s:
                 self.queued.remove(job)
@@ -230,7 +233,8 @@ class Scheduler:
         fp = rt.info.fingerprint
         rendered = render(fmt, req.system, req.turns, lambda ids, text: generated_answer(ids, text, fp))
         job.drift = rendered.drift
-        prompt = len(rendered.token_ids) + len(fmt.user_turn_ids(req.user))
+        job.user = fmt.user_turn(req.user)
+        prompt = len(rendered.token_ids) + len(job.user.ids)
         limit = rt.engine.max_context
         room = limit - prompt - len(fmt.assistant_close_ids(None))
         if room < 1:
@@ -244,7 +248,7 @@ class Scheduler:
         if found and self.store and found not in busy:  # a chat answered by another request now: branch off
             service.open_chat(found, restore=False)
         else:
-            service.start_given_chat(req.system, settings, rendered.history)
+            service.start_given_chat(req.system, settings, rendered.history, rendered.user_turns)
         if rt.engine.dense is not None:  # several chats run at once: each reads its own contiguous K/V copy
             service.chat.session.sequence.dense = DenseKV(rt.engine.pool, rt.engine.blocks)
         job.service = service

@@ -42,6 +42,11 @@ def test_a_chat_computed_in_bf16_over_fp32_weights_is_explained_under_its_dtype(
     assert plain != fp and explain_chain(done.chat_id, "fp8").restorable_tokens == 0
     reason = why_not_restored(get_db(), done.chat_id, plain, model_fp, "fp8", BLOCK_SIZE, "fp32", None)
     assert reason == "its KV was computed in bf16; this run computes in fp32 (--dtype bf16 restores it)"
+    monkeypatch.setenv("KVCHAT_WEIGHTS", "int8")  # both differ: the hint names both flags (was: --weights fp32 only)
+    int8 = expected_cache_fingerprint(model_fp, "fp8")
+    reason = why_not_restored(get_db(), done.chat_id, int8, model_fp, "fp8", BLOCK_SIZE, "int8", None)
+    assert reason == ("its KV was saved with fp32 weights computed in bf16; this run uses int8 weights computed "
+                      "in fp32 (--weights fp32 --dtype bf16 restores it)")
 
     env = {**os.environ, "KVCHAT_HOME": str(kvchat_home), "KVCHAT_DTYPE": "auto", "KVCHAT_WEIGHTS": "auto"}
     cli = subprocess.run([sys.executable, "-m", "kvchat.cli", "cache", "explain", done.chat_id, "--weights", "fp32",

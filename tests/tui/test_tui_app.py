@@ -14,7 +14,7 @@ from textual.widgets import Button, DataTable, Input, ListView, Markdown
 
 from kvchat.tui.actions import ACTIONS, INPUT_KEYS
 from kvchat.tui.app import KvchatApp
-from kvchat.conversation.views import ChatMessage
+from kvchat.conversation.views import ChatMessage, DocumentSummary
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.screens.chat import ChatScreen
 from kvchat.tui.screens.confirm import ConfirmScreen
@@ -354,6 +354,22 @@ async def test_bad_document_path_is_a_notice_not_a_crash(harness, tmp_path):
         await until(pilot, lambda: h.blocks("notice"))
         assert h.blocks("notice")[0].text == "Documents (cached prefix): notes.txt"
         await until(pilot, lambda: len(h.screen.query_one("#documents", ListView).children) == 1)
+
+
+async def test_the_sidebar_lists_only_documents_with_a_file(harness, tmp_path):
+    """A document pasted into a message (``kvchat doc list``: ``pasted: …``) names no file to start a chat on."""
+    h = harness
+    h.backend.documents["pasted"] = DocumentSummary("d_pasted", "pasted: Section 0.", "", 300, "disk")
+    doc = tmp_path / "notes.txt"
+    doc.write_text("The heron nests by the mill.")
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await pilot.press("ctrl+o")
+        h.app.screen.query_one(Input).value = str(doc)
+        await pilot.press("enter")
+        rows = lambda: [item.name for item in h.screen.query_one("#documents", ListView).children]  # noqa: E731
+        await until(pilot, lambda: str(doc) in rows())
+        assert rows() == [str(doc)]
 
 
 async def test_attach_takes_any_real_file_path_even_with_a_semicolon(harness, tmp_path):
