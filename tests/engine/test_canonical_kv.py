@@ -95,7 +95,9 @@ def test_a_resume_whose_chain_stops_inside_a_segment_recomputes_in_cold_chunks(r
     again = Session(resumed_rt.engine, first.fmt, list(first.token_ids), list(first.segments), KVPersist(resumed_rt.engine))
     list(again.send("And what is shared?", SamplingParams(max_tokens=16)))
     stats = again.last_turn.stats
-    assert stats.from_disk == 256 and stats.miss_reason and "missing" in stats.miss_reason
-    assert stats.reused_tokens == 0, "256 is inside the first 512-token chunk of the prefix: recompute from 0"
+    assert stats.bytes_read > 0 and stats.miss_reason and "missing" in stats.miss_reason  # chunk 1 was read...
+    # ...but 256 is inside the first 512-token chunk of the prefix: cut back to 0 and recomputed from there,
+    # so nothing counts as reused (reused_tokens = from_memory + from_disk)
+    assert stats.from_disk == 0 and stats.reused_tokens == 0
     _assert_equals_cold(cold_rt, again)
     again.persist.close()
