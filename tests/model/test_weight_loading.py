@@ -106,4 +106,6 @@ def test_loading_peaks_within_the_weights_bytes(tmp_path):
                        warm_dir=tmp_path / "warm")
     assert got["dtype"] == "torch.bfloat16"
     grown = got["load_peak_rss"] - got["rss_before_load"]
-    assert size <= grown <= RSS_FACTOR * size + 48 * 2**20, (grown, size, got)
+    # lower bound: the weights really were materialized. 0.95 x, not 1 x: the allocator reuses pages the warm-up
+    # load freed (CI measured 128,466,944 bytes grown for a 128,476,272-byte file, 9 KB under)
+    assert 0.95 * size <= grown <= RSS_FACTOR * size + 48 * 2**20, (grown, size, got)
