@@ -62,11 +62,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if not args.queue_timeout > 0:
         raise ValueError(f"--queue-timeout must be > 0 seconds, got {args.queue_timeout}")
-    from kvchat.cpu_threads import checked_threads
+    from kvchat.cpu_threads import checked_threads, on_own_thread
     from kvchat.model.loader import load_runtime, set_threads
 
     set_threads(checked_threads(args.threads))
-    rt = load_runtime(args.model, args.kv_dtype)
+    rt = on_own_thread(load_runtime, args.model, args.kv_dtype)  # the scheduler thread runs it (see on_own_thread)
     import uvicorn
 
     from kvchat.server.app import create_app

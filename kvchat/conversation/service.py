@@ -315,7 +315,7 @@ class ChatService:
             reply = None
             if isinstance(item, DecodeStep):
                 reply = engine.decode(item.sequence.blocks, item.token_ids, item.sequence.dense)
-            elif isinstance(item, PrefillChunk):
+            elif isinstance(item, PrefillChunk) and not item.settle:
                 timer(item.done, item.total)
 
     def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,

@@ -340,7 +340,7 @@ class Engine:
             timer.start()
             hidden = self._forward(seq, token_ids, a, b, dense_kv=dense_kv)
             ms += timer.stop()
-            yield PrefillChunk(b - start, len(token_ids) - start)
+            yield PrefillChunk(b - start, len(token_ids) - start, b - a)
         timer.start()
         logits = self.model.logits(hidden[-1:])[0]
         ms += timer.stop()

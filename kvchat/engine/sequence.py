@@ -64,10 +64,16 @@ class DecodeStep:
 
 @dataclass(slots=True)
 class PrefillChunk:
-    """A turn's prefill has computed ``done`` of its ``total`` tokens (one chunk more)."""
+    """A turn's prefill has computed ``done`` of its ``total`` tokens, ``tokens`` of them in this chunk.
+
+    ``settle``: the chunk recomputes an answer already streamed (:meth:`kvchat.engine.session.Session.turn`),
+    so it is no prefill progress to show; a scheduler runs it between other sequences' decode steps too.
+    """
 
     done: int
     total: int
+    tokens: int
+    settle: bool = False
 
 
 def drive_prefill(steps: Generator[PrefillChunk, None, object], progress: Callable[[int, int], None] | None):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -240,7 +240,7 @@ class Session:
             if isinstance(item, DecodeStep):
                 reply = self.engine.decode(self.seq, item.token_ids, self.sequence.dense)
             elif isinstance(item, PrefillChunk):
-                if progress:
+                if progress and not item.settle:
                     progress(item.done, item.total)
             else:
                 yield item
@@ -302,25 +302,32 @@ class Session:
         append_segment(self.token_ids, self.segments, "assistant", generated)
         append_segment(self.token_ids, self.segments, "assistant", self.fmt.assistant_close_ids(stop_id))
         self.last_turn = Turn(text_out, (user_start, gen_start), (gen_start, len(self.token_ids)), stats, user)
-        self._settle(gen_start)
+        yield from self._settle_steps(gen_start)
 
-    def _settle(self, gen_start: int) -> None:
-        """Recompute the answer and closing ids as prefill chunks, replacing decode's K/V.
+    def _settle_steps(self, gen_start: int):
+        """Recompute the answer and closing ids as prefill chunks, replacing decode's K/V; yields each
+        chunk as a :class:`PrefillChunk` with ``settle=True``.
 
         Decode computed the answer one token at a time; a cold run, or a
         resume whose snapshot lacks this turn, computes it in chunks, and the
         two differ in the last bits (enough to flip a near-tie later). After
         this the pool holds for every token exactly what a cold run computes,
         so the snapshot and every later answer are the same either way. Runs
-        after the answer was streamed, so it costs no TTFT.
+        after the answer was streamed, so it costs no TTFT; as steps, a
+        scheduler runs other sequences' decode steps between the chunks.
+        ``settle_ms`` counts this sequence's chunks only.
         """
         self.seq.num_computed = min(self.seq.num_computed, gen_start)
-        t0 = time.perf_counter()
+        steps = self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense)
+        own, t0 = 0.0, time.perf_counter()
         try:
-            self.engine.prefill(self.seq, self.token_ids, self.boundaries, dense_kv=self.sequence.dense)
+            for chunk in steps:
+                own += time.perf_counter() - t0
+                yield replace(chunk, settle=True)
+                t0 = time.perf_counter()
         except PoolFullError:  # the next turn's prefill recomputes from here instead
             pass
-        self.last_turn.stats.settle_ms = (time.perf_counter() - t0) * 1e3
+        self.last_turn.stats.settle_ms = (own + time.perf_counter() - t0) * 1e3
 
     def _undo_turn(self, user_start: int) -> None:
         """Drop a turn that failed before generation: ids, segment, and the blocks holding them."""

@@ -8,8 +8,12 @@ loop iteration of the scheduler thread
    to one that waited longer than the queue timeout;
 2. runs one decode step for every running chat in **one forward**
    (:meth:`kvchat.engine.runner.Engine.decode_batch`);
-3. runs one prefill chunk of one newly admitted request, so running streams
-   keep flowing while a long prompt is prefilled.
+3. runs prefill chunks of admitted requests, in order, until they computed
+   :data:`PREFILL_BUDGET_TOKENS` tokens: running streams keep flowing while a
+   long prompt is prefilled, and requests arriving together with short prompts
+   all start in one iteration (vLLM's chunked prefill under a token budget).
+   A finished answer's recompute (:meth:`kvchat.engine.session.Session.turn`
+   settles it as prefill chunks) runs the same way, so it stalls no stream.
 
 A request is a turn of the conversation service
 (:meth:`kvchat.conversation.service.ChatService.send_steps`): the same
@@ -41,9 +45,9 @@ from kvchat.conversation.views import ContextFullError
 from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.persistence import KVPersist
-from kvchat.engine.runner import ContextOverflowError
+from kvchat.engine.runner import PREFILL_CHUNK_TOKENS, ContextOverflowError
 from kvchat.engine.sampling import sample_rows
-from kvchat.engine.sequence import DecodeStep
+from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.turn import TurnStats
 from kvchat.model.chat_format import ChatTemplateError, UserTurn
 from kvchat.model.loader import Runtime
@@ -53,6 +57,7 @@ from kvchat.server.protocol import ApiError, ChatRequest
 DEFAULT_MAX_TOKENS = 512  # when a request names none (as `kvchat ask`)
 IDLE_WAIT_S = 0.5  # the thread sleeps at most this long with nothing to do
 RETRY_AFTER_S = 5
+PREFILL_BUDGET_TOKENS = PREFILL_CHUNK_TOKENS  # prefill tokens per loop iteration (between two decode steps)
 
 
 @dataclass(slots=True)
@@ -164,7 +169,7 @@ class Scheduler:
                         self._abort(job, exc)
 
     def _iteration(self) -> bool:
-        """One loop iteration (admit, one batched decode, one prefill chunk); True once stopped."""
+        """One loop iteration (admit, one batched decode, prefill chunks up to the budget); True once stopped."""
         with self._wake:
             if not (self._inbox or self.running or self.queued or self._stopping):
                 self._wake.wait(IDLE_WAIT_S)
@@ -183,9 +188,14 @@ class Scheduler:
         if decoding:
             self._decode(decoding)
         starting = [j for j in self.running if not isinstance(j.waiting, DecodeStep)]
-        if starting:
-            self._advance(starting[0], None)
-        elif not self.running and self.queued:
+        budget = PREFILL_BUDGET_TOKENS
+        for job in starting:
+            if budget <= 0:
+                break
+            self._advance(job, None)
+            step = job.waiting if job in self.running else None  # None: the turn ended
+            budget -= step.tokens if isinstance(step, PrefillChunk) else 1
+        if not self.running and self.queued:
             time.sleep(0.01)  # waiting for pool space that only a timeout can change
         return False
 

@@ -19,6 +19,7 @@ from kvchat.conversation.records import new_settings
 from kvchat.engine.runner import chunk_plan, last_cut
 from kvchat.model.loader import load_runtime
 from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
 
 DOC = ("Paged attention stores the KV cache in fixed-size blocks, like virtual memory pages, "
@@ -74,6 +75,37 @@ def test_a_chat_holds_exactly_what_a_cold_run_computes(rt, cold_rt):
         assert session.last_turn.stats.new_tokens > 1, "decode ran"
         assert session.last_turn.stats.settle_ms > 0
     _assert_equals_cold(cold_rt, session)
+
+
+def test_the_answer_is_settled_in_steps_after_its_text(cold_rt):
+    """The recompute comes as ``PrefillChunk(settle=True)`` steps after the last text piece (a scheduler runs
+    other streams between them), and a progress callback sees only the prompt's prefill."""
+    # its own runtime: after another chat in the same pool, a prefix reused from memory is not yet bit-equal to a
+    # cold run (found here; noted on issue 15)
+    rt = load_runtime(None, cold_rt.engine.spec.kv_dtype)
+    session = Session.new(rt.engine, rt.chat_format(new_settings([])), DEFAULT_SYSTEM_PROMPT, [])
+    kinds, steps, reply = [], session.turn("What does paged attention store?", SamplingParams(max_tokens=24)), None
+    while True:
+        try:
+            with torch.inference_mode():  # as Session.send drives a turn
+                item = steps.send(reply)
+        except StopIteration:
+            break
+        reply = None
+        if isinstance(item, DecodeStep):
+            reply = rt.engine.decode(item.sequence.blocks, item.token_ids)
+            kinds.append("decode")
+        elif isinstance(item, PrefillChunk):
+            kinds.append("settle" if item.settle else "prefill")
+        else:
+            kinds.append("text")
+    first = kinds.index("settle")
+    assert "decode" in kinds[:first] and "text" in kinds[:first] and set(kinds[first:]) == {"settle"}
+    assert session.last_turn.stats.settle_ms > 0
+    _assert_equals_cold(cold_rt, session)
+    calls: list[tuple[int, int]] = []
+    list(session.send("And why?", SamplingParams(max_tokens=24), progress=lambda done, total: calls.append((done, total))))
+    assert calls and calls[-1][0] == calls[-1][1] == session.last_turn.stats.prefilled_tokens  # the prompt's prefill only
 
 
 def test_a_resume_whose_chain_stops_inside_a_segment_recomputes_in_cold_chunks(rt, cold_rt):
