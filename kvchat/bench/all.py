@@ -30,7 +30,7 @@ QUICK: dict[str, dict] = {
     "fidelity": {"tokens": 384, "retrieval_tokens": 768},
     "resume": {"tokens": [256, 768], "repeats": 1, "cold_repeats": 1},
     "startup": {"repeats": 1},
-    "serve": {"history_tokens": 512, "decode_tokens": 8, "streams": [1, 2]},
+    "serve": {"history_tokens": 512, "decode_tokens": 8, "streams": [1, 2], "repeats": 1},
     "peers": {"context": 512, "decode_tokens": 8, "repeats": 1, "resume_tokens": 512},
 }
 

@@ -16,6 +16,8 @@ Events parsed here), greedy:
   last stream's first token and the first stream's end ÷ that time); and p50/p99 of the time between consecutive deltas
   of a stream (one delta per token, a piece that ends inside a character
   excepted). Target (issue 16): ≥ 2.5× one stream's aggregate at 4 streams.
+  The stream counts run ``--repeats`` rounds in one server; each round's ratios are taken against that
+  round's one stream (side by side), and the table gives medians with the rounds' range.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history-tokens", type=int, default=2048, help="approximate tokens of the long conversation")
     p.add_argument("--decode-tokens", type=int, default=96, help="tokens per answer in the concurrency runs")
     p.add_argument("--streams", type=int, nargs="+", default=list(STREAMS), help="concurrent streams to measure")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the concurrency runs (medians reported)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
@@ -171,7 +174,7 @@ def run_serve(ns: argparse.Namespace, quick: bool = False) -> dict:
         turns.append(_turn_row("warm (in memory)", warm))
         msgs += [{"role": "user", "content": "Name one function it has."}, {"role": "assistant", "content": warm["text"]}]
         srv.stream([{"role": "user", "content": "Hello."}], 4)  # warm-up of the concurrency runs' path
-        concurrency = [_concurrent(srv, n, ns.decode_tokens) for n in ns.streams]
+        rounds = [[_concurrent(srv, n, ns.decode_tokens) for n in ns.streams] for _ in range(max(1, ns.repeats))]
     finally:
         srv.stop()
     srv = _Server(home, model, kv_dtype, threads)
@@ -180,13 +183,28 @@ def run_serve(ns: argparse.Namespace, quick: bool = False) -> dict:
         turns.append(_turn_row("after restart (disk)", again))
     finally:
         srv.stop()
-    one = concurrency[0] if concurrency and concurrency[0]["streams"] == 1 else None
-    for row in concurrency:
-        for key in ("aggregate_tokens_per_s", "steady_tokens_per_s"):
-            base = one and one[key]
-            row[key.replace("tokens_per_s", "vs_one_stream")] = round(row[key] / base, 2) if base and row[key] else None
+    for rnd in rounds:  # ratios within a round: its runs are side by side
+        one = rnd[0] if rnd and rnd[0]["streams"] == 1 else None
+        for row in rnd:
+            for key in ("aggregate_tokens_per_s", "steady_tokens_per_s"):
+                base = one and one[key]
+                row[key.replace("tokens_per_s", "vs_one_stream")] = round(row[key] / base, 2) if base and row[key] else None
+    concurrency = [_median_row([rnd[k] for rnd in rounds]) for k in range(len(ns.streams))]
     return {"benchmark": "serve", "run": run_info(threads=threads, quick=quick), "history_tokens": ns.history_tokens,
-            "turns": turns, "concurrency": concurrency}
+            "turns": turns, "concurrency": concurrency, "rounds": rounds}
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """One stream count over the rounds: each figure's median, and the ratios' range (``…_range``)."""
+    row = {"streams": runs[0]["streams"], "rounds": len(runs)}
+    for key in runs[0]:
+        if key == "streams":
+            continue
+        values = [r[key] for r in runs if r[key] is not None]
+        row[key] = round(statistics.median(values), 2) if values else None
+        if key.endswith("vs_one_stream") and values:
+            row[key + "_range"] = [min(values), max(values)]
+    return row
 
 
 def format_report(res: dict) -> str:
@@ -197,15 +215,24 @@ def format_report(res: dict) -> str:
           for r in res["turns"]]
     c = [["streams", "decode tokens", "aggregate tok/s", "× one stream", "all streams decoding: tok/s", "× one stream",
           "p50 ms/token", "p99 ms/token"]]
-    c += [[str(r["streams"]), str(r["decode_tokens"]), f"{r['aggregate_tokens_per_s']:.1f}", str(r["aggregate_vs_one_stream"]),
-           str(r["steady_tokens_per_s"]), str(r["steady_vs_one_stream"]), str(r["p50_ms_per_token"]),
+    c += [[str(r["streams"]), f"{r['decode_tokens']:.0f}", f"{r['aggregate_tokens_per_s']:.1f}", _ratio(r, "aggregate"),
+           str(r["steady_tokens_per_s"]), _ratio(r, "steady"), str(r["p50_ms_per_token"]),
            str(r["p99_ms_per_token"])] for r in res["concurrency"]]
     four = next((r for r in res["concurrency"] if r["streams"] == 4), None)
     verdict = "" if four is None or four["aggregate_vs_one_stream"] is None else (
-        f"\n4 streams: {four['aggregate_vs_one_stream']}× one stream's aggregate (goal ≥ 2.5×: "
-        f"{'met' if four['aggregate_vs_one_stream'] >= 2.5 else 'missed'}); "
-        f"{four['steady_vs_one_stream']}× while all 4 decode (the first tokens wait for the others' prefill)")
-    return format_table(t) + "\n\n" + format_table(c) + verdict
+        f"\n4 streams: {_ratio(four, 'aggregate')}× one stream's aggregate, median of {four['rounds']} rounds "
+        f"(goal ≥ 2.5×: {'met' if four['aggregate_vs_one_stream'] >= 2.5 else 'missed'}); "
+        f"{_ratio(four, 'steady')}× while all 4 decode (the first tokens wait for the others' prefill)")
+    head = f"medians of {res['concurrency'][0]['rounds']} rounds; × one stream: per round, (min-max)\n" if res["concurrency"] else ""
+    return format_table(t) + "\n\n" + head + format_table(c) + verdict
+
+
+def _ratio(row: dict, kind: str) -> str:
+    """``median (min-max)`` of a row's per-round ratio to one stream."""
+    value, spread = row[f"{kind}_vs_one_stream"], row.get(f"{kind}_vs_one_stream_range")
+    if value is None:
+        return "None"
+    return f"{value} ({spread[0]}-{spread[1]})" if spread and spread[0] != spread[1] else str(value)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -6,13 +6,15 @@ from kvchat.bench.serve import format_report, run_serve
 
 
 def test_bench_serve_measures_cold_warm_restart_and_streams(smol_info):
-    ns = argparse.Namespace(history_tokens=256, decode_tokens=4, streams=[1, 2], threads=1, model=None, kv_dtype="fp8")
+    ns = argparse.Namespace(history_tokens=256, decode_tokens=4, streams=[1, 2], repeats=2, threads=1, model=None, kv_dtype="fp8")
     res = run_serve(ns, quick=True)
     cold, warm, restart = res["turns"]
     assert cold["cached_tokens"] == 0 and cold["prefilled_tokens"] == cold["prompt_tokens"]
     assert warm["from_memory"] > 0 and warm["from_disk"] == 0
     assert restart["from_disk"] > 0 and restart["from_memory"] == 0
     assert restart["cached_tokens"] >= warm["prompt_tokens"] - 32
-    assert [r["streams"] for r in res["concurrency"]] == [1, 2]
+    assert [r["streams"] for r in res["concurrency"]] == [1, 2] and len(res["rounds"]) == 2
+    assert all(r["rounds"] == 2 for r in res["concurrency"])
+    assert res["concurrency"][0]["aggregate_vs_one_stream"] == 1.0  # each round against its own one stream
     assert all(r["aggregate_tokens_per_s"] > 0 for r in res["concurrency"])
     assert "after restart (disk)" in format_report(res)
