@@ -61,7 +61,7 @@ def on_own_thread(fn: Callable[..., T], *args, **kwargs) -> T:
         except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
             out.append((False, exc))
 
-    worker = threading.Thread(target=run, name="kvchat-load")
+    worker = threading.Thread(target=run, name="kvchat-load", daemon=True)  # Ctrl-C in join() ends the process
     worker.start()
     worker.join()
     ok, value = out[0]

@@ -161,6 +161,8 @@ def run_serve(ns: argparse.Namespace, quick: bool = False) -> dict:
     from kvchat.bench.run_info import run_info
 
     model, kv_dtype, threads = getattr(ns, "model", None), getattr(ns, "kv_dtype", None) or "fp8", getattr(ns, "threads", None)
+    if ns.repeats < 1 or ns.decode_tokens < 1 or min(ns.streams) < 1:
+        raise ValueError("--repeats, --decode-tokens and --streams must be positive")
     home = tempfile.mkdtemp(prefix="kvchat-bench-serve-")
     msgs = _history(ns.history_tokens)
     srv = _Server(home, model, kv_dtype, threads)
@@ -174,7 +176,7 @@ def run_serve(ns: argparse.Namespace, quick: bool = False) -> dict:
         turns.append(_turn_row("warm (in memory)", warm))
         msgs += [{"role": "user", "content": "Name one function it has."}, {"role": "assistant", "content": warm["text"]}]
         srv.stream([{"role": "user", "content": "Hello."}], 4)  # warm-up of the concurrency runs' path
-        rounds = [[_concurrent(srv, n, ns.decode_tokens) for n in ns.streams] for _ in range(max(1, ns.repeats))]
+        rounds = [[_concurrent(srv, n, ns.decode_tokens) for n in ns.streams] for _ in range(ns.repeats)]
     finally:
         srv.stop()
     srv = _Server(home, model, kv_dtype, threads)
@@ -196,7 +198,7 @@ def run_serve(ns: argparse.Namespace, quick: bool = False) -> dict:
 
 def _median_row(runs: list[dict]) -> dict:
     """One stream count over the rounds: each figure's median, and the ratios' range (``…_range``)."""
-    row = {"streams": runs[0]["streams"], "rounds": len(runs)}
+    row = {"streams": runs[0]["streams"], "round_count": len(runs)}
     for key in runs[0]:
         if key == "streams":
             continue
@@ -220,10 +222,10 @@ def format_report(res: dict) -> str:
            str(r["p99_ms_per_token"])] for r in res["concurrency"]]
     four = next((r for r in res["concurrency"] if r["streams"] == 4), None)
     verdict = "" if four is None or four["aggregate_vs_one_stream"] is None else (
-        f"\n4 streams: {_ratio(four, 'aggregate')}× one stream's aggregate, median of {four['rounds']} rounds "
+        f"\n4 streams: {_ratio(four, 'aggregate')}× one stream's aggregate, median of {four['round_count']} rounds "
         f"(goal ≥ 2.5×: {'met' if four['aggregate_vs_one_stream'] >= 2.5 else 'missed'}); "
         f"{_ratio(four, 'steady')}× while all 4 decode (the first tokens wait for the others' prefill)")
-    head = f"medians of {res['concurrency'][0]['rounds']} rounds; × one stream: per round, (min-max)\n" if res["concurrency"] else ""
+    head = f"medians of {res['concurrency'][0]['round_count']} rounds; × one stream: per round, (min-max)\n" if res["concurrency"] else ""
     return format_table(t) + "\n\n" + head + format_table(c) + verdict
 
 

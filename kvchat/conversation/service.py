@@ -340,6 +340,8 @@ class ChatService:
                     batcher.add(item)
                     reply = None
                 else:
+                    if isinstance(item, PrefillChunk) and item.settle:
+                        batcher.flush()  # the answer is complete: its last pieces are shown before the recompute
                     reply = yield item
             batcher.flush()
             if answer_text is not None:

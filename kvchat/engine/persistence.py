@@ -43,6 +43,7 @@ from kvchat.store.snapshot import ChunkData, ChunkLayout
 CHUNK_TOKENS = 256
 DEFAULT_READ_BYTES_PER_S = 500e6
 READ_THREADS = 4  # chunk files read at once by a restore
+_READERS = threading.Lock()  # one restore's readers at a time: they set torch's thread count (see restore)
 
 
 @dataclass(slots=True)
@@ -210,7 +211,8 @@ class KVPersist:
                 dense.fill(lo, data, lo - a, b - lo)
 
         last = first
-        threads = torch.get_num_threads()  # the readers' setting below is also the default of later threads
+        _READERS.acquire()  # the readers' thread setting is also the default of threads started meanwhile
+        threads = torch.get_num_threads()
         try:
             # several files in flight: reads overlap checksums and faults. Each reader runs its copies on one
             # thread: the readers already fill the cores, and a pool of OpenMP workers per reader would oversubscribe
@@ -234,6 +236,7 @@ class KVPersist:
                     res.keys.append(row.key)
         finally:
             torch.set_num_threads(threads)
+            _READERS.release()
         copies.join()  # the main stream waits for every side stream's copies before the pool is read
         if last == first:
             return res

@@ -370,8 +370,8 @@ class Engine:
 
         Decode's K/V are provisional: one token at a time they differ in the
         last bits from what a prefill chunk computes, so their blocks stay out
-        of the prefix cache and :meth:`kvchat.engine.session.Session.send` recomputes
-        the answer as a chunk once it ends (see :func:`last_cut`).
+        of the prefix cache and the turn (:meth:`kvchat.engine.session.Session.turn`) recomputes
+        the answer as prefill chunks once it ends (see :func:`last_cut`).
         """
         dense = None if self.dense is None else [dense_kv or self.dense]
         return self._decode_rows([(seq, token_ids)], dense)[0]

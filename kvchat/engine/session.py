@@ -318,16 +318,22 @@ class Session:
         ``settle_ms`` counts this sequence's chunks only.
         """
         self.seq.num_computed = min(self.seq.num_computed, gen_start)
+        total = len(self.token_ids) - gen_start
+        yield PrefillChunk(0, total, 0, settle=True)  # before any forward: a scheduler runs the chunks in its budget
         steps = self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense)
-        own, t0 = 0.0, time.perf_counter()
-        try:
-            for chunk in steps:
+        own = 0.0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                chunk = next(steps)
+            except StopIteration:
+                break
+            except PoolFullError:  # the next turn's prefill recomputes from here instead
+                break
+            finally:
                 own += time.perf_counter() - t0
-                yield replace(chunk, settle=True)
-                t0 = time.perf_counter()
-        except PoolFullError:  # the next turn's prefill recomputes from here instead
-            pass
-        self.last_turn.stats.settle_ms = (own + time.perf_counter() - t0) * 1e3
+            yield replace(chunk, settle=True)
+        self.last_turn.stats.settle_ms = own * 1e3
 
     def _undo_turn(self, user_start: int) -> None:
         """Drop a turn that failed before generation: ids, segment, and the blocks holding them."""

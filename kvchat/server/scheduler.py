@@ -8,12 +8,15 @@ loop iteration of the scheduler thread
    to one that waited longer than the queue timeout;
 2. runs one decode step for every running chat in **one forward**
    (:meth:`kvchat.engine.runner.Engine.decode_batch`);
-3. runs prefill chunks of admitted requests, in order, until they computed
-   :data:`PREFILL_BUDGET_TOKENS` tokens: running streams keep flowing while a
-   long prompt is prefilled, and requests arriving together with short prompts
-   all start in one iteration (vLLM's chunked prefill under a token budget).
-   A finished answer's recompute (:meth:`kvchat.engine.session.Session.turn`
-   settles it as prefill chunks) runs the same way, so it stalls no stream.
+3. runs prefill chunks of admitted requests, in arrival order, until they
+   computed :data:`PREFILL_BUDGET_TOKENS` tokens (vLLM's chunked prefill under
+   a token budget): running streams keep flowing while a long prompt is
+   prefilled, and requests that arrive together with short prompts (many
+   small chunks, one per resent turn, included) are all prefilled in one
+   iteration and decode together from the next. A finished answer's
+   recompute (:meth:`kvchat.engine.session.Session.turn` settles it as prefill
+   chunks) comes after the new prompts, in the same budget, so a running
+   stream waits at most one budget's worth of chunks between two tokens.
 
 A request is a turn of the conversation service
 (:meth:`kvchat.conversation.service.ChatService.send_steps`): the same
@@ -165,7 +168,7 @@ class Scheduler:
                     if self._iteration():
                         return
                 except Exception as exc:  # noqa: BLE001 - a bug in one step: fail the running requests, keep serving
-                    for job in list(self.running):
+                    for job in [j for j in self.running if not _settling(j)]:  # answered ones are stored next
                         self._abort(job, exc)
 
     def _iteration(self) -> bool:
@@ -187,15 +190,15 @@ class Scheduler:
         decoding = [j for j in self.running if isinstance(j.waiting, DecodeStep)]
         if decoding:
             self._decode(decoding)
-        starting = [j for j in self.running if not isinstance(j.waiting, DecodeStep)]
-        budget = PREFILL_BUDGET_TOKENS
+        starting = sorted((j for j in self.running if not isinstance(j.waiting, DecodeStep)), key=_settling)
+        budget, ended = PREFILL_BUDGET_TOKENS, False  # new prompts first, then answers' recomputes
         for job in starting:
-            if budget <= 0:
-                break
-            self._advance(job, None)
-            step = job.waiting if job in self.running else None  # None: the turn ended
-            budget -= step.tokens if isinstance(step, PrefillChunk) else 1
-        if not self.running and self.queued:
+            while budget > 0 and job in self.running and not isinstance(job.waiting, DecodeStep):
+                self._advance(job, None)
+                step = job.waiting if job in self.running else None  # None: the turn ended
+                budget -= max(step.tokens, 1) if isinstance(step, PrefillChunk) else 1
+            ended |= job not in self.running
+        if not self.running and self.queued and not ended:
             time.sleep(0.01)  # waiting for pool space that only a timeout can change
         return False
 
@@ -347,6 +350,11 @@ class Scheduler:
         if job.service is not None and job.service.chat is not None:
             job.service.chat.session.close()
             job.service.chat = None
+
+
+def _settling(job: Job) -> bool:
+    """The job's answer has streamed and is being recomputed as prefill chunks (``PrefillChunk.settle``)."""
+    return isinstance(job.waiting, PrefillChunk) and job.waiting.settle
 
 
 def _refuse_too_many_turns(fmt, turns: int, engine) -> None:

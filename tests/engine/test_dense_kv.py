@@ -166,14 +166,18 @@ def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens
         engine = _engine(kv_dtype, pool_bytes=8 * 2**20)  # a fresh engine: nothing in its pool
         persist = KVPersist(engine)
         seq, ids = SeqBlocks(), _restore_ids()
-        threads = torch.get_num_threads()
-        res = persist.restore(seq, ids)
+        threads, later = torch.get_num_threads(), []
+        torch.set_num_threads(2)  # a count the readers' single thread differs from, on any machine
+        try:
+            res = persist.restore(seq, ids)
+            restored = torch.get_num_threads()
+            worker = threading.Thread(target=lambda: later.append(torch.get_num_threads()))  # started after it
+            worker.start()
+            worker.join()
+        finally:
+            torch.set_num_threads(threads)
         assert res.from_disk == RESTORE_TOKENS - 1 and res.miss_reason is None
-        later = []  # the readers ran single-threaded; the caller and threads started after keep the setting
-        worker = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-        worker.start()
-        worker.join()
-        assert torch.get_num_threads() == threads and later == [threads]
+        assert restored == 2 and later == [2]  # the readers ran single-threaded; the caller and later threads did not
         _assert_copy_matches_pool(engine, seq, ids[0])
 
         read = []

@@ -53,17 +53,20 @@ def test_an_unexpected_decode_error_fails_the_request_and_the_loop_goes_on(rt, m
 
 
 def test_requests_that_arrive_together_start_decoding_together(rt, monkeypatch):
-    """Short prompts queued at once are all prefilled in one loop iteration (the prefill token budget),
-    so the first batched decode step already holds every one of them."""
+    """Prompts queued at once, one of them a resent history of several turns (one prefill chunk per turn),
+    are all prefilled in one loop iteration (the prefill token budget), so the first batched decode step
+    already holds every one of them."""
     sched = Scheduler(rt, store=False)
     try:
         real, sizes = rt.engine.decode_batch, []
         monkeypatch.setattr(rt.engine, "decode_batch", lambda steps: sizes.append(len(steps)) or real(steps))
+        history = [m for k in range(4) for m in ({"role": "user", "content": f"Number {k}?"},
+                                                 {"role": "assistant", "content": f"It is {k}."})]
         boxes = [queue.Queue() for _ in range(3)]
         with sched._wake:  # the loop takes none of them before all three are queued
             for k, box in enumerate(boxes):
-                body = {"model": "m", "messages": [{"role": "user", "content": f"Count to {k + 3}."}],
-                        "max_tokens": 4, "temperature": 0}
+                body = {"model": "m", "messages": (history if k == 0 else []) + [
+                    {"role": "user", "content": f"Count to {k + 3}."}], "max_tokens": 4, "temperature": 0}
                 sched.submit(Job(parse_chat_request(json.dumps(body).encode()), box.put))
         for box in boxes:
             item = box.get(timeout=120)
