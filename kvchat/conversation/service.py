@@ -330,7 +330,7 @@ class ChatService:
         self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
         try:
             batcher = TokenBatcher(emit, self.batch_interval_s)
-            steps, reply = session.turn(text, SamplingParams(**asdict(gs)), cancel, user), None
+            steps, reply, settle = session.turn(text, SamplingParams(**asdict(gs)), cancel, user), None, None
             while True:
                 try:
                     item = steps.send(reply)
@@ -339,9 +339,10 @@ class ChatService:
                 if isinstance(item, str):
                     batcher.add(item)
                     reply = None
+                elif isinstance(item, PrefillChunk) and item.settle:
+                    settle = item  # the answer is complete: stored and answered before its recompute
+                    break
                 else:
-                    if isinstance(item, PrefillChunk) and item.settle:
-                        batcher.flush()  # the answer is complete: its last pieces are shown before the recompute
                     reply = yield item
             batcher.flush()
             if answer_text is not None:
@@ -366,14 +367,17 @@ class ChatService:
         self.last = turn.stats
         chat.messages += [ChatMessage("user", text),
                           ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
+        done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
+        emit(done)  # the turn is stored: answered now; the recompute and the snapshot follow (settle_ms fills in)
+        if settle is not None:  # a failure from here on leaves the stored turn; the next prefill recomputes the rest
+            yield settle
+            yield from steps
         if self.store:
             session.save_snapshot(chat.chat_id)
             try:
                 register_turn_documents(self, text, first_turn)
             except Exception as exc:  # noqa: BLE001 - e.g. locked past the busy timeout: the turn is stored; say it
                 self.persist.errors.append(f"pasted document not recorded: {exc}")
-        done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
-        emit(done)
         return done
 
     def _name_shortfall(self, chat: _Chat, stored: int) -> None:

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from kvchat.conversation.events import TokenBatch
+from kvchat.conversation.events import TokenBatch, TurnDone
 from kvchat.conversation.history_match import chat_with_ids, generated_answer
 from kvchat.conversation.records import new_settings
 from kvchat.conversation.service import ChatService, ConversationConflictError
@@ -100,6 +100,7 @@ class Job:
     # the last user message as _prepare rendered it, tokenized once per request (a stored chat it continues
     # was found by the same rendering's ids, so its own format renders the message the same)
     user: UserTurn | None = None
+    answered: bool = False  # the "done" was pushed (the turn is stored); its recompute may still run
 
 
 class Scheduler:
@@ -205,6 +206,8 @@ class Scheduler:
     def _admit(self) -> None:
         """Prepare queued jobs in order; admit those whose full length fits beside the running ones."""
         total = self.rt.engine.pool.num_blocks
+        if any(_settling(j) for j in self.running):  # answered, its chat busy until the recompute and snapshot:
+            return  # a next turn of it must continue that chat, not branch off (done within this iteration)
         for job in list(self.queued):
             if job.cancel.is_set() and job.steps is None:
                 self.queued.remove(job)
@@ -303,7 +306,11 @@ class Scheduler:
             self._fail(job, exc)
 
     def _on_event(self, job: Job, event) -> None:
-        """The service's events on this thread: stream answer text, holding back a possible stop string."""
+        """The service's events on this thread: stream answer text, holding back a possible stop string;
+        answer the request once its turn is stored (:class:`TurnDone`, before the answer's recompute)."""
+        if isinstance(event, TurnDone):
+            self._answer(job, event)
+            return
         if not isinstance(event, TokenBatch) or job.stop_at is not None:
             return
         if job.first_at is None:
@@ -325,7 +332,15 @@ class Scheduler:
             job.sent = upto
 
     def _finish(self, job: Job, done) -> None:
+        """The turn's generator ended: answer it if :meth:`_answer` has not, give its blocks back."""
         self.running.remove(job)
+        if not job.answered:
+            self._answer(job, done)
+        self._release(job)
+
+    def _answer(self, job: Job, done) -> None:
+        """Push the final text and the :class:`Finished` (the turn is stored; its recompute may follow)."""
+        job.answered = True
         stats = done.stats
         if job.stop_at is None and done.text.startswith(job.text):
             job.text = done.text
@@ -336,14 +351,14 @@ class Scheduler:
         miss = stats.miss_reason
         if job.drift and stats.reused_tokens < stats.prompt_tokens - self.rt.engine.spec.block_size:
             miss = job.drift if miss is None else f"{job.drift}; {miss}"
-        self._release(job)
         job.push(("done", Finished(text, finish, stats, ttft, miss, done.chat_id)))
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         if job in self.running:
             self.running.remove(job)
         self._release(job)
-        job.push(("error", _api_error(exc)))
+        if not job.answered:  # answered: the turn is stored, only its recompute or snapshot failed
+            job.push(("error", _api_error(exc)))
 
     def _release(self, job: Job) -> None:
         """Give the request's blocks back to the pool (they stay in the prefix cache)."""
