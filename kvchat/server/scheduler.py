@@ -13,10 +13,13 @@ loop iteration of the scheduler thread
    a token budget): running streams keep flowing while a long prompt is
    prefilled, and requests that arrive together with short prompts (many
    small chunks, one per resent turn, included) are all prefilled in one
-   iteration and decode together from the next. A finished answer's
-   recompute (:meth:`kvchat.engine.session.Session.turn` settles it as prefill
-   chunks) comes after the new prompts, in the same budget, so a running
-   stream waits at most one budget's worth of chunks between two tokens.
+   iteration and decode together from the next. A request is answered once
+   its turn is stored (:class:`TurnDone`); its answer's recompute
+   (:meth:`kvchat.engine.session.Session.turn` settles it as prefill chunks)
+   and snapshot follow, after the new prompts, in the same budget, so a
+   running stream waits at most one budget's worth of chunks between two
+   tokens. While a turn settles no new request is prepared: a next turn of
+   that chat continues it instead of branching off.
 
 A request is a turn of the conversation service
 (:meth:`kvchat.conversation.service.ChatService.send_steps`): the same
