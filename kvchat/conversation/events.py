@@ -39,7 +39,9 @@ class TokenBatch:
 
 @dataclass(slots=True)
 class TurnDone:
-    """The answer is complete (``stats.finish_reason`` says why); the turn is stored under ``chat_id``."""
+    """The answer is complete (``stats.finish_reason`` says why); the turn is stored under ``chat_id`` (None
+    when the service does not store). Emitted last, except by :meth:`ChatService.send_steps`, which emits it
+    before the answer's recompute and snapshot (``stats.settle_ms`` is filled in afterwards)."""
 
     chat_id: str
     text: str

@@ -294,13 +294,17 @@ class ChatService:
                    answer_text: Callable[[str], str] | None = None, user: UserTurn | None = None):
         """:meth:`send` as engine steps (:meth:`kvchat.engine.session.Session.turn`), for a scheduler that
         runs several chats at once: it answers each ``DecodeStep`` with logits; the generator returns the
-        :class:`TurnDone` (also emitted). Same checks, storing and rollback as :meth:`send`.
+        :class:`TurnDone`. Same checks, storing and rollback as :meth:`send`, but the ``TurnDone`` is emitted
+        as soon as the turn is stored, before the answer's recompute (``PrefillChunk(settle=True)`` steps)
+        and its snapshot: the generator holds the chat's blocks until it ends. A failure after that point
+        keeps the stored turn and goes to ``persist.errors``.
 
         ``answer_text(generated text)``: the answer's text as stored and returned (a server cuts it at a
         stop string, as its client saw it); the ids stay those generated, so a resent history maps the
         text back to them (:mod:`kvchat.server.prefix`). ``user``: ``text`` already rendered as the open chat
         renders it (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`), not tokenized again."""
-        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text, user=user)
+        return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text, user=user,
+                                answer_early=True)
 
     def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
@@ -320,7 +324,7 @@ class ChatService:
 
     def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
                     rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None,
-                    user: UserTurn | None = None):
+                    user: UserTurn | None = None, answer_early: bool = False):
         session, stored = chat.session, chat.stored_len
         try:
             user = session.check_turn_fits(text, user)
@@ -339,7 +343,7 @@ class ChatService:
                 if isinstance(item, str):
                     batcher.add(item)
                     reply = None
-                elif isinstance(item, PrefillChunk) and item.settle:
+                elif answer_early and isinstance(item, PrefillChunk) and item.settle:
                     settle = item  # the answer is complete: stored and answered before its recompute
                     break
                 else:
@@ -368,16 +372,21 @@ class ChatService:
         chat.messages += [ChatMessage("user", text),
                           ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
         done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
-        emit(done)  # the turn is stored: answered now; the recompute and the snapshot follow (settle_ms fills in)
-        if settle is not None:  # a failure from here on leaves the stored turn; the next prefill recomputes the rest
-            yield settle
-            yield from steps
+        if settle is not None:  # answer_early: the turn is stored, answered now; the recompute and snapshot follow
+            emit(done)
+            try:
+                yield settle
+                yield from steps
+            except Exception as exc:  # noqa: BLE001 - the stored turn stays; the next prefill recomputes the rest
+                self.persist.errors.append(f"answer stored, its recompute failed: {exc}")
         if self.store:
             session.save_snapshot(chat.chat_id)
             try:
                 register_turn_documents(self, text, first_turn)
             except Exception as exc:  # noqa: BLE001 - e.g. locked past the busy timeout: the turn is stored; say it
                 self.persist.errors.append(f"pasted document not recorded: {exc}")
+        if settle is None:
+            emit(done)
         return done
 
     def _name_shortfall(self, chat: _Chat, stored: int) -> None:

@@ -16,10 +16,11 @@ loop iteration of the scheduler thread
    iteration and decode together from the next. A request is answered once
    its turn is stored (:class:`TurnDone`); its answer's recompute
    (:meth:`kvchat.engine.session.Session.turn` settles it as prefill chunks)
-   and snapshot follow, after the new prompts, in the same budget, so a
-   running stream waits at most one budget's worth of chunks between two
-   tokens. While a turn settles no new request is prepared: a next turn of
-   that chat continues it instead of branching off.
+   and snapshot follow in the same iteration's budget, before new prompts, so
+   a running stream waits at most one budget's worth of chunks between two
+   tokens. While a stored turn settles no new request is prepared (queued
+   ones wait an iteration): a next turn of that chat, sent at its [DONE],
+   continues it instead of branching off.
 
 A request is a turn of the conversation service
 (:meth:`kvchat.conversation.service.ChatService.send_steps`): the same
@@ -194,8 +195,9 @@ class Scheduler:
         decoding = [j for j in self.running if isinstance(j.waiting, DecodeStep)]
         if decoding:
             self._decode(decoding)
-        starting = sorted((j for j in self.running if not isinstance(j.waiting, DecodeStep)), key=_settling)
-        budget, ended = PREFILL_BUDGET_TOKENS, False  # new prompts first, then answers' recomputes
+        starting = [j for j in self.running if not isinstance(j.waiting, DecodeStep)]
+        starting.sort(key=lambda j: not _settling(j))  # answers' recomputes first (they hold back new requests)
+        budget, ended = PREFILL_BUDGET_TOKENS, False
         for job in starting:
             while budget > 0 and job in self.running and not isinstance(job.waiting, DecodeStep):
                 self._advance(job, None)
@@ -209,12 +211,16 @@ class Scheduler:
     def _admit(self) -> None:
         """Prepare queued jobs in order; admit those whose full length fits beside the running ones."""
         total = self.rt.engine.pool.num_blocks
-        if any(_settling(j) for j in self.running):  # answered, its chat busy until the recompute and snapshot:
-            return  # a next turn of it must continue that chat, not branch off (done within this iteration)
+        # an answered turn holds its chat until its recompute and snapshot (the budget after the decode step
+        # that ended it runs them first): a next turn of it, sent at its [DONE], must continue that chat, so
+        # nothing new is prepared meanwhile
+        hold = self.store and any(_settling(j) for j in self.running)
         for job in list(self.queued):
             if job.cancel.is_set() and job.steps is None:
                 self.queued.remove(job)
                 job.push(("error", ApiError(499, "the client closed the request")))
+                continue
+            if job.service is None and hold:
                 continue
             if job.service is None:
                 try:
@@ -360,7 +366,9 @@ class Scheduler:
         if job in self.running:
             self.running.remove(job)
         self._release(job)
-        if not job.answered:  # answered: the turn is stored, only its recompute or snapshot failed
+        if job.answered:  # the turn is stored and answered; only what followed failed: say it on stderr
+            print(f"kvchat serve: after an answer: {type(exc).__name__}: {exc}", file=sys.stderr)
+        else:
             job.push(("error", _api_error(exc)))
 
     def _release(self, job: Job) -> None:

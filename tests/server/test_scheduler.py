@@ -76,3 +76,37 @@ def test_requests_that_arrive_together_start_decoding_together(rt, monkeypatch):
         assert sizes[0] == 3, sizes
     finally:
         sched.stop()
+
+
+def test_a_follow_up_sent_at_done_continues_the_same_chat(rt):
+    """The "done" comes before the answer's recompute and snapshot; a next turn sent right then (from the push
+    itself, on the scheduler thread) continues that stored chat and reuses its K/V, it does not branch off."""
+    sched = Scheduler(rt, store=True)
+    first, second = queue.Queue(), queue.Queue()
+    msgs = [{"role": "user", "content": "Say hello."}]
+
+    def body(messages):
+        raw = {"model": "m", "messages": messages, "max_tokens": 6, "temperature": 0}
+        return parse_chat_request(json.dumps(raw).encode())
+
+    def on_first(item):
+        first.put(item)
+        if item[0] == "done":
+            follow = msgs + [{"role": "assistant", "content": item[1].text}, {"role": "user", "content": "Again."}]
+            sched.submit(Job(body(follow), second.put))
+
+    def last(box):
+        item = box.get(timeout=120)
+        while item[0] == "text":
+            item = box.get(timeout=120)
+        return item
+
+    try:
+        sched.submit(Job(body(msgs), on_first))
+        (k1, done1), (k2, done2) = last(first), last(second)
+        assert k1 == k2 == "done" and done1.chat_id is not None
+        assert done2.chat_id == done1.chat_id  # continued, not a branch
+        assert done2.stats.from_memory > 0  # whole 16-token blocks up to a chunk edge: short turns reuse a part
+        assert done1.stats.settle_ms > 0  # its recompute ran after it was answered
+    finally:
+        sched.stop()
