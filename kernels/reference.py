@@ -21,6 +21,8 @@ outliers saturate instead of overflowing and an all-zero token is exact.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -183,6 +185,23 @@ def dequantize_into(values: torch.Tensor, scale: torch.Tensor | None, out: torch
     return out.mul_((scale * 256.0).unsqueeze(-1))
 
 
+@lru_cache(maxsize=1)
+def causal_mask(q_start: int, t: int, length: int, group: int, device: torch.device) -> torch.Tensor:
+    """The additive causal mask of :func:`dense_attention`'s grouped queries: float32 ``[group * t, length]``,
+    0 where query row ``g * t + i`` (position ``q_start + i``) may read key ``j`` (``j <= q_start + i``), -inf
+    elsewhere.
+
+    Made once per shape and reused by every layer of a forward (the last shape is kept; callers never write
+    to it; a normal tensor, usable in and out of inference mode). SDPA turns a boolean mask into this additive one on every call (measured, 30 layers,
+    2 threads: a 512-token chunk at 4,096 tokens 1.08-1.13 s with it vs 1.21-1.24 s with the boolean mask, a
+    16-token question 51 vs 60-65 ms), with bit-identical outputs.
+    """
+    with torch.inference_mode(False):
+        pos = torch.arange(q_start, q_start + t, device=device).repeat(group)
+        allowed = torch.arange(length, device=device)[None, :] <= pos[:, None]
+        return torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+
+
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_start: int, sm_scale: float) -> torch.Tensor:
     """Causal GQA attention over one sequence's contiguous, dequantized K/V.
 
@@ -211,8 +230,7 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         probs = torch.softmax(torch.bmm(q, key.transpose(1, 2)) * sm_scale, dim=-1)
         return torch.bmm(probs, value).view(1, h, d).to(query.dtype)
     q = query.float().view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * t, d)
-    pos = torch.arange(q_start, q_start + t, device=query.device).repeat(group)
-    mask = torch.arange(length, device=query.device)[None, :] <= pos[:, None]
+    mask = causal_mask(q_start, t, length, group, query.device)
     out = F.scaled_dot_product_attention(q, key[None], value[None], attn_mask=mask, scale=sm_scale)
     return out[0].view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, h, d).to(query.dtype)
 

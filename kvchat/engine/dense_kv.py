@@ -27,6 +27,7 @@ from kvchat.store.snapshot import ChunkData
 MIN_CAPACITY = 256  # tokens; capacity is a multiple of it
 HEADROOM_TOKENS = 512  # grown by this much beyond the need: a question after a prefill, or 512 decode steps, fit
 # without a copy, and a resumed 4,096-token chat does not fault in pages for 8,192 (doubling would).
+PREALLOCATE_BYTES = 512 * 2**20  # the engine's copy is allocated and touched at load up to this size (preallocate)
 
 
 class DenseKV:
@@ -66,11 +67,36 @@ class DenseKV:
             i += 1
         return min(n, i * bs)
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's K and V over all layers (float32)."""
+        layers, heads, _, dim = self._shape
+        return 2 * layers * heads * dim * 4
+
+    def preallocate(self, max_tokens: int) -> int:
+        """Allocate room for ``max_tokens`` tokens (no sequence is longer: the engine's context limit), at most
+        :data:`PREALLOCATE_BYTES` (rounded up to :data:`MIN_CAPACITY` tokens), and touch every page now; returns the capacity in tokens.
+
+        Called once at engine load, before any sequence runs. A fresh process's first restore otherwise
+        writes into freshly mapped memory and pays one page fault per 4 KiB inside the time to first token
+        (measured, a 4,096-token restore in fresh processes, 2 threads: 68 ms restore / 214-220 ms TTFT
+        with the copy touched at load vs 92-105 ms / 232-252 ms without; touching 189 MB took 32-50 ms of
+        the load). llama.cpp likewise allocates and clears its whole KV buffer when it creates a context.
+        """
+        tokens = min(max_tokens, PREALLOCATE_BYTES // self.bytes_per_token)
+        cap = max(MIN_CAPACITY, -(-tokens // MIN_CAPACITY) * MIN_CAPACITY)
+        if cap > self.k.shape[2]:
+            self._grow(cap)
+            self.k.zero_()
+            self.v.zero_()
+        return self.k.shape[2]
+
     def _reserve(self, num_tokens: int) -> None:
-        cap = self.k.shape[2]
-        if num_tokens <= cap:
-            return
-        new_cap = -(-(num_tokens + HEADROOM_TOKENS) // MIN_CAPACITY) * MIN_CAPACITY
+        if num_tokens > self.k.shape[2]:
+            self._grow(-(-(num_tokens + HEADROOM_TOKENS) // MIN_CAPACITY) * MIN_CAPACITY)
+
+    def _grow(self, new_cap: int) -> None:
+        """Reallocate K/V with ``new_cap`` tokens of capacity, keeping the valid tokens."""
         shape = (self._shape[0], self._shape[1], new_cap, self._shape[3])
         for name in ("k", "v"):
             old = getattr(self, name)

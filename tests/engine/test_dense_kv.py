@@ -190,3 +190,22 @@ def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens
         persist.close()
         # the paged path (attention through the block table) over the same restored chunks agrees bit for bit
         assert torch.equal(logits, _resumed_logits(_engine(kv_dtype, pool_bytes=8 * 2**20, dense=False)))
+
+
+def test_the_engines_copy_is_allocated_for_its_context_at_load(monkeypatch):
+    """The engine's copy holds its whole context limit from load (touched, so a first restore faults no page),
+    never reallocated by a sequence that fits; a copy bigger than PREALLOCATE_BYTES is capped there."""
+    engine = _engine()
+    dense = engine.dense
+    assert dense.k.shape[2] >= engine.max_context and dense.length == 0
+    before = (dense.k.data_ptr(), dense.v.data_ptr())
+    ids = torch.randint(0, 97, (engine.max_context,)).tolist()
+    seq = SeqBlocks()
+    engine.prefill(seq, ids[:-1])
+    engine.decode(seq, ids)
+    assert (dense.k.data_ptr(), dense.v.data_ptr()) == before
+    _assert_copy_matches_pool(engine, seq, ids[0])
+    small = dense.bytes_per_token * 200  # 200 tokens' worth: rounded up to 256
+    monkeypatch.setattr(dense_kv, "PREALLOCATE_BYTES", small)
+    capped = dense_kv.DenseKV(engine.pool, engine.blocks)
+    assert capped.preallocate(engine.max_context) == dense_kv.MIN_CAPACITY < engine.max_context

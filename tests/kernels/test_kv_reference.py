@@ -106,3 +106,24 @@ def test_read_slots_paths_agree_bit_for_bit():
     out = torch.full((3, 600, 64), float("nan")).transpose(0, 1)
     ref.read_slots(kc, ks, slots, out=out)
     assert torch.equal(small, want[:100]) and torch.equal(bulk, want) and torch.equal(out, want)
+
+
+def test_the_reused_additive_mask_gives_the_boolean_masks_bits():
+    """dense_attention's cached additive causal mask: the same bits as SDPA with a boolean mask made per call,
+    for a prefill chunk from 0 and a question after a prefix, in and out of inference mode."""
+    torch.manual_seed(0)
+    hkv, group, d = 3, 3, 64
+    for q_start, t in ((0, 40), (260, 16)):
+        length = q_start + t
+        q, k, v = torch.randn(t, hkv * group, d), torch.randn(hkv, length, d), torch.randn(hkv, length, d)
+        pos = torch.arange(q_start, length).repeat(group)
+        allowed = torch.arange(length)[None, :] <= pos[:, None]
+        qg = q.view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * t, d)
+        want = torch.nn.functional.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=allowed, scale=0.125)
+        want = want[0].view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hkv * group, d)
+        with torch.inference_mode():
+            first = ref.dense_attention(q, k, v, q_start, 0.125)
+        again = ref.dense_attention(q, k, v, q_start, 0.125)  # the cached mask, outside inference mode
+        assert torch.equal(first, want) and torch.equal(again, want)
+        mask = ref.causal_mask(q_start, t, length, group, q.device)
+        assert mask.shape == (group * t, length) and torch.equal(mask == 0, allowed)
