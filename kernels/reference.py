@@ -58,13 +58,18 @@ def fp8_bits_to_f16(u8: torch.Tensor) -> torch.Tensor:
     torch's own float8 -> float conversion. Multiply by 256 (fold it into
     the scale) to get the true value.
 
+    Two in-place passes over one int16 temporary: the byte read as int8 and
+    sign-extended, shifted left by 7 (the sign lands in bits 15 and 14), bit
+    14 cleared (measured, 23.6 M values, 1 thread: 19.4-19.8 ms for the
+    conversion into float32 vs 25.5-26.6 ms with a separate sign mask).
+
     Args:
         u8: uint8 tensor of float8_e4m3fn bit patterns, any shape.
     Returns:
         float16 tensor of the same shape.
     """
-    i = u8.to(torch.int16)
-    return (((i & 0x7F) << 7) | ((i & 0x80) << 8)).view(torch.float16)
+    i = u8.view(torch.int8).to(torch.int16)
+    return i.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -168,20 +173,16 @@ def dequantize_into(values: torch.Tensor, scale: torch.Tensor | None, out: torch
     Returns:
         float32 values (``out`` when given), bit-identical to :func:`dequantize_fp8`.
 
-    fp8 goes through :func:`fp8_bits_to_f16`'s bit trick, in place on one int16
-    temporary. Measured against a 256-entry table gather (``table[bytes]``, the
+    fp8 goes through :func:`fp8_bits_to_f16`'s bit trick. Measured against a 256-entry table gather (``table[bytes]``, the
     table holding every e4m3 value) on 4,096 tokens' K of SmolLM2 (23.6 M
     values, 1 thread, a shared machine): bit trick 94 ms, table gather 199-376 ms
     (``take``/``index`` with int64/int32 indices), torch's own fp8 cast 87-252 ms.
     """
     if values.dtype != FP8_DTYPE:
         return values.float() if out is None else out.copy_(values)
-    bits = values.view(torch.uint8).to(torch.int16)  # fp8_bits_to_f16, in place
-    sign = bits & 0x80
-    bits.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign.bitwise_left_shift_(8))
     if out is None:
         out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
-    out.copy_(bits.view(torch.float16))
+    out.copy_(fp8_bits_to_f16(values.view(torch.uint8)))
     return out.mul_((scale * 256.0).unsqueeze(-1))
 
 

@@ -23,6 +23,8 @@ def test_fp8_bit_trick_is_exact_for_every_finite_byte():
     got = ref.fp8_bits_to_f16(allbytes).float() * 256
     finite = ~want.isnan()
     assert torch.equal(got[finite], want[finite])
+    # the NaN bytes 0x7F/0xFF read as +-480, as the Triton kernels' (i & 0x7F) << 7 | (i & 0x80) << 8 reads them
+    assert got[0x7F].item() == 480.0 and got[0xFF].item() == -480.0
 
 
 def test_outliers_saturate_and_zero_tokens_stay_finite():
