@@ -153,11 +153,12 @@ class KVPersist:
         return find_chain(get_db(), self.fingerprint, token_ids)
 
     @torch.inference_mode()  # as every caller's forward: the pool and dense copy may be inference tensors
-    def restore(self, seq: SeqBlocks, token_ids: Sequence[int]) -> RestoreResult:
+    def restore(self, seq: SeqBlocks, token_ids: Sequence[int], whole: bool = False) -> RestoreResult:
         """Read the stored chain of ``token_ids`` into ``seq``'s blocks, beyond what it already holds.
 
         At most ``len(token_ids) - 1`` tokens are restored (the last one is
-        recomputed for logits). Blocks for the whole chain are reserved first
+        recomputed for logits), all of them with ``whole`` (a prefix held for
+        later turns, no logits wanted: an opened chat's history). Blocks for the whole chain are reserved first
         (``PoolFullError`` before any read); :data:`READ_THREADS` workers then
         each read, verify and copy one file at a time into those blocks (and,
         on a CPU, dequantized into the engine's dense copy, so the first
@@ -174,7 +175,7 @@ class KVPersist:
         """
         timer = DeviceTimer(self.engine.device).start()  # restore_ms counts the copies into the pool done
         res = RestoreResult()
-        limit = len(token_ids) - 1
+        limit = len(token_ids) - (0 if whole else 1)
         rows = self.find(token_ids)
         have = seq.num_computed
         todo, start = [], 0

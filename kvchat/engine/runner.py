@@ -310,7 +310,9 @@ class Engine:
         """Compute every token of ``token_ids`` not yet in the pool; return last-token logits.
 
         At least the last token is always computed (a full prefix hit still
-        needs logits); its block is copied on write if shared.
+        needs logits); its block is copied on write if shared. Computing starts
+        at the cold chunk plan's last edge at or below ``seq.num_computed``
+        (:func:`last_cut`), so the K/V are a cold run's bit for bit.
 
         Args:
             seq: the sequence's blocks (``seq.num_computed`` tokens already in the pool).
@@ -334,7 +336,9 @@ class Engine:
         requests' decode steps), so it and :attr:`prefill_tokens_per_s` are this prefill's own.
         """
         self.check_fits(len(token_ids))
-        start = min(seq.num_computed, len(token_ids) - 1)
+        # from a cold chunk edge (the last token is always computed, for logits): every chunk is one a cold
+        # run computes, so the K/V are bit-identical to a cold run's however the earlier ones were obtained
+        start = last_cut(min(seq.num_computed, len(token_ids) - 1), boundaries)
         seq.num_computed = start
         timer, ms = DeviceTimer(self.device), 0.0
         hidden = None

@@ -130,38 +130,53 @@ class Session:
         """Tokens the context can still take."""
         return self.engine.max_context - len(self.token_ids)
 
-    def attach_cached_prefix(self, stats: TurnStats) -> None:
-        """Reuse cached K/V before prefill: pool prefix hits first, then snapshot files."""
+    def attach_cached_prefix(self, stats: TurnStats, whole: bool = False) -> None:
+        """Reuse cached K/V before prefill: pool prefix hits first, then snapshot files.
+
+        ``whole``: the token list is a prefix held for later turns (an opened chat's history, a documents
+        prefix), so the files may cover all of it; otherwise its last token is left to compute for logits.
+
+        What is reused ends at an edge of the cold chunk plan (:func:`last_cut`) or covers the whole list,
+        so every token computed afterwards runs in a cold run's chunks and its K/V are bit-identical to a
+        cold run's. A pool hit covers whole blocks only and stops inside a chunk when a segment does not
+        end on a block (the documents' prefix of another chat): it is cut back to the chunk's start, and
+        the files, whose tails end at segment ends, usually give the rest exactly. A chain that stops early
+        (a chunk missing or corrupt) is cut back the same way.
+        """
         if not self.seq.block_table:
-            stats.from_memory = self.engine.blocks.attach_prefix(self.seq, self.token_ids)
+            stats.from_memory = self._to_chunk_edge(self.engine.blocks.attach_prefix(self.seq, self.token_ids))
         if self.persist is not None:
-            res = self.persist.restore(self.seq, self.token_ids)
+            res = self.persist.restore(self.seq, self.token_ids, whole)
             stats.from_disk, stats.restore_ms = res.from_disk, res.restore_ms
             stats.bytes_read, stats.miss_reason = res.bytes_read, res.miss_reason
-            have = self.seq.num_computed
-            cut = last_cut(have, self.boundaries)
-            if res.from_disk and cut < have < len(self.token_ids) - 1:
-                # The chain stopped early inside a segment (a chunk missing or corrupt): recompute
-                # from a chunk edge, in a cold run's chunks, so the K/V are bit-identical to a cold run's.
-                self.seq.num_computed = cut
-                # the counters say what is reused (reused = from_memory + from_disk); bytes_read stays the
-                # bytes actually read, the trimmed chunks' included
-                stats.from_memory = min(stats.from_memory, cut)
-                stats.from_disk = cut - stats.from_memory
+            cut = self._to_chunk_edge(self.seq.num_computed)
+            # the counters say what is reused (reused = from_memory + from_disk); bytes_read stays the
+            # bytes actually read, the trimmed chunks' included
+            stats.from_memory = min(stats.from_memory, cut)
+            stats.from_disk = cut - stats.from_memory
         stats.reused_tokens = self.seq.num_computed
 
+    def _to_chunk_edge(self, have: int) -> int:
+        """Cut ``seq.num_computed`` (``have``, reused tokens) back to the last cold chunk edge at or below it,
+        unless it covers the whole token list; returns the tokens kept."""
+        cut = have if have >= len(self.token_ids) else last_cut(have, self.boundaries)
+        self.seq.num_computed = cut
+        return cut
+
     def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
-        """Make the whole token list (e.g. a documents-only prefix) resident: reuse, then prefill."""
+        """Make the whole token list (e.g. a documents-only prefix) resident: reuse (all of it, when stored:
+        no logits are wanted), then prefill what is left."""
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        self._reuse_and_prefill(stats, progress)
+        self.attach_cached_prefix(stats, whole=True)
+        if self.seq.num_computed < len(self.token_ids):
+            result = _drive(self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense),
+                            progress)
+            stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         return stats
 
-    def _reuse_and_prefill(self, stats: TurnStats, progress: Callable[[int, int], None] | None):
-        """Cached K/V first, then prefill the rest; fills the stats, returns the engine's PrefillResult."""
-        return _drive(self._reuse_and_prefill_steps(stats), progress)
-
     def _reuse_and_prefill_steps(self, stats: TurnStats):
-        """:meth:`_reuse_and_prefill` as steps (yields :class:`PrefillChunk`)."""
+        """Cached K/V first, then prefill the rest as steps (yields :class:`PrefillChunk`); fills the stats,
+        returns the engine's PrefillResult."""
         self.attach_cached_prefix(stats)
         result = yield from self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense)
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms

@@ -137,3 +137,45 @@ def test_a_resume_whose_chain_stops_inside_a_segment_recomputes_in_cold_chunks(r
     assert stats.from_disk == 0 and stats.reused_tokens == 0
     _assert_equals_cold(cold_rt, again)
     again.persist.close()
+
+
+def test_a_second_chat_on_a_prefix_in_the_pool_holds_a_cold_runs_kv(rt, cold_rt):
+    """The same documents and question twice in one process: the second chat's pool hit covers whole blocks,
+    416 of the 417-token prompt, and stops inside the question's chunk; it is cut back to the question's
+    start (a chunk edge) instead of computing its last token alone, which gave other bits."""
+    fmt = rt.chat_format(new_settings(["doc"]))
+    first = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", DOC)])
+    list(first.send("What does paged attention store?", SamplingParams(max_tokens=8)))
+    second = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", DOC)])
+    list(second.send("What does paged attention store?", SamplingParams(max_tokens=8)))
+    stats, question = second.last_turn.stats, second.segments[1]
+    assert stats.from_memory == question.start == stats.reused_tokens  # 416 in the pool, 401 kept
+    assert stats.prompt_tokens - 1 > stats.from_memory and stats.prompt_tokens % 16 != 0
+    _assert_equals_cold(cold_rt, second)
+    first.close()
+    second.close()
+
+
+def test_a_stored_documents_prefix_is_restored_whole_and_the_next_turn_is_cold_exact(rt, cold_rt, tmp_path):
+    """prefill_prefix (a new chat on a known document) restores all the prefix's tokens from its files,
+    the last one included, and computes nothing; before, it restored all but the last and computed that
+    one alone, with other bits than the cold chunk, and every later token read it."""
+    from kvchat.engine.persistence import KVPersist
+
+    fmt = rt.chat_format(new_settings(["doc"]))
+    persist = KVPersist(rt.engine)
+    first = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", DOC * 2)], persist)
+    first.prefill_prefix()
+    first.save_snapshot("c_whole")
+    persist.flush()
+    first.close()
+    persist.close()
+
+    other_rt = load_runtime(None, rt.engine.spec.kv_dtype)  # a new process: nothing in its pool
+    again = Session.new(other_rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", DOC * 2)], KVPersist(other_rt.engine))
+    stats = again.prefill_prefix()
+    assert stats.from_disk == len(again.token_ids) == stats.reused_tokens and stats.prefilled_tokens == 0
+    list(again.send("What is shared?", SamplingParams(max_tokens=8)))
+    _assert_equals_cold(cold_rt, again)
+    again.persist.close()
+    again.close()

@@ -134,6 +134,7 @@ def test_smollm2_dense_and_paged_paths_give_identical_logits(smol_info, kv_dtype
 
 
 RESTORE_TOKENS = CHUNK_TOKENS + 37  # a full chunk and a tail (the test model allows 512 tokens)
+QUESTION = [5, 6, 7]  # the turn after the restored tokens: a segment starting at RESTORE_TOKENS
 
 
 def _restore_ids() -> list[int]:
@@ -151,11 +152,11 @@ def _saved(kv_dtype: str) -> None:
 
 
 def _resumed_logits(engine: Engine) -> torch.Tensor:
-    """Restore the stored ids into ``engine`` and compute the last token's logits."""
+    """Restore the stored ids into ``engine`` and compute the question's last logits."""
     persist = KVPersist(engine)
-    seq, ids = SeqBlocks(), _restore_ids()
-    assert persist.restore(seq, ids).from_disk == RESTORE_TOKENS - 1
-    logits = engine.prefill(seq, ids).logits
+    seq, ids = SeqBlocks(), _restore_ids() + QUESTION
+    assert persist.restore(seq, ids).from_disk == RESTORE_TOKENS
+    logits = engine.prefill(seq, ids, boundaries=[RESTORE_TOKENS]).logits
     persist.close()
     return logits
 
@@ -165,7 +166,7 @@ def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens
         _saved(kv_dtype)
         engine = _engine(kv_dtype, pool_bytes=8 * 2**20)  # a fresh engine: nothing in its pool
         persist = KVPersist(engine)
-        seq, ids = SeqBlocks(), _restore_ids()
+        seq, ids = SeqBlocks(), _restore_ids() + QUESTION
         threads, later = torch.get_num_threads(), []
         torch.set_num_threads(2)  # a count the readers' single thread differs from, on any machine
         try:
@@ -176,7 +177,7 @@ def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens
             worker.join()
         finally:
             torch.set_num_threads(threads)
-        assert res.from_disk == RESTORE_TOKENS - 1 and res.miss_reason is None
+        assert res.from_disk == RESTORE_TOKENS and res.miss_reason is None
         assert restored == 2 and later == [2]  # the readers ran single-threaded; the caller and later threads did not
         _assert_copy_matches_pool(engine, seq, ids[0])
 
@@ -184,9 +185,9 @@ def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens
         real = dense_kv.kernels.read_slots
         monkeypatch.setattr(dense_kv.kernels, "read_slots", lambda c, s, slots, out=None: (
             read.append(slots.numel()), real(c, s, slots, out=out))[1])
-        logits = engine.prefill(seq, ids).logits
+        logits = engine.prefill(seq, ids, boundaries=[RESTORE_TOKENS]).logits
         monkeypatch.setattr(dense_kv.kernels, "read_slots", real)
-        assert read and max(read) == 1  # only the recomputed last token, layer by layer
+        assert read and max(read) == len(QUESTION)  # only the question's new tokens, layer by layer
         persist.close()
         # the paged path (attention through the block table) over the same restored chunks agrees bit for bit
         assert torch.equal(logits, _resumed_logits(_engine(kv_dtype, pool_bytes=8 * 2**20, dense=False)))

@@ -164,7 +164,8 @@ def test_document_chat_prefills_with_progress_and_reuses_its_prefix(backend, tmp
     assert done.stats.reused_tokens >= progress[-1].total - 16
     again = []
     backend.new_chat(None, [str(doc)], again.append)
-    assert [e for e in again if isinstance(e, PrefillProgress)][-1].total < 16  # a prefix hit: only the tail
+    # known: the prefix comes back whole (pool blocks, then its files' tail), nothing of it is prefilled
+    assert max((e.total for e in again if isinstance(e, PrefillProgress)), default=0) < 16
 
 
 def test_rename_search_pin_delete(backend):
