@@ -74,7 +74,7 @@ def _explain(r) -> None:
     for link in r.links:
         print(f"  [{link.start:>6}, {link.end:>6})  {'tail' if link.tail else 'chunk':5} {link.key[:12]}  {human(link.bytes):>9}  on disk")
     print(f"restorable from disk: {r.restorable_tokens} of {r.tokens} tokens "
-          f"(a resume always recomputes the last token and what the previous answer never ran through the model)")
+          f"(a resume recomputes the rest)")
     if r.stops_at is not None:
         print(f"chain stops at token {r.stops_at}: the next chunk is not on disk (never written, evicted LRU, or dropped as corrupt)")
     if r.other_fingerprints:

@@ -66,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvchat.model.loader import load_runtime, set_threads
 
     set_threads(checked_threads(args.threads))
-    rt = on_own_thread(load_runtime, args.model, args.kv_dtype)  # the scheduler thread runs it (see on_own_thread)
+    # the scheduler thread runs it (see on_own_thread); each request gets its own dense copy: none preallocated
+    rt = on_own_thread(load_runtime, args.model, args.kv_dtype, preallocate=False)
     import uvicorn
 
     from kvchat.server.app import create_app

@@ -110,8 +110,8 @@ def cache_report(chats: ChatService | None) -> CacheReport:
 
     ``cached_tokens``: what a resume reuses, the pool's cached prefix or the
     chain on disk under this engine's cache fingerprint (any, before load;
-    :func:`kvchat.engine.persistence.restorable_tokens`), whichever is longer, never
-    the last token; memory bytes = tokens in the pool × KV bytes per token;
+    :func:`kvchat.engine.persistence.restorable_tokens`), whichever is longer (the
+    pool's never the last token); memory bytes = tokens in the pool × KV bytes per token;
     disk bytes: all the chat's snapshot bytes.
 
     ``miss_reason``: for the open chat, what its opening found; for a chat

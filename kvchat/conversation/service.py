@@ -248,7 +248,7 @@ class ChatService:
         session.attach_cached_prefix(stats, whole=True)
         ms = (time.perf_counter() - t0) * 1e3
         shortfall = self._shortfall(conv.id, len(session.token_ids), stats.reused_tokens)
-        prefill = 0 if shortfall is None else max(len(session.token_ids) - 1 - stats.reused_tokens, 0)
+        prefill = 0 if shortfall is None else max(len(session.token_ids) - stats.reused_tokens, 0)
         stats.miss_reason = stats.miss_reason or shortfall
         resume = _resume(stats, ms, prefill)
         chat = _Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings, messages, resume,

@@ -34,8 +34,7 @@ class ResumeInfo:
     ``tokens`` were reused in ``ms``: ``from_disk`` of them read from snapshot
     files, the rest found in the pool's prefix cache; ``prefill`` history
     tokens were not cached and will be prefilled (0 when less than a block
-    short: the last token and the end-of-turn tokens the last answer never ran
-    through the model are always recomputed); ``miss_reason`` says why stored
+    short); ``miss_reason`` says why stored
     KV could not be used, if some was skipped.
     """
 
@@ -148,7 +147,7 @@ class CacheRow:
     """One chat on the cache screen: KV bytes on disk and in the pool, pin, and why it would miss (if known).
 
     ``cached_tokens``: the history tokens a resume reuses, from the pool or from disk, whichever covers
-    more (never the last token, which a resume always recomputes).
+    more (from the pool never the last token: a pool hit never covers it).
     """
 
     chat_id: str

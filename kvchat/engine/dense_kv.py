@@ -68,7 +68,7 @@ class DenseKV:
         return min(n, i * bs)
 
     @property
-    def bytes_per_token(self) -> int:
+    def fp32_bytes_per_token(self) -> int:
         """Bytes of one token's K and V over all layers (float32)."""
         layers, heads, _, dim = self._shape
         return 2 * layers * heads * dim * 4
@@ -77,13 +77,13 @@ class DenseKV:
         """Allocate room for ``max_tokens`` tokens (no sequence is longer: the engine's context limit), at most
         :data:`PREALLOCATE_BYTES` (rounded up to :data:`MIN_CAPACITY` tokens), and touch every page now; returns the capacity in tokens.
 
-        Called once at engine load, before any sequence runs. A fresh process's first restore otherwise
+        Called once at load (:func:`kvchat.model.loader.load_runtime`), before any sequence runs. A fresh process's first restore otherwise
         writes into freshly mapped memory and pays one page fault per 4 KiB inside the time to first token
         (measured, a 4,096-token restore in fresh processes, 2 threads: 68 ms restore / 214-220 ms TTFT
         with the copy touched at load vs 92-105 ms / 232-252 ms without; touching 189 MB took 32-50 ms of
         the load). llama.cpp likewise allocates and clears its whole KV buffer when it creates a context.
         """
-        tokens = min(max_tokens, PREALLOCATE_BYTES // self.bytes_per_token)
+        tokens = min(max_tokens, PREALLOCATE_BYTES // self.fp32_bytes_per_token)
         cap = max(MIN_CAPACITY, -(-tokens // MIN_CAPACITY) * MIN_CAPACITY)
         if cap > self.k.shape[2]:
             self._grow(cap)

@@ -119,12 +119,13 @@ def restorable_tokens(db, owner: str, token_ids: Sequence[int], fingerprint: str
 
     The longest stored chain prefixing them (:func:`find_chain`) under
     ``fingerprint`` (None: under whichever of the owner's own cache
-    fingerprints covers most, when the resuming engine is not known), never
-    the last token: a resume always recomputes it (:meth:`KVPersist.restore`).
+    fingerprints covers most, when the resuming engine is not known), at most
+    the whole history: opening a chat restores all of it, and a turn's restore
+    stops only before the new question's last token (:meth:`KVPersist.restore`).
     """
     fingerprints = [fingerprint] if fingerprint is not None else chunk_refs.owner_fingerprints(db, owner)
     stored = max((sum(r.token_count for r in find_chain(db, fp, token_ids)) for fp in fingerprints), default=0)
-    return min(stored, max(len(token_ids) - 1, 0))
+    return min(stored, len(token_ids))
 
 
 class KVPersist:

@@ -183,8 +183,6 @@ class Engine:
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
-        if self.dense is not None:  # touched now, not inside the first resumed chat's TTFT
-            self.dense.preallocate(self.max_context)
         max_blocks = -(-self.max_context // self.spec.block_size)
         sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
@@ -307,12 +305,13 @@ class Engine:
         progress: Callable[[int, int], None] | None = None,
         dense_kv: DenseKV | None = None,
     ) -> PrefillResult:
-        """Compute every token of ``token_ids`` not yet in the pool; return last-token logits.
+        """Compute the tokens of ``token_ids`` not yet in the pool; return last-token logits.
 
         At least the last token is always computed (a full prefix hit still
-        needs logits); its block is copied on write if shared. Computing starts
-        at the cold chunk plan's last edge at or below ``seq.num_computed``
-        (:func:`last_cut`), so the K/V are a cold run's bit for bit.
+        needs logits). Computing starts at the cold chunk plan's last edge at or
+        below ``seq.num_computed`` (:func:`last_cut`), so the K/V are a cold
+        run's bit for bit; pooled tokens after that edge are computed again and
+        shared blocks from there on are copied on write.
 
         Args:
             seq: the sequence's blocks (``seq.num_computed`` tokens already in the pool).

@@ -139,29 +139,24 @@ class Session:
         What is reused ends at an edge of the cold chunk plan (:func:`last_cut`) or covers the whole list,
         so every token computed afterwards runs in a cold run's chunks and its K/V are bit-identical to a
         cold run's. A pool hit covers whole blocks only and stops inside a chunk when a segment does not
-        end on a block (the documents' prefix of another chat): it is cut back to the chunk's start, and
-        the files, whose tails end at segment ends, usually give the rest exactly. A chain that stops early
-        (a chunk missing or corrupt) is cut back the same way.
+        end on a block (the documents' prefix of another chat); the files, whose tails end at segment
+        ends, then give the rest exactly when that prefix was stored. What still ends inside a chunk (no
+        file, or a chain that stops early: a chunk missing or corrupt) is cut back to the chunk's start.
         """
         if not self.seq.block_table:
-            stats.from_memory = self._to_chunk_edge(self.engine.blocks.attach_prefix(self.seq, self.token_ids))
+            stats.from_memory = self.engine.blocks.attach_prefix(self.seq, self.token_ids)
+        held = self.seq.num_computed  # a pool hit, or a live chat's history
         if self.persist is not None:
             res = self.persist.restore(self.seq, self.token_ids, whole)
-            stats.from_disk, stats.restore_ms = res.from_disk, res.restore_ms
-            stats.bytes_read, stats.miss_reason = res.bytes_read, res.miss_reason
-            cut = self._to_chunk_edge(self.seq.num_computed)
-            # the counters say what is reused (reused = from_memory + from_disk); bytes_read stays the
-            # bytes actually read, the trimmed chunks' included
-            stats.from_memory = min(stats.from_memory, cut)
-            stats.from_disk = cut - stats.from_memory
-        stats.reused_tokens = self.seq.num_computed
-
-    def _to_chunk_edge(self, have: int) -> int:
-        """Cut ``seq.num_computed`` (``have``, reused tokens) back to the last cold chunk edge at or below it,
-        unless it covers the whole token list; returns the tokens kept."""
+            stats.restore_ms, stats.bytes_read, stats.miss_reason = res.restore_ms, res.bytes_read, res.miss_reason
+        have = self.seq.num_computed
         cut = have if have >= len(self.token_ids) else last_cut(have, self.boundaries)
         self.seq.num_computed = cut
-        return cut
+        # the counters say what is reused (reused = from_memory + from_disk); bytes_read stays the bytes
+        # actually read, those of trimmed chunks included
+        stats.from_memory = min(stats.from_memory, cut)
+        stats.from_disk = max(cut - held, 0)
+        stats.reused_tokens = cut
 
     def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
         """Make the whole token list (e.g. a documents-only prefix) resident: reuse (all of it, when stored:

@@ -65,6 +65,7 @@ def load_runtime(
     device: str | None = None,
     pool_bytes: int | None = None,
     weights: str | None = None,
+    preallocate: bool = True,
 ) -> Runtime:
     """Resolve (importing on first use), load weights, build the engine and tokenizer.
 
@@ -76,6 +77,9 @@ def load_runtime(
     ``weights``: ``auto|fp32|bf16|int8`` (None: ``KVCHAT_WEIGHTS``), resolved for the device and the compute
     dtype by :func:`kvchat.engine.cache_identity.resolve_weight_format`; int8 layers are quantized after the
     calibration, from the loaded weights (:func:`kvchat.model.quant.quantize_linears`).
+    ``preallocate``: allocate and touch the engine's dense K/V copy (the CPU read path) for the whole context
+    now, not inside the first resumed chat's TTFT (:meth:`kvchat.engine.dense_kv.DenseKV.preallocate`); the
+    server, which gives every request a copy of its own, passes False.
 
     Raises:
         kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError,
@@ -98,6 +102,8 @@ def load_runtime(
                     device=dev, name=info.name, calibration=lambda e: ensure_calibration(info, e, tokenizer),
                     weight_format=weight_format)
     runtime = Runtime(info, engine, tokenizer)
+    if preallocate and engine.dense is not None:
+        engine.dense.preallocate(engine.max_context)
     if engine.exact_sink:  # every chat starts with the template's first token: its sink now, not in the first TTFT
         try:
             engine.sink_kv(runtime.chat_format().prefix_ids("", [])[0])

@@ -5,7 +5,8 @@ them) holds chats whose chains end at segment ends, one with a chunk gone,
 one stored under another cache fingerprint, and a document. A chat's
 referenced chunks overlap (the system prompt's tail and the conversation's
 tail both start at token 0), so their sum is not what a resume restores: the
-chain that matches the chat's token ids, never its last token.
+chain that matches the chat's token ids (all of them when it covers the history: opening a chat restores
+it whole).
 """
 
 from __future__ import annotations
@@ -59,12 +60,12 @@ def chats() -> dict[str, tuple[str, int]]:
     """Chat title -> (id, the tokens a resume restores)."""
     db = get_db()
     short, _ = stored_chat(db, "short", 1000, 71, [30, 70])  # system prompt tail + the turn's tail: 100 chunk tokens
-    full, _ = stored_chat(db, "full", 2000, 600, [40, 600])  # chain covers every token: all but the last restored
+    full, _ = stored_chat(db, "full", 2000, 600, [40, 600])  # chain covers every token: all restored
     broken, keys = stored_chat(db, "broken", 3000, 600, [40, 590])
     delete_chunk(db, keys[1])  # the second full chunk evicted: the chain stops at 256
     other, _ = stored_chat(db, "other dtype", 4000, 301, [300], OTHER_FP)
     store_chain(db, "d_0123456789", list(range(50)), [50])
-    return {"short": (short, 70), "full": (full, 599), "broken": (broken, 256), "other dtype": (other, 300)}
+    return {"short": (short, 70), "full": (full, 600), "broken": (broken, 256), "other dtype": (other, 300)}
 
 
 def test_cache_ls_tokens_are_what_a_resume_restores(chats, capsys):
@@ -103,4 +104,4 @@ async def test_f5_shows_the_resume_tokens(chats):
             await pilot.pause(0.05)
         column = [str(c.label) for c in table.columns.values()].index("Cached")
         shown = {str(table.get_row(cid)[0]): str(table.get_row(cid)[column]) for cid, _ in chats.values()}
-        assert shown == {"short": "70", "full": "599", "broken": "256", "other dtype": "300"}
+        assert shown == {title: str(n) for title, (_, n) in chats.items()}

@@ -179,3 +179,31 @@ def test_a_stored_documents_prefix_is_restored_whole_and_the_next_turn_is_cold_e
     _assert_equals_cold(cold_rt, again)
     again.persist.close()
     again.close()
+
+
+def test_a_pool_hit_is_extended_by_the_files_tail_and_a_live_turn_reads_nothing(rt, cold_rt):
+    """Two chats on one stored documents prefix that does not end on a block: the second takes the prefix's
+    whole blocks from the pool and only the last partial block from the file's tail (not cut back and read
+    again), holds a cold run's K/V; its next turn reuses its own history and counts nothing as read from disk."""
+    from kvchat.engine.persistence import KVPersist
+
+    fmt = rt.chat_format(new_settings(["doc"]))
+    persist = KVPersist(rt.engine)
+    first = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", DOC * 2)], persist)
+    list(first.send("What does paged attention store?", SamplingParams(max_tokens=8)))
+    first.save_snapshot("c_tail")
+    persist.flush()
+    second = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", DOC * 2)], persist)
+    list(second.send("Why are blocks shared?", SamplingParams(max_tokens=8)))
+    stats, prefix = second.last_turn.stats, second.segments[0].end
+    assert prefix % 16 and stats.from_memory == prefix - prefix % 16 and stats.from_disk == prefix % 16
+    assert stats.reused_tokens == prefix and stats.bytes_read > 0
+    _assert_equals_cold(cold_rt, second)
+    history = len(second.token_ids)
+    list(second.send("And what is stored?", SamplingParams(max_tokens=4)))
+    stats = second.last_turn.stats
+    assert stats.from_disk == 0 and stats.from_memory == 0 and stats.reused_tokens == history
+    _assert_equals_cold(cold_rt, second)
+    first.close()
+    second.close()
+    persist.close()

@@ -194,11 +194,12 @@ def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens
 
 
 def test_the_engines_copy_is_allocated_for_its_context_at_load(monkeypatch):
-    """The engine's copy holds its whole context limit from load (touched, so a first restore faults no page),
-    never reallocated by a sequence that fits; a copy bigger than PREALLOCATE_BYTES is capped there."""
+    """Preallocated (as load_runtime does), the copy holds the whole context limit (touched, so a first restore
+    faults no page) and is never reallocated by a sequence that fits; one bigger than PREALLOCATE_BYTES is capped."""
     engine = _engine()
     dense = engine.dense
-    assert dense.k.shape[2] >= engine.max_context and dense.length == 0
+    assert dense.k.shape[2] == 0
+    assert dense.preallocate(engine.max_context) >= engine.max_context and dense.length == 0
     before = (dense.k.data_ptr(), dense.v.data_ptr())
     ids = torch.randint(0, 97, (engine.max_context,)).tolist()
     seq = SeqBlocks()
@@ -206,7 +207,7 @@ def test_the_engines_copy_is_allocated_for_its_context_at_load(monkeypatch):
     engine.decode(seq, ids)
     assert (dense.k.data_ptr(), dense.v.data_ptr()) == before
     _assert_copy_matches_pool(engine, seq, ids[0])
-    small = dense.bytes_per_token * 200  # 200 tokens' worth: rounded up to 256
+    small = dense.fp32_bytes_per_token * 200  # 200 tokens' worth: rounded up to 256
     monkeypatch.setattr(dense_kv, "PREALLOCATE_BYTES", small)
     capped = dense_kv.DenseKV(engine.pool, engine.blocks)
     assert capped.preallocate(engine.max_context) == dense_kv.MIN_CAPACITY < engine.max_context

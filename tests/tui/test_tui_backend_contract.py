@@ -192,7 +192,7 @@ def test_turns_are_snapshotted_to_disk_and_purgeable(backend):
     _, done = run(backend, "Name a fruit.")
     [row] = backend.cache_report().rows
     assert row.chat_id == done.chat_id and row.disk_bytes > 0 and row.cache_state == "memory"
-    assert row.num_tokens - 16 <= row.cached_tokens < row.num_tokens, "a resume reuses all but the last few tokens"
+    assert row.num_tokens - 16 <= row.cached_tokens <= row.num_tokens, "a resume reuses the history, at most all of it"
     assert backend.cache_report().disk_bytes >= row.disk_bytes
     assert backend.purge_cache(done.chat_id) > 0
     assert backend.cache_report().rows[0].disk_bytes == 0
