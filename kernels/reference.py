@@ -58,9 +58,9 @@ def fp8_bits_to_f16(u8: torch.Tensor) -> torch.Tensor:
     torch's own float8 -> float conversion. Multiply by 256 (fold it into
     the scale) to get the true value.
 
-    Two in-place passes over one int16 temporary: the byte read as int8 and
-    sign-extended, shifted left by 7 (the sign lands in bits 15 and 14), bit
-    14 cleared (measured, 23.6 M values, 1 thread: 19.4-19.8 ms for the
+    One copy into an int16 temporary (the byte read as int8, sign-extended),
+    then two in-place passes: a left shift by 7 (the sign lands in bits 15
+    and 14) and bit 14 cleared (measured, 23.6 M values, 1 thread: 19.4-19.8 ms for the
     conversion into float32 vs 25.5-26.6 ms with a separate sign mask).
 
     Args:
@@ -173,8 +173,8 @@ def dequantize_into(values: torch.Tensor, scale: torch.Tensor | None, out: torch
     Returns:
         float32 values (``out`` when given), bit-identical to :func:`dequantize_fp8`.
 
-    fp8 goes through :func:`fp8_bits_to_f16`'s bit trick. Measured against a 256-entry table gather (``table[bytes]``, the
-    table holding every e4m3 value) on 4,096 tokens' K of SmolLM2 (23.6 M
+    fp8 goes through :func:`fp8_bits_to_f16`'s bit trick. Measured against a
+    256-entry table gather (``table[bytes]``, the table holding every e4m3 value) on 4,096 tokens' K of SmolLM2 (23.6 M
     values, 1 thread, a shared machine): bit trick 94 ms, table gather 199-376 ms
     (``take``/``index`` with int64/int32 indices), torch's own fp8 cast 87-252 ms.
     """
@@ -192,10 +192,11 @@ def causal_mask(q_start: int, t: int, length: int, group: int, device: torch.dev
     0 where query row ``g * t + i`` (position ``q_start + i``) may read key ``j`` (``j <= q_start + i``), -inf
     elsewhere.
 
-    Made once per shape and reused by every layer of a forward (the last shape is kept; callers never write
-    to it; a normal tensor, usable in and out of inference mode). SDPA turns a boolean mask into this additive one on every call (measured, 30 layers,
-    2 threads: a 512-token chunk at 4,096 tokens 1.08-1.13 s with it vs 1.21-1.24 s with the boolean mask, a
-    16-token question 51 vs 60-65 ms), with bit-identical outputs.
+    Made once per shape and reused by every layer of a forward (the last shape is kept until the next one,
+    at most ``group * 512 * context * 4`` bytes; callers never write to it; a normal tensor, usable in and
+    out of inference mode). SDPA turns a boolean mask into this additive one on every call (measured, 30
+    layers, 2 threads: a 512-token chunk at 4,096 tokens 1.08-1.13 s with it vs 1.21-1.24 s with the
+    boolean mask, a 16-token question 51 vs 60-65 ms), with bit-identical outputs.
     """
     with torch.inference_mode(False):
         pos = torch.arange(q_start, q_start + t, device=device).repeat(group)

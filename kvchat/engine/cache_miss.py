@@ -57,8 +57,8 @@ def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_token
 
     A resume from the pool alone stops at the last whole block, cut back to a
     chunk edge, and the files give the rest (the whole history when it is
-    stored); a shortfall of a block or more (``history_tokens - 1 - reused_tokens >= block_size``) means stored
-    KV was missing or unusable, and :func:`why_not_restored` names why.
+    stored); a shortfall of a block or more (``history_tokens - 1 -
+    reused_tokens >= block_size``) means stored KV was missing or unusable, and :func:`why_not_restored` names why.
     Call it before the new turn's snapshot adds references.
     """
     if history_tokens - 1 - reused_tokens < block_size:

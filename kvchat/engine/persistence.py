@@ -159,7 +159,8 @@ class KVPersist:
 
         At most ``len(token_ids) - 1`` tokens are restored (the last one is
         recomputed for logits), all of them with ``whole`` (a prefix held for
-        later turns, no logits wanted: an opened chat's history). Blocks for the whole chain are reserved first
+        later turns, no logits wanted: an opened chat's history). Blocks for
+        the whole chain are reserved first
         (``PoolFullError`` before any read); :data:`READ_THREADS` workers then
         each read, verify and copy one file at a time into those blocks (and,
         on a CPU, dequantized into the engine's dense copy, so the first
