@@ -162,17 +162,16 @@ class Session:
         """Make the whole token list (e.g. a documents-only prefix) resident: reuse (all of it, when stored:
         no logits are wanted), then prefill what is left."""
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        self.attach_cached_prefix(stats, whole=True)
-        if self.seq.num_computed < len(self.token_ids):
-            result = _drive(self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense),
-                            progress)
-            stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
+        _drive(self._reuse_and_prefill_steps(stats, whole=True), progress)
         return stats
 
-    def _reuse_and_prefill_steps(self, stats: TurnStats):
+    def _reuse_and_prefill_steps(self, stats: TurnStats, whole: bool = False):
         """Cached K/V first, then prefill the rest as steps (yields :class:`PrefillChunk`); fills the stats,
-        returns the engine's PrefillResult."""
-        self.attach_cached_prefix(stats)
+        returns the engine's PrefillResult, or None when ``whole`` (see :meth:`attach_cached_prefix`) and all
+        of it was reused: no logits are wanted, nothing runs."""
+        self.attach_cached_prefix(stats, whole)
+        if whole and self.seq.num_computed == len(self.token_ids):
+            return None
         result = yield from self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense)
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         return result
