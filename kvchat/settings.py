@@ -10,6 +10,7 @@
 - ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
 - ``KVCHAT_WEIGHTS``: the weight format the model computes with.
 - ``KVCHAT_CUDA_GRAPHS``: ``0`` turns off the CUDA graphs of decode.
+- ``KVCHAT_CPU_KERNEL``: ``0`` turns off the compiled CPU int8 kernel.
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 - ``KVCHAT_API_KEY``: the key ``kvchat serve`` requires when ``--api-key`` is not given.
@@ -55,6 +56,8 @@ WEIGHTS_CHOICES = ("auto", "fp32", "bf16", "int8")  # auto: resolved by kvchat.e
 ATTENTION_CHOICES = ("torch", "triton")
 CUDA_GRAPHS = "KVCHAT_CUDA_GRAPHS"
 CUDA_GRAPHS_CHOICES = ("1", "0")
+CPU_KERNEL = "KVCHAT_CPU_KERNEL"
+CPU_KERNEL_CHOICES = ("1", "0")
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -264,6 +267,16 @@ def cuda_graphs() -> bool:
     return _choice(CUDA_GRAPHS, CUDA_GRAPHS_CHOICES) == "1"
 
 
+def cpu_kernel_enabled() -> bool:
+    """``KVCHAT_CPU_KERNEL``: ``1`` (default) runs int8 layers' few-row matmuls on the compiled CPU kernel
+    where it builds (:mod:`kvchat.kernels.cpu_int8`), ``0`` keeps torch's bf16 int8 kernel.
+
+    Raises:
+        SettingError: any other value.
+    """
+    return _choice(CPU_KERNEL, CPU_KERNEL_CHOICES) == "1"
+
+
 def phase_trace() -> Path | None:
     """``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends one line per phase to (fault-injection runs,
     :mod:`kvchat.phase_trace`). Default (None): no trace."""
@@ -293,3 +306,4 @@ def check() -> None:
     cache_budget_gb()
     weights()
     cuda_graphs()
+    cpu_kernel_enabled()

@@ -4,11 +4,13 @@ For each KV pool dtype (fp8 with the engine's default scheme, and bf16) an
 fp32-weights engine is the reference and an int8-weights engine
 (:mod:`kvchat.model.quant`) is compared with it position by position
 (:func:`kvchat.bench.fidelity.compare_to_reference`: perplexity change, mean
-KL, top-1 agreement). Both int8 kernels are measured, by the chunk size the
-text is scored in: chunks of ``INT8MM_MAX_ROWS`` rows run
-``torch._weight_int8pack_mm`` with bf16 activations (the path of decode and
-of a question after a resume), 512-token chunks run the dequantized fp32 GEMM
-(the path of prefill).
+KL, top-1 agreement). Each int8 kernel is measured, by the chunk size the
+text is scored in (:func:`kernel_chunks`): chunks of ``CPU_KERNEL_MAX_ROWS``
+rows run the compiled fp32 kernel where it builds (the path of decode and of
+a question after a resume), chunks of ``INT8MM_MAX_ROWS`` rows
+``torch._weight_int8pack_mm`` with bf16 activations (those paths where it
+does not build), 512-token chunks the dequantized fp32 GEMM (the path of
+prefill).
 """
 
 from __future__ import annotations
@@ -18,10 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvchat.bench.teacher_forced import SCORE_CHUNK_TOKENS, FidelityResult, compare_to_reference
-from kvchat.model.int8_scheme import INT8MM_MAX_ROWS
+from kvchat.model.int8_scheme import CPU_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS
 
 POOLS = ("fp8", "bf16")
-KERNEL_CHUNKS = {"int8mm (bf16 activations)": INT8MM_MAX_ROWS, "dequantized fp32 GEMM": SCORE_CHUNK_TOKENS}
+
+
+def kernel_chunks() -> dict[str, int]:
+    """``{kernel label: chunk tokens that run it}`` for this process (the compiled kernel only where it builds)."""
+    from kvchat.kernels import cpu_int8
+
+    compiled = {"compiled (fp32 activations)": CPU_KERNEL_MAX_ROWS} if cpu_int8.available() else {}
+    return {**compiled, "int8mm (bf16 activations)": INT8MM_MAX_ROWS, "dequantized fp32 GEMM": SCORE_CHUNK_TOKENS}
 
 
 @dataclass(slots=True)
@@ -61,7 +70,7 @@ def compare_weights(info, weights, calibration, docs: Sequence[tuple[str, list[i
         calibration: its fp8 K-centring calibration (used by the fp8 pools of both engines).
         docs: ``(text name, token ids)`` pairs, at least 2 ids each.
         pools: KV pool dtypes to run.
-        kernels: ``{label: chunk tokens}``; default :data:`KERNEL_CHUNKS`.
+        kernels: ``{label: chunk tokens}``; default :func:`kernel_chunks`.
     Returns:
         one :class:`WeightFidelity` per (pool, kernel, text), then, with several texts, one per (pool,
         kernel) pooled over them.
@@ -70,7 +79,7 @@ def compare_weights(info, weights, calibration, docs: Sequence[tuple[str, list[i
     from kvchat.engine.runner import Engine
 
     cfg = info.config
-    kernels = kernels or KERNEL_CHUNKS
+    kernels = kernels or kernel_chunks()
     blocks = max(len(ids) for _, ids in docs) // 16 + 3  # + the sink's one-token forward
     out, pooled = [], []
     for kv in pools:

@@ -23,8 +23,8 @@ BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 KV_DTYPE_NAMES = ("fp8", "bf16", "fp16")  # the pool dtypes a cache can be stored in (torch dtypes: kv_pool.KV_DTYPES)
 WEIGHT_FORMATS = ("fp32", "bf16", "int8")  # what the linear layers compute with (int8: kvchat.model.quant)
 COMPUTE_NAMES = ("bf16", "fp16", "fp32")  # the compute dtypes KVCHAT_DTYPE / --dtype name (besides auto)
-# the compute dtype of each weight format when KVCHAT_DTYPE is auto; int8: fp32 everywhere but the int8
-# matmul's bf16 input (kvchat.model.quant), and no other (kvchat.engine.runner.Engine refuses it)
+# the compute dtype of each weight format when KVCHAT_DTYPE is auto; int8: fp32 everywhere but torch's int8
+# kernel's bf16 input where it runs (kvchat.model.quant), and no other (kvchat.engine.runner.Engine refuses it)
 FORMAT_COMPUTE = {"fp32": "fp32", "bf16": "bf16", "int8": "fp32"}
 LAYOUT_VERSION = 1
 NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomputed as prefill chunks
@@ -67,13 +67,21 @@ def compute_keys(weight_format: str) -> tuple[str | None, ...]:
     return (None, *(n for n in COMPUTE_NAMES if n != FORMAT_COMPUTE[weight_format]))
 
 
-def weight_scheme(weight_format: str) -> str:
+def weight_scheme(weight_format: str, int8_kernel: str | None = None) -> str:
     """The name a weight format enters the cache fingerprint with ("" for fp32: fingerprints made before
-    weight formats existed stay valid; the int8 name carries its kernel choice, which changes K/V)."""
-    if weight_format == "int8":
-        from kvchat.model.int8_scheme import INT8_SCHEME
+    weight formats existed stay valid; the int8 name carries its kernel choice, which changes K/V).
 
-        return INT8_SCHEME
+    ``int8_kernel``: a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name; None: this process's
+    (:func:`kvchat.kernels.cpu_int8.small_rows_kernel`, which imports torch and may build the kernel).
+    """
+    if weight_format == "int8":
+        from kvchat.model.int8_scheme import int8_compute_scheme
+
+        if int8_kernel is None:
+            from kvchat.kernels.cpu_int8 import small_rows_kernel
+
+            int8_kernel = small_rows_kernel()
+        return int8_compute_scheme(int8_kernel)
     return "" if weight_format == "fp32" else weight_format
 
 
@@ -136,10 +144,14 @@ def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: s
 def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
                          weight_formats: tuple[str, ...] = WEIGHT_FORMATS,
                          computes: tuple[str | None, ...] | None = None) -> set[str]:
-    """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant),
+    """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant,
+    each int8 kernel),
     with any of ``weight_formats`` and, for each, any of ``computes`` (:func:`compute_key` values; None:
     every one the format allows, :func:`compute_keys`)."""
-    pairs = [(weight_scheme(w), c or "") for w in weight_formats
+    from kvchat.model.int8_scheme import SMALL_ROWS_KERNELS
+
+    pairs = [(weight_scheme(w, kernel), c or "") for w in weight_formats
+             for kernel in (SMALL_ROWS_KERNELS if w == "int8" else (None,))
              for c in (compute_keys(w) if computes is None else computes)]
     if kv_dtype != "fp8":
         return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=c, weights=w)

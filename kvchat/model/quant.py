@@ -15,14 +15,18 @@ runs one kernel call per group and sums them in fp32. Only the linear
 layers are quantized (q/k/v, o, gate/up, down and the LM head); embeddings,
 norms, RoPE, attention, softmax and logits stay fp32.
 
-Two kernels, chosen by the number of input rows ``M`` alone (so a cold run
+Three kernels, chosen by the number of input rows ``M`` alone (so a cold run
 and a resumed run, which cut the same chunks, compute the same numbers):
 
-- ``M <= INT8MM_MAX_ROWS`` (decode, a question after a resume, the LM head):
-  ``torch._weight_int8pack_mm`` with the activations cast to bf16 at its
-  input (its CPU kernel is vectorized for bf16 activations only; with fp32
-  ones it falls back to scalar code, ~15x slower), unit scales, the
-  accumulated row then multiplied by the fp32 scales (a bf16 copy of the
+- ``M <= CPU_KERNEL_MAX_ROWS`` (decode, a question after a resume), where
+  the compiled kernel builds (:mod:`kvchat.kernels.cpu_int8`, AVX2 + FMA):
+  fp32 activations as they are, each group's dot product scaled by its fp32
+  scale;
+- up to ``INT8MM_MAX_ROWS`` (and every few-row matmul where that kernel is
+  not built): ``torch._weight_int8pack_mm`` with the activations cast to
+  bf16 at its input (its CPU kernel is vectorized for bf16 activations only;
+  with fp32 ones it falls back to scalar code, ~15x slower), unit scales,
+  the accumulated row then multiplied by the fp32 scales (a bf16 copy of the
   scales would bias every channel by up to 0.4%);
 - larger ``M`` (512-token prefill chunks): the weight dequantized to fp32
   into a reused scratch buffer and an fp32 GEMM, which at ``M = 512`` beats
@@ -32,7 +36,8 @@ and a resumed run, which cut the same chunks, compute the same numbers):
 
 The int8 tensors live in ``models_dir()/.weights/<model fingerprint>.int8.safetensors``
 (written atomically on first use, read on every later load); the scheme
-name is part of the cache fingerprint (:mod:`kvchat.engine.cache_identity`).
+name, with the few-row kernel's, is part of the cache fingerprint
+(:func:`kvchat.model.int8_scheme.int8_compute_scheme`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.model.int8_scheme import GROUP_SIZES, INT8_SCHEME, INT8MM_MAX_ROWS
+from kvchat.kernels import cpu_int8
+from kvchat.model.int8_scheme import CPU_KERNEL_MAX_ROWS, GROUP_SIZES, INT8_SCHEME, INT8MM_MAX_ROWS
 from kvchat.paths import models_dir
 from kvchat.safetensors_file import save_atomic
 
@@ -84,15 +90,21 @@ class Int8Linear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` held as int8 groups and fp32 scales; see the module doc for the two kernels.
 
     Attributes:
-        q: int8 ``[G, out_features, in_features // G]`` (each ``q[g]`` contiguous, as the kernel takes it).
+        q: int8 ``[G, out_features, in_features // G]`` (each ``q[g]`` contiguous, as the kernels take it).
         scale: float32 ``[G, out_features]``.
         bias: float32 ``[out_features]`` or None.
+        compiled: few-row matmuls run on the compiled kernel (``kernel`` ``avx2`` and a group it takes).
     """
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel: str | None = None):
+        """``kernel``: the few-row kernel, a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name
+        (None: :func:`kvchat.kernels.cpu_int8.small_rows_kernel`, the one the engine's fingerprint names)."""
         super().__init__()
         self.groups, self.out_features, self.group = q.shape
         self.in_features = self.groups * self.group
+        kernel = kernel or cpu_int8.small_rows_kernel()
+        self.compiled = kernel == "avx2" and q.device.type == "cpu" and self.group % cpu_int8.GROUP_MULTIPLE == 0
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())
         self.register_buffer("unit", torch.ones(self.out_features, dtype=torch.bfloat16, device=q.device),
@@ -107,7 +119,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` float32 ``[..., in_features]`` -> float32 ``[..., out_features]``."""
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= INT8MM_MAX_ROWS:
+        if self.compiled and rows.shape[0] <= CPU_KERNEL_MAX_ROWS:
+            y = cpu_int8.int8_matmul(rows, self.q, self.scale)
+        elif rows.shape[0] <= INT8MM_MAX_ROWS:
             xb = rows.to(torch.bfloat16, memory_format=torch.contiguous_format)  # the kernel reads rows densely
             if self.groups == 1:
                 y = torch._weight_int8pack_mm(xb, self.q[0], self.unit).float().mul_(self.scale[0])
@@ -170,13 +184,14 @@ def load_int8(path: Path, names_shapes: dict[str, tuple[int, int, int]]) -> dict
     return out
 
 
-def quantize_linears(model: nn.Module, path: Path | None) -> bool:
+def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = None) -> bool:
     """Replace every :class:`kvchat.model.transformer.Linear` of ``model`` (loaded) by an :class:`Int8Linear`.
 
     The int8 tensors are read from ``path`` when it holds this scheme for
     exactly these layers; otherwise they are quantized (:func:`quantize_int8`)
     and written there (atomically; with a read-only models dir they are
     quantized again on the next load). ``path`` None: quantize, store nothing.
+    ``kernel``: the layers' few-row kernel (see :class:`Int8Linear`).
 
     Returns:
         True when the tensors came from ``path``.
@@ -192,7 +207,7 @@ def quantize_linears(model: nn.Module, path: Path | None) -> bool:
     for name, parent, attr, lin in found:
         q, scale = stored[name] if stored is not None else quantize_int8(lin.weight, shapes[name][2])
         bias = lin.bias.detach() if lin.bias is not None else None
-        setattr(parent, attr, Int8Linear(q.to(lin.weight.device), scale.to(lin.weight.device), bias))
+        setattr(parent, attr, Int8Linear(q.to(lin.weight.device), scale.to(lin.weight.device), bias, kernel))
         tensors[f"{name}.q"], tensors[f"{name}.scale"] = q.cpu(), scale.cpu()
     if stored is None and path is not None:
         try:

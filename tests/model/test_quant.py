@@ -11,6 +11,7 @@ import transformers
 from kvchat.engine.cache_identity import cache_fingerprint, engine_identity, resolve_weight_format
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.runner import Engine
+from kvchat.kernels import cpu_int8
 from kvchat.model import quant
 from kvchat.model.config import ModelConfig
 from kvchat.model.transformer import Linear
@@ -32,18 +33,31 @@ def test_quantize_error_is_at_most_half_a_step(group):
     assert int(q.abs().max()) == 127
 
 
+COMPILED = pytest.param("avx2", marks=pytest.mark.skipif(not cpu_int8.available(),
+                                                         reason="the compiled CPU int8 kernel does not build here"))
+
+
+@pytest.mark.parametrize("kernel", ["int8mm", COMPILED])
 @pytest.mark.parametrize("rows", [1, 15, quant.INT8MM_MAX_ROWS + 1])
 @pytest.mark.parametrize("group", [None, 64])
-def test_int8_linear_matches_its_dequantized_weight(rows, group):
+def test_int8_linear_matches_its_dequantized_weight(rows, group, kernel):
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 192, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(192, rows, generator=gen).t()  # strided, as attention's output reaches o_proj
     q, scale = quant.quantize_int8(w, group)
     want = F.linear(x, _dequant(q, scale), b)
-    got = quant.Int8Linear(q, scale, b)(x)
+    layer = quant.Int8Linear(q, scale, b, kernel)
+    got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert layer.compiled == (kernel == "avx2")
     if rows > quant.INT8MM_MAX_ROWS:  # fp32 GEMM over the dequantized weight: fp32 rounding only
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    elif kernel == "avx2" and rows <= quant.CPU_KERNEL_MAX_ROWS:  # fp32 activations as they are
+        exact = F.linear(x.double(), _dequant(q, scale).double(), b.double())
+        mass = F.linear(x.abs().double(), _dequant(q, scale).abs().double(), b.abs().double())
+        # fp32 sums of <= 192 / 32 products per lane, then 5 reductions and the scale, bias and group sums:
+        # well under 2**-18 of the sum of magnitudes (a bf16 input would be off by ~2**-9)
+        assert ((got.double() - exact).abs() <= 2**-18 * mass).all()
     else:  # the exact product of the bf16-rounded activations, up to the bf16 rounding of each kernel result
         # (2**-9 relative: half a unit in the last of 8 mantissa bits; 2**-8 allowed for the fp32 sums)
         xb = x.bfloat16().float()

@@ -1,0 +1,113 @@
+"""The compiled CPU int8 matmul (kvchat.kernels.cpu_int8): its numbers, its layouts, its build cache and its fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from kvchat.engine.cache_identity import engine_identity, fingerprint_variants, weight_scheme
+from kvchat.kernels import cpu_int8
+from kvchat.model.int8_scheme import int8_compute_scheme
+
+needs_kernel = pytest.mark.skipif(not cpu_int8.available(), reason="the compiled CPU int8 kernel does not build here")
+
+
+def _weights(n: int, k: int, groups: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (groups, n, k // groups), dtype=torch.int8, generator=gen)
+    return q, torch.rand(groups, n, generator=gen) * 0.01
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,groups", [(40, 576, 1), (24, 1536, 6), (13, 64, 2)])
+def test_each_row_is_an_fp32_dot_product_whatever_the_other_rows(n, k, groups):
+    q, scale = _weights(n, k, groups)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
+    y = cpu_int8.int8_matmul(x, q, scale)
+    w = (q.double() * scale.double()[..., None]).transpose(0, 1).reshape(n, k)
+    exact, mass = x.double() @ w.t(), x.abs().double() @ w.abs().t()
+    assert ((y.double() - exact).abs() <= 2**-18 * mass).all()  # fp32 rounding only (a bf16 input: ~2**-9)
+    # a row alone (decode), first or last of a pair, or among an odd count gives the same bits
+    for start, stop in ((3, 4), (2, 5), (3, 7), (0, 4)):
+        got = cpu_int8.int8_matmul(x[start:stop].clone(), q, scale)
+        assert torch.equal(got[3 - start], y[3])
+
+
+@needs_kernel
+def test_threads_and_calling_thread_do_not_change_the_bits():
+    q, scale = _weights(1000, 576, 1)
+    x = torch.randn(3, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_int8.int8_matmul(x, q, scale)
+        torch.set_num_threads(2)
+        two = cpu_int8.int8_matmul(x, q, scale)
+    finally:
+        torch.set_num_threads(before)
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("y", cpu_int8.int8_matmul(x, q, scale)))
+    worker.start()
+    worker.join()
+    assert torch.equal(one, two) and torch.equal(one, out["y"])
+
+
+@needs_kernel
+def test_layouts_it_does_not_take_are_refused():
+    q, scale = _weights(8, 96, 1)
+    x = torch.randn(1, 96)
+    cpu_int8.int8_matmul(x, q, scale)
+    with pytest.raises(ValueError, match="not a layout"):
+        cpu_int8.int8_matmul(x, *_weights(8, 96, 2))  # groups of 48 columns
+    with pytest.raises(ValueError, match="not a layout"):
+        cpu_int8.int8_matmul(x.double(), q, scale)
+    with pytest.raises(ValueError, match="not a layout"):
+        cpu_int8.int8_matmul(torch.randn(1, 64), q, scale)
+
+
+def test_each_kernel_has_its_own_cache_fingerprint():
+    names = {int8_compute_scheme(k) for k in ("int8mm", "avx2")}
+    assert len(names) == 2
+    assert int8_compute_scheme("int8mm") == "int8-v1-per-channel-down_proj256-mm256"  # the name before this kernel
+    assert weight_scheme("int8") == int8_compute_scheme(cpu_int8.small_rows_kernel())
+    variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of either kernel
+    assert len(variants) == 2 and engine_identity("m", "bf16", None, False, 16, "int8")[1] in variants
+    with pytest.raises(ValueError, match="unknown int8 kernel"):
+        int8_compute_scheme("avx512")
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+            "from kvchat.kernels import cpu_int8\n"
+            "print(cpu_int8.small_rows_kernel(), cpu_int8.small_rows_kernel())")
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+
+
+@needs_kernel
+def test_built_once_into_the_cache_dir_and_reused_by_the_next_process(tmp_path):
+    first = _probe({"XDG_CACHE_HOME": str(tmp_path)})
+    assert first.stdout.split() == ["avx2", "avx2"], first.stderr
+    built = list(tmp_path.glob("kvchat/kernels/cpu_int8-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("kvchat/kernels/.cpu_int8-*"))  # no temp file left
+    stamp = built[0].stat().st_mtime_ns
+    # the next process finds it: no compiler needed any more
+    again = _probe({"XDG_CACHE_HOME": str(tmp_path), "PATH": os.path.dirname(sys.executable)})
+    assert again.stdout.split() == ["avx2", "avx2"] or "no C compiler" in again.stderr
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_without_a_compiler_or_when_turned_off_int8_layers_keep_torchs_kernel(tmp_path):
+    broken = _probe({"XDG_CACHE_HOME": str(tmp_path), "CC": str(tmp_path / "no-such-cc"), "PATH": str(tmp_path)})
+    assert broken.stdout.split() == ["int8mm", "int8mm"]
+    assert broken.stderr.count("compiled CPU int8 kernel unavailable") == 1  # one notice, not one per call
+    off = _probe({"XDG_CACHE_HOME": str(tmp_path), "KVCHAT_CPU_KERNEL": "0"})
+    assert off.stdout.split() == ["int8mm", "int8mm"] and "unavailable" not in off.stderr
+    assert not list(tmp_path.glob("kvchat/kernels/*.so"))
+    bad = _probe({"KVCHAT_CPU_KERNEL": "yes"})
+    assert bad.returncode != 0 and "KVCHAT_CPU_KERNEL" in bad.stderr
