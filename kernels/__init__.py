@@ -7,10 +7,11 @@ kernels with the same signatures (``triton_write.py``, ``triton_decode.py``,
 ``triton_extend.py``) serve CUDA tensors. Triton is imported only when a
 Triton kernel is about to run, so this package imports where Triton is absent.
 
-:func:`read_slots` and :func:`dense_attention` (torch only) serve the CPU
+:func:`read_slots` and :func:`dense_attention` (CPU only) serve the CPU
 read path, ``kvchat.engine.dense_kv``: a sequence's K/V read back from the pool
 once into a contiguous fp32 copy, so a decode step does not gather and
-dequantize the whole cache again.
+dequantize the whole cache again. A decode step's attention there runs the
+compiled kernel of :mod:`kvchat.kernels.cpu_attention` where it is built.
 
 Backend choice per call:
 
@@ -45,13 +46,12 @@ import torch
 from kvchat import settings
 from kvchat.settings import SettingError
 
-from . import reference
+from . import cpu_attention, reference
 from .reference import (
     FP8_DTYPE,
     FP8_EPS,
     FP8_MAX,
     SCALE_SCHEME,
-    dense_attention,
     dequantize_fp8,
     dequantize_into,
     quantize_fp8,
@@ -123,6 +123,16 @@ def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
         raise SettingError(f"{ENV_VAR} is 'triton' but Triton cannot run on the CPU without TRITON_INTERPRET=1"
                            " set before Triton is first imported; use torch, a CUDA device, or unset it")
     return module
+
+
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_start: int, sm_scale: float,
+                    provisional: bool = False) -> torch.Tensor:
+    """:func:`kvchat.kernels.reference.dense_attention` (same arguments and result), except that a decode
+    step's token (``provisional``: K/V that prefill recomputes later, one query token) runs
+    :func:`kvchat.kernels.cpu_attention.decode_attention` where that kernel takes it."""
+    if provisional and cpu_attention.takes(query, key, value):
+        return cpu_attention.decode_attention(query, key, value, sm_scale)
+    return reference.dense_attention(query, key, value, q_start, sm_scale)
 
 
 def write_kv(

@@ -8,16 +8,10 @@ rounding) and, over SmolLM2's 30 layers and LM head at one row, measured
 5.4-6.3 ms against 11-15 ms for the bf16 int8 kernel (2 threads, this
 2-core machine; ``kvchat bench engine`` has the figures in a decode step).
 
-It is built once per machine with the system C compiler (``$CC``, else
-``cc``; ``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``: no contraction, so
-only the kernel's own FMAs round; about a second) into ``<user cache
-dir>/kvchat/kernels/``, named by the digest of its source and flags, and
-loaded with ctypes; a later process loads the library built. OpenMP's ``libgomp.so.1`` resolves to
-torch's own copy, already loaded, so the kernel's threads are torch's pool.
-Where it cannot be built or loaded (no compiler, no AVX2/FMA, a sandbox
-without a writable cache dir) or ``KVCHAT_CPU_KERNEL=0``, :func:`available`
-is False, one notice is logged, and int8 layers keep the bf16 int8 kernel;
-the two choices enter the cache fingerprint under different names
+It is built and loaded by :mod:`kvchat.kernels.cpu_build` (once per machine;
+its threads are torch's pool). Where it cannot be, or
+``KVCHAT_CPU_KERNEL=0``, :func:`available` is False and int8 layers keep the
+bf16 int8 kernel; the two choices enter the cache fingerprint under different names
 (:func:`kvchat.model.int8_scheme.int8_compute_scheme`), since their K/V differ.
 """
 
@@ -25,87 +19,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kvchat import settings
+from . import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 GROUP_MULTIPLE = 32  # the kernel's inner step over k (four 8-lane vectors)
-_log = logging.getLogger(__name__)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
-def _cache_dir() -> Path:
-    try:
-        import platformdirs
-    except ImportError:  # bench/gpu.py's machines: never on the int8 path, but stay importable
-        return Path(tempfile.gettempdir()) / "kvchat-kernels"
-    return Path(platformdirs.user_cache_dir(settings.APP_NAME)) / "kernels"
-
-
-def _target() -> Path:
-    """Where the library for this source and these flags lives (built or not)."""
-    digest = hashlib.blake2b((SOURCE.read_text() + " ".join(FLAGS)).encode(), digest_size=8).hexdigest()
-    return _cache_dir() / f"cpu_int8-{digest}.so"
-
-
-def _build(target: Path) -> None:
-    """Compile the source into ``target`` (atomically: a concurrent build of the same digest writes the same bytes).
-
-    Raises:
-        FileNotFoundError: no C compiler on PATH (``$CC``, else ``cc``, else ``gcc``).
-        OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired: the build failed.
-    """
-    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu_int8-", suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not settings.cpu_kernel_enabled():
-        return None
-    missing = {"avx2", "fma"} - _cpu_flags()
-    try:
-        if missing:
-            raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
-        target = _target()
-        if not target.exists():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = (getattr(exc, "stderr", None) or b"").decode(errors="replace").strip().splitlines()[:1]
-        _log.warning("kvchat: compiled CPU int8 kernel unavailable (%s%s); int8 layers use torch's bf16 kernel",
-                     exc, f": {detail[0]}" if detail else "")
-        return None
-    fn = lib.kvchat_int8_matmul
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib = cpu_build.load(SOURCE)
+    if lib is not None:
+        fn = lib.kvchat_int8_matmul
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     return lib
 
 

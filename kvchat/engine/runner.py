@@ -442,7 +442,8 @@ class Engine:
                 one = len(items) == 1
                 meta = AttnMetadata(view.slot_mapping, view.block_table, view.seq_lens, view.cu_seqlens_q, True,
                                     dense=denses[0] if one else None, q_start=step[0].position,
-                                    dense_batch=None if one else [(d, r.position) for d, r in zip(denses, step)])
+                                    dense_batch=None if one else [(d, r.position) for d, r in zip(denses, step)],
+                                    provisional=True)
                 logits = self.model.logits(self.model(view.input_ids, view.positions, meta, self.pool))
         for i, (seq, ids) in enumerate(items):
             if denses is not None:

@@ -105,7 +105,7 @@ def test_built_once_into_the_cache_dir_and_reused_by_the_next_process(tmp_path):
 def test_without_a_compiler_or_when_turned_off_int8_layers_keep_torchs_kernel(tmp_path):
     broken = _probe({"XDG_CACHE_HOME": str(tmp_path), "CC": str(tmp_path / "no-such-cc"), "PATH": str(tmp_path)})
     assert broken.stdout.split() == ["int8mm", "int8mm"]
-    assert broken.stderr.count("compiled CPU int8 kernel unavailable") == 1  # one notice, not one per call
+    assert broken.stderr.count("compiled CPU kernel cpu_int8 unavailable") == 1  # one notice, not one per call
     off = _probe({"XDG_CACHE_HOME": str(tmp_path), "KVCHAT_CPU_KERNEL": "0"})
     assert off.stdout.split() == ["int8mm", "int8mm"] and "unavailable" not in off.stderr
     assert not list(tmp_path.glob("kvchat/kernels/*.so"))

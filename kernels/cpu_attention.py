@@ -1,0 +1,88 @@
+"""Compiled CPU decode attention (``cpu_attention.c``): one query token over a contiguous float32 K/V copy.
+
+The CPU read path (:mod:`kvchat.engine.dense_kv`) keeps each sequence's K/V
+as float32 ``[num_kv_heads, L, head_dim]``; a decode step reads all of it
+twice per layer (scores, then values). ``torch.bmm`` over ``[3, 3, L]``
+batches splits its work by batch entry, so one of this machine's two cores
+sits out a third of the time; this kernel splits every head's tokens into
+256-token ranges instead, and both passes read memory at the rate of the
+int8 matmul. The softmax between them stays torch's. Its figures in a decode
+step are in ``kvchat bench engine`` and the README.
+
+Decode K/V are provisional (answers are recomputed as prefill chunks,
+:data:`kvchat.engine.cache_identity.NUMERICS_VERSION` 2), so this kernel's
+rounding (another summation order than ``torch.bmm``'s) never enters stored
+K/V; its bits depend on ``L`` only, not on the thread count. Built and
+loaded by :mod:`kvchat.kernels.cpu_build`; where it is not available the
+reference's ``bmm`` path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+SPLIT_TOKENS = 256  # the C source's SPLIT: tokens per task
+MAX_GROUP = 8  # the C source's MAX_GROUP: query heads per KV head
+MAX_HEAD_DIM = 256  # the C source's MAX_VEC * 8
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_build.load(SOURCE)
+    if lib is not None:
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.kvchat_decode_scores.restype = lib.kvchat_decode_values.restype = None
+        lib.kvchat_decode_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+        lib.kvchat_decode_values.argtypes = [ptr] * 4 + [i64] * 6 + [ctypes.c_int]
+    return lib
+
+
+def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` runs these (one float32 CPU query token, K/V with ``head_dim`` contiguous
+    and equal strides, a head_dim and group it compiles for) and the library is available."""
+    t, h, d = query.shape
+    hkv = key.shape[0]
+    return (t == 1 and query.device.type == "cpu" and key.dtype == value.dtype == torch.float32
+            and d % 8 == 0 and d <= MAX_HEAD_DIM and h % hkv == 0 and h // hkv <= MAX_GROUP
+            and key.stride() == value.stride() and key.stride(2) == 1 and key.shape == value.shape
+            and _library() is not None)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Softmax attention of one token over all of ``key``/``value`` (no mask: every position is visible).
+
+    Args:
+        query: ``[1, num_heads, head_dim]`` (any float dtype; computed in float32), heads grouped under
+            their KV head as in :func:`kvchat.kernels.reference.dense_attention`.
+        key, value: float32 ``[num_kv_heads, L, head_dim]``, ``head_dim`` contiguous (views with a longer
+            stride along ``L`` are read in place).
+        sm_scale: softmax scale.
+    Returns:
+        ``[1, num_heads, head_dim]`` in ``query.dtype``.
+    Raises:
+        ValueError: inputs :func:`takes` refuses.
+    """
+    if not takes(query, key, value):
+        raise ValueError(f"cpu decode attention: query {tuple(query.shape)} {query.dtype}, key {tuple(key.shape)} "
+                         f"{key.dtype} stride {key.stride()}: not what the kernel takes (or it is not built)")
+    lib = _library()
+    _, h, d = query.shape
+    hkv, length = key.shape[0], key.shape[1]
+    group, threads = h // hkv, torch.get_num_threads()
+    q = query.reshape(h, d).float().contiguous()
+    scores = torch.empty(hkv, group, length)
+    lib.kvchat_decode_scores(q.data_ptr(), key.data_ptr(), scores.data_ptr(), hkv, group, d, length,
+                             key.stride(0), key.stride(1), sm_scale, threads)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.empty(1, h, d)
+    work = torch.empty(hkv * -(-length // SPLIT_TOKENS), group, d)
+    lib.kvchat_decode_values(probs.data_ptr(), value.data_ptr(), out.data_ptr(), work.data_ptr(), hkv, group, d,
+                             length, value.stride(0), value.stride(1), threads)
+    return out.to(query.dtype)

@@ -1,0 +1,95 @@
+"""Build and load kvchat's compiled CPU kernels (C sources beside this file; AVX2 + FMA), once per machine.
+
+Each source is compiled with the system C compiler (``$CC``, else ``cc``,
+else ``gcc``; :data:`FLAGS`: ``-ffp-contract=off``, so only a kernel's own
+FMAs round; about a second) into ``<user cache dir>/kvchat/kernels/``, named
+by the digest of its source and the flags, and loaded with ctypes; a later
+process loads the library built, with no compiler needed. The kernels use
+OpenMP, and ``libgomp.so.1`` resolves to torch's own copy, already loaded, so
+their threads are torch's pool (a second pool would fight it for the cores).
+
+Where a library cannot be built or loaded (no compiler, no AVX2/FMA, no
+writable cache dir) or ``KVCHAT_CPU_KERNEL=0``, :func:`load` returns None
+after one logged notice and the callers keep their torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvchat import settings
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma"})
+_log = logging.getLogger(__name__)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _cache_dir() -> Path:
+    try:
+        import platformdirs
+    except ImportError:  # bench/gpu.py's machines: never on these CPU paths, but stay importable
+        return Path(tempfile.gettempdir()) / "kvchat-kernels"
+    return Path(platformdirs.user_cache_dir(settings.APP_NAME)) / "kernels"
+
+
+def library_path(source: Path) -> Path:
+    """Where the library built from ``source`` with :data:`FLAGS` lives (built or not)."""
+    digest = hashlib.blake2b((source.read_text() + " ".join(FLAGS)).encode(), digest_size=8).hexdigest()
+    return _cache_dir() / f"{source.stem}-{digest}.so"
+
+
+def _build(source: Path, target: Path) -> None:
+    """Compile ``source`` into ``target`` (atomically: a concurrent build of the same digest writes the same bytes).
+
+    Raises:
+        FileNotFoundError: no C compiler on PATH.
+        OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired: the build failed.
+    """
+    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+@functools.cache
+def load(source: Path) -> ctypes.CDLL | None:
+    """The loaded library of ``source`` (built first if absent), or None where it cannot be (see the module doc)."""
+    if not settings.cpu_kernel_enabled():
+        return None
+    missing = REQUIRED_CPU_FLAGS - _cpu_flags()
+    try:
+        if missing:
+            raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
+        target = library_path(source)
+        if not target.exists():
+            _build(source, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = (getattr(exc, "stderr", None) or b"").decode(errors="replace").strip().splitlines()[:1]
+        _log.warning("kvchat: compiled CPU kernel %s unavailable (%s%s); torch's code runs instead",
+                     source.stem, exc, f": {detail[0]}" if detail else "")
+        return None
