@@ -4,13 +4,13 @@ For each KV pool dtype (fp8 with the engine's default scheme, and bf16) an
 fp32-weights engine is the reference and an int8-weights engine
 (:mod:`kvchat.model.quant`) is compared with it position by position
 (:func:`kvchat.bench.fidelity.compare_to_reference`: perplexity change, mean
-KL, top-1 agreement). Each int8 kernel is measured, by the chunk size the
-text is scored in (:func:`kernel_chunks`): chunks of ``CPU_KERNEL_MAX_ROWS``
-rows run the compiled fp32 kernel where it builds (the path of decode and of
-a question after a resume), chunks of ``INT8MM_MAX_ROWS`` rows
-``torch._weight_int8pack_mm`` with bf16 activations (those paths where it
-does not build), 512-token chunks the dequantized fp32 GEMM (the path of
-prefill).
+KL, top-1 agreement). Both kernels of this process's int8 scheme are
+measured, by the chunk size the text is scored in (:func:`kernel_chunks`):
+chunks of ``GROUPS_KERNEL_MAX_ROWS`` rows run the compiled fp32 kernel where
+it builds, else chunks of ``INT8MM_MAX_ROWS`` rows
+``torch._weight_int8pack_mm`` with bf16 activations (the path of decode and
+of a question after a resume), 512-token chunks the dequantized fp32 GEMM
+(the path of prefill).
 """
 
 from __future__ import annotations
@@ -20,17 +20,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvchat.bench.teacher_forced import SCORE_CHUNK_TOKENS, FidelityResult, compare_to_reference
-from kvchat.model.int8_scheme import CPU_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS
+from kvchat.model.int8_scheme import GROUPS_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS
 
 POOLS = ("fp8", "bf16")
 
 
 def kernel_chunks() -> dict[str, int]:
-    """``{kernel label: chunk tokens that run it}`` for this process (the compiled kernel only where it builds)."""
+    """``{kernel label: chunk tokens that run it}`` for this process's int8 scheme (:mod:`kvchat.model.quant`)."""
     from kvchat.kernels import cpu_int8
 
-    compiled = {"compiled (fp32 activations)": CPU_KERNEL_MAX_ROWS} if cpu_int8.available() else {}
-    return {**compiled, "int8mm (bf16 activations)": INT8MM_MAX_ROWS, "dequantized fp32 GEMM": SCORE_CHUNK_TOKENS}
+    if cpu_int8.available():
+        few = {"compiled, groups of 32 (fp32 activations)": GROUPS_KERNEL_MAX_ROWS}
+    else:
+        few = {"int8mm, per channel (bf16 activations)": INT8MM_MAX_ROWS}
+    return {**few, "dequantized fp32 GEMM": SCORE_CHUNK_TOKENS}
 
 
 @dataclass(slots=True)

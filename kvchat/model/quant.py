@@ -1,43 +1,51 @@
 """int8 weight-only linear layers for the CPU, quantized once per model and stored beside it.
 
-Scheme (``INT8_SCHEME``): symmetric absmax, one fp32 scale per output
-channel and group of ``group`` input columns, ``scale = max(|w|) / 127``,
-``q = round(w / scale)`` in ``[-127, 127]`` (the weight-only absmax scheme of
-Dettmers et al. 2022, LLM.int8(), without its outlier split). Groups span
-the whole row (per output channel, the layout ``_weight_int8pack_mm`` takes)
-except in ``down_proj`` (``GROUP_SIZES``): measured on SmolLM2, 2,047
-teacher-forced positions of a seed article, bf16 pool, against fp32 weights,
-per channel everywhere costs +0.76% perplexity, and down_proj alone, whose
-1,536 inputs carry the outliers, accounts for most of it (+0.25% with it left
-in fp32; +0.12% with groups of 256 there, +0.09% with groups of 64
-everywhere, which would cost 9-24 kernel calls per layer). A grouped layer
-runs one kernel call per group and sums them in fp32. Only the linear
-layers are quantized (q/k/v, o, gate/up, down and the LM head); embeddings,
-norms, RoPE, attention, softmax and logits stay fp32.
+Two schemes, chosen by whether the compiled kernel runs here
+(:func:`kvchat.kernels.cpu_int8.small_rows_kernel`); each has its own name in
+the cache fingerprint (:func:`kvchat.model.int8_scheme.int8_compute_scheme`).
+Only the linear layers are quantized (q/k/v, o, gate/up, down and the LM
+head); embeddings, norms, RoPE, attention, softmax and logits stay fp32.
 
-Three kernels, chosen by the number of input rows ``M`` alone (so a cold run
-and a resumed run, which cut the same chunks, compute the same numbers):
+**Groups of 32, asymmetric** (``INT8_GROUPS_SCHEME``, :class:`Int8GroupLinear`;
+where the compiled kernel builds): per output channel and 32 inputs,
+``scale = (max - min) / 255``, ``offset = min + 128 * scale``,
+``q = round((w - offset) / scale)`` in ``[-128, 127]``, so the group's
+extremes are grid points (min-max affine quantization as in Jacob et al.
+2018, per group as in GGUF's Q4_1/Q8_1 blocks). Measured on SmolLM2 (fp8
+pool, 2,047 teacher-forced positions, weights quantized and dequantized,
+against the imported weights): seed article 002 +0.10% perplexity, 004
+-0.20% (KL 0.0029 / 0.0041), against +1.04% / +0.94% (KL 0.0077 / 0.0098)
+per channel and +0.08% / +0.46% for symmetric groups of 32 (the imported
+weights are dequantized Q4_1 blocks of 32: 16 levels from min to max, which
+an affine grid over the same 32 inputs holds within 1/34 of a level).
+Kernels by the number of input rows ``M`` alone (a cold run and a resumed
+run cut the same chunks, so they compute the same numbers):
+``M <= GROUPS_KERNEL_MAX_ROWS`` (decode, a question after a resume) the
+compiled kernel, fp32 activations as they are; larger ``M`` (512-token
+prefill chunks) the weight dequantized to fp32 into a reused scratch buffer
+and an fp32 GEMM.
 
-- ``M <= CPU_KERNEL_MAX_ROWS`` (decode, a question after a resume), where
-  the compiled kernel builds (:mod:`kvchat.kernels.cpu_int8`, AVX2 + FMA):
-  fp32 activations as they are, each group's dot product scaled by its fp32
-  scale;
-- up to ``INT8MM_MAX_ROWS`` (and every few-row matmul where that kernel is
-  not built): ``torch._weight_int8pack_mm`` with the activations cast to
-  bf16 at its input (its CPU kernel is vectorized for bf16 activations only;
-  with fp32 ones it falls back to scalar code, ~15x slower), unit scales,
-  the accumulated row then multiplied by the fp32 scales (a bf16 copy of the
-  scales would bias every channel by up to 0.4%);
-- larger ``M`` (512-token prefill chunks): the weight dequantized to fp32
-  into a reused scratch buffer and an fp32 GEMM, which at ``M = 512`` beats
-  the int8 kernel (measured here, 2 threads, the 120 layer matmuls of
-  SmolLM2: int8mm 2.7 s, dequantize + fp32 2.1 s, fp32 weights 1.8 s; at
-  ``M = 128`` 0.67 / 0.98 / 1.10 s; at ``M = 15`` 0.11 / 0.20 / 0.15 s).
+**Per output channel, symmetric** (``INT8_SCHEME``, :class:`Int8Linear`;
+where it does not): ``scale = max(|w|) / 127``, ``q = round(w / scale)`` in
+``[-127, 127]`` (the weight-only absmax scheme of Dettmers et al. 2022,
+LLM.int8(), without its outlier split), the layout
+``torch._weight_int8pack_mm`` takes, except in ``down_proj``
+(``GROUP_SIZES``: groups of 256 inputs, one kernel call per group summed in
+fp32; its 1,536 inputs carry the outliers: +0.76% perplexity per channel
+everywhere, bf16 pool, +0.12% with these groups, on article 000). Up to
+``INT8MM_MAX_ROWS`` rows ``torch._weight_int8pack_mm`` with the activations
+cast to bf16 at its input (its CPU kernel is vectorized for bf16 activations
+only; with fp32 ones it falls back to scalar code, ~15x slower), unit
+scales, the accumulated row then multiplied by the fp32 scales (a bf16 copy
+of the scales would bias every channel by up to 0.4%); larger ``M`` the
+dequantized fp32 GEMM (measured here, 2 threads, the 120 layer matmuls of
+SmolLM2: int8mm 2.7 s, dequantize + fp32 2.1 s, fp32 weights 1.8 s at
+``M = 512``; at ``M = 128`` 0.67 / 0.98 / 1.10 s; at ``M = 15`` 0.11 /
+0.20 / 0.15 s).
 
 The int8 tensors live in ``models_dir()/.weights/<model fingerprint>.int8.safetensors``
-(written atomically on first use, read on every later load); the scheme
-name, with the few-row kernel's, is part of the cache fingerprint
-(:func:`kvchat.model.int8_scheme.int8_compute_scheme`).
+(written atomically on first use, read on every later load while their
+scheme is the one this process runs; otherwise quantized again and replaced).
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat.kernels import cpu_int8
-from kvchat.model.int8_scheme import CPU_KERNEL_MAX_ROWS, GROUP_SIZES, INT8_SCHEME, INT8MM_MAX_ROWS
+from kvchat.model.int8_scheme import (GROUP_SIZES, GROUPS_KERNEL_MAX_ROWS, INT8_GROUPS_SCHEME, INT8_SCHEME,
+                                      INT8MM_MAX_ROWS)
 from kvchat.paths import models_dir
 from kvchat.safetensors_file import save_atomic
 
@@ -93,18 +102,12 @@ class Int8Linear(nn.Module):
         q: int8 ``[G, out_features, in_features // G]`` (each ``q[g]`` contiguous, as the kernels take it).
         scale: float32 ``[G, out_features]``.
         bias: float32 ``[out_features]`` or None.
-        compiled: few-row matmuls run on the compiled kernel (``kernel`` ``avx2`` and a group it takes).
     """
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 kernel: str | None = None):
-        """``kernel``: the few-row kernel, a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name
-        (None: :func:`kvchat.kernels.cpu_int8.small_rows_kernel`, the one the engine's fingerprint names)."""
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.groups, self.out_features, self.group = q.shape
         self.in_features = self.groups * self.group
-        kernel = kernel or cpu_int8.small_rows_kernel()
-        self.compiled = kernel == "avx2" and q.device.type == "cpu" and self.group % cpu_int8.GROUP_MULTIPLE == 0
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())
         self.register_buffer("unit", torch.ones(self.out_features, dtype=torch.bfloat16, device=q.device),
@@ -119,9 +122,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` float32 ``[..., in_features]`` -> float32 ``[..., out_features]``."""
         rows = x.reshape(-1, self.in_features)
-        if self.compiled and rows.shape[0] <= CPU_KERNEL_MAX_ROWS:
-            y = cpu_int8.int8_matmul(rows, self.q, self.scale)
-        elif rows.shape[0] <= INT8MM_MAX_ROWS:
+        if rows.shape[0] <= INT8MM_MAX_ROWS:
             xb = rows.to(torch.bfloat16, memory_format=torch.contiguous_format)  # the kernel reads rows densely
             if self.groups == 1:
                 y = torch._weight_int8pack_mm(xb, self.q[0], self.unit).float().mul_(self.scale[0])
@@ -138,14 +139,83 @@ class Int8Linear(nn.Module):
 
     def _dequantized(self) -> torch.Tensor:
         """The fp32 weight ``[out, in]`` in this thread's scratch buffer (valid until the next call)."""
-        n = self.q.numel()
-        buf = getattr(_scratch, "buf", None)
-        if buf is None or buf.numel() < n or buf.device != self.q.device:
-            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
-                buf = _scratch.buf = torch.empty(n, device=self.q.device)
-        w = buf[:n].view(self.out_features, self.groups, self.group)
+        w = _scratch_buffer(self.q.numel(), self.q.device).view(self.out_features, self.groups, self.group)
         w.copy_(self.q.transpose(0, 1)).mul_(self.scale.t()[..., None])
         return w.view(self.out_features, self.in_features)
+
+
+def _scratch_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """This thread's fp32 scratch of at least ``n`` values (the dequantized weight of the large-M path)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n or buf.device != device:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+            buf = _scratch.buf = torch.empty(n, device=device)
+    return buf[:n]
+
+
+def quantize_int8_groups(weight: torch.Tensor, group: int = cpu_int8.GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` (any float dtype, ``in`` a multiple of ``group``) -> ``(q int8 [out, in],
+    scale float32 [out, in // group], offset float32 [out, in // group])`` with
+    ``w[n, g*group + k] ≈ scale[n, g] * q[n, g*group + k] + offset[n, g]`` (the module doc's affine scheme).
+    A constant group gets scale 1 and its value as offset (``q`` 0: exact).
+
+    Raises:
+        ValueError: ``in`` is not a multiple of ``group``.
+    """
+    out_features, in_features = weight.shape
+    if in_features % group:
+        raise ValueError(f"{in_features} inputs do not split into groups of {group}")
+    w = weight.detach().float().view(out_features, in_features // group, group)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(lo))
+    offset = torch.where(hi > lo, lo + 128 * scale, lo)
+    q = torch.round((w - offset[..., None]) / scale[..., None]).clamp_(-128, 127).to(torch.int8)
+    return q.view(out_features, in_features).contiguous(), scale.contiguous(), offset.contiguous()
+
+
+class Int8GroupLinear(nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` as int8 values and an fp32 scale and offset per 32 inputs of each
+    output channel (the module doc's groups scheme; the compiled kernel for few rows).
+
+    Attributes:
+        q: int8 ``[out_features, in_features]``.
+        scale, offset: float32 ``[out_features, in_features // 32]``.
+        bias: float32 ``[out_features]`` or None.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.groups = scale.shape[1]
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale.float())
+        self.register_buffer("offset", offset.float())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a matmul reads for the weight (int8 values + fp32 scales and offsets)."""
+        return self.q.numel() + (self.scale.numel() + self.offset.numel()) * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` float32 ``[..., in_features]`` -> float32 ``[..., out_features]``."""
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= GROUPS_KERNEL_MAX_ROWS:
+            y = cpu_int8.int8_matmul(rows, self.q, self.scale, self.offset)
+        else:
+            y = F.linear(rows, self._dequantized())
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _dequantized(self) -> torch.Tensor:
+        """The fp32 weight ``[out, in]`` in this thread's scratch buffer (valid until the next call)."""
+        w = _scratch_buffer(self.q.numel(), self.q.device).view(self.out_features, self.groups, -1)
+        w.copy_(self.q.view(self.out_features, self.groups, -1)).mul_(self.scale[..., None]).add_(self.offset[..., None])
+        return w.view(self.out_features, self.in_features)
+
+
+INT8_LAYERS = (Int8Linear, Int8GroupLinear)  # the module types quantize_linears puts in
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -160,58 +230,83 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     return out
 
 
-def load_int8(path: Path, names_shapes: dict[str, tuple[int, int, int]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """The stored ``{name: (q, scale)}`` at ``path``, or None when absent, unreadable, of another scheme,
-    or not matching ``names_shapes`` (``{name: q's shape (G, out, group)}``) exactly."""
+def load_int8(path: Path, scheme: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
+    """The stored tensors at ``path`` (``{tensor name: tensor}``), or None when absent, unreadable, of another
+    ``scheme``, or not exactly ``shapes`` (``{tensor name: shape}``; names ending ``.q`` int8, the others
+    float32 and finite)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("scheme") != INT8_SCHEME:
-                return None
-            keys = set(f.keys())
-            if keys != {f"{n}.{s}" for n in names_shapes for s in ("q", "scale")}:
+            if (f.metadata() or {}).get("scheme") != scheme or set(f.keys()) != set(shapes):
                 return None
             # copies: a tensor read from the file can start at any byte (56 mod 64 seen here), and the int8
             # kernel crashes (SIGSEGV) on a weight that is not aligned the way torch's allocator aligns it
-            out = {n: (f.get_tensor(f"{n}.q").clone(), f.get_tensor(f"{n}.scale").clone()) for n in names_shapes}
+            out = {n: f.get_tensor(n).clone() for n in shapes}
     except (OSError, SafetensorError):
         return None
-    for n, (q, s) in out.items():
-        if q.dtype != torch.int8 or tuple(q.shape) != names_shapes[n] or s.dtype != torch.float32 \
-                or tuple(s.shape) != names_shapes[n][:2] or not bool(s.isfinite().all()):
+    for n, t in out.items():
+        want = torch.int8 if n.endswith(".q") else torch.float32
+        if t.dtype != want or tuple(t.shape) != shapes[n] or (want == torch.float32 and not bool(t.isfinite().all())):
             return None
     return out
 
 
-def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = None) -> bool:
-    """Replace every :class:`kvchat.model.transformer.Linear` of ``model`` (loaded) by an :class:`Int8Linear`.
+def _quantized(name: str, lin: nn.Module, groups: bool) -> dict[str, torch.Tensor]:
+    """``lin``'s tensors under ``name`` in the scheme (``groups``: :func:`quantize_int8_groups`)."""
+    if groups:
+        q, scale, offset = quantize_int8_groups(lin.weight)
+        return {f"{name}.q": q, f"{name}.scale": scale, f"{name}.offset": offset}
+    q, scale = quantize_int8(lin.weight, group_size(name, lin.weight.shape[1]))
+    return {f"{name}.q": q, f"{name}.scale": scale}
 
-    The int8 tensors are read from ``path`` when it holds this scheme for
-    exactly these layers; otherwise they are quantized (:func:`quantize_int8`)
-    and written there (atomically; with a read-only models dir they are
-    quantized again on the next load). ``path`` None: quantize, store nothing.
-    ``kernel``: the layers' few-row kernel (see :class:`Int8Linear`).
+
+def _shapes(name: str, out_features: int, in_features: int, groups: bool) -> dict[str, tuple[int, ...]]:
+    if groups:
+        g = in_features // cpu_int8.GROUP
+        return {f"{name}.q": (out_features, in_features), f"{name}.scale": (out_features, g),
+                f"{name}.offset": (out_features, g)}
+    group = group_size(name, in_features)
+    return {f"{name}.q": (in_features // group, out_features, group), f"{name}.scale": (in_features // group, out_features)}
+
+
+def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = None) -> bool:
+    """Replace every :class:`kvchat.model.transformer.Linear` of ``model`` (loaded) by an int8 layer.
+
+    ``kernel``: a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name (None:
+    :func:`kvchat.kernels.cpu_int8.small_rows_kernel`, the one the engine's fingerprint names): ``avx2``
+    gives :class:`Int8GroupLinear` layers (a layer whose inputs do not split into groups of 32 keeps the
+    per-channel scheme), ``int8mm`` :class:`Int8Linear` ones. The tensors are read from ``path`` when it
+    holds this scheme for exactly these layers; otherwise they are quantized and written there
+    (atomically; with a read-only models dir they are quantized again on the next load). ``path`` None:
+    quantize, store nothing.
 
     Returns:
         True when the tensors came from ``path``.
     """
+    groups_scheme = (kernel or cpu_int8.small_rows_kernel()) == "avx2"
+    scheme = INT8_GROUPS_SCHEME if groups_scheme else INT8_SCHEME
     found = _linears(model)
+    grouped = {name: groups_scheme and m.weight.shape[1] % cpu_int8.GROUP == 0 for name, _, _, m in found}
     shapes = {}
     for name, _, _, m in found:
-        out_features, in_features = m.weight.shape
-        group = group_size(name, in_features)
-        shapes[name] = (in_features // group, out_features, group)
-    stored = load_int8(path, shapes) if path is not None else None
+        shapes.update(_shapes(name, *m.weight.shape, grouped[name]))
+    stored = load_int8(path, scheme, shapes) if path is not None else None
     tensors = {}
     for name, parent, attr, lin in found:
-        q, scale = stored[name] if stored is not None else quantize_int8(lin.weight, shapes[name][2])
+        t = ({k: v for k, v in stored.items() if k.rpartition(".")[0] == name} if stored is not None
+             else _quantized(name, lin, grouped[name]))
+        dev = lin.weight.device
         bias = lin.bias.detach() if lin.bias is not None else None
-        setattr(parent, attr, Int8Linear(q.to(lin.weight.device), scale.to(lin.weight.device), bias, kernel))
-        tensors[f"{name}.q"], tensors[f"{name}.scale"] = q.cpu(), scale.cpu()
+        if grouped[name]:
+            layer = Int8GroupLinear(t[f"{name}.q"].to(dev), t[f"{name}.scale"].to(dev), t[f"{name}.offset"].to(dev), bias)
+        else:
+            layer = Int8Linear(t[f"{name}.q"].to(dev), t[f"{name}.scale"].to(dev), bias)
+        setattr(parent, attr, layer)
+        tensors.update({k: v.cpu() for k, v in t.items()})
     if stored is None and path is not None:
         try:
-            save_atomic(tensors, path, {"scheme": INT8_SCHEME})
+            save_atomic(tensors, path, {"scheme": scheme})
         except OSError:
             pass  # a read-only models dir: quantized again on the next load (a second or so)
     return stored is not None

@@ -24,6 +24,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules and importlib.u
 from kvchat.engine.block_manager import SeqBlocks  # noqa: E402
 from kvchat.engine.decode_buffers import batch_bucket, context_bucket, context_buckets  # noqa: E402
 from kvchat.engine.dense_kv import DenseKV  # noqa: E402
+from kvchat.kernels import cpu_attention  # noqa: E402
 from kvchat.engine.runner import Engine  # noqa: E402
 from kvchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from kvchat.engine.sequence import DecodeStep, Sequence  # noqa: E402
@@ -117,7 +118,8 @@ def _per_step_batch(engine: Engine, steps: list[DecodeStep]) -> torch.Tensor:
     meta = AttnMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long), block_table=torch.tensor(table, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=torch.arange(len(steps) + 1, dtype=torch.int32),
-        is_decode=True, sink=sink, dense_batch=None if denses is None else [(d, n - 1) for d, n in zip(denses, lens)])
+        is_decode=True, sink=sink, dense_batch=None if denses is None else [(d, n - 1) for d, n in zip(denses, lens)],
+        provisional=True)  # a decode step, as Engine.decode's
     ids = torch.tensor([s.token_ids[-1] for s in steps], dtype=torch.long)
     hidden = engine.model(ids, torch.tensor([n - 1 for n in lens]), meta, engine.pool)
     for i, (s, n) in enumerate(zip(steps, lens)):
@@ -137,6 +139,9 @@ def _setup_path(path: str, monkeypatch) -> None:
         monkeypatch.setenv("KVCHAT_ATTENTION", "triton")
     else:
         monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
+    # the buffers are under test, not the attention kernel: the earlier decode ran a one-token prefill
+    # forward, which never takes the compiled decode attention (kvchat.kernels.dense_attention)
+    monkeypatch.setattr(cpu_attention, "takes", lambda *args: False)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -17,41 +17,42 @@ from kvchat.model.int8_scheme import int8_compute_scheme
 needs_kernel = pytest.mark.skipif(not cpu_int8.available(), reason="the compiled CPU int8 kernel does not build here")
 
 
-def _weights(n: int, k: int, groups: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-127, 128, (groups, n, k // groups), dtype=torch.int8, generator=gen)
-    return q, torch.rand(groups, n, generator=gen) * 0.01
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    return q, torch.rand(n, k // 32, generator=gen) * 0.01, torch.randn(n, k // 32, generator=gen) * 0.1
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k,groups", [(40, 576, 1), (24, 1536, 6), (13, 64, 2)])
-def test_each_row_is_an_fp32_dot_product_whatever_the_other_rows(n, k, groups):
-    q, scale = _weights(n, k, groups)
+@pytest.mark.parametrize("n,k", [(40, 576), (24, 1536), (13, 64)])
+def test_each_row_is_an_fp32_dot_product_whatever_the_other_rows(n, k):
+    q, scale, offset = _weights(n, k)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
-    y = cpu_int8.int8_matmul(x, q, scale)
-    w = (q.double() * scale.double()[..., None]).transpose(0, 1).reshape(n, k)
-    exact, mass = x.double() @ w.t(), x.abs().double() @ w.abs().t()
-    assert ((y.double() - exact).abs() <= 2**-18 * mass).all()  # fp32 rounding only (a bf16 input: ~2**-9)
+    y = cpu_int8.int8_matmul(x, q, scale, offset)
+    w = (q.double().view(n, -1, 32) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
+    parts = (q.double().abs().view(n, -1, 32) * scale.double()[..., None] + offset.double().abs()[..., None]).view(n, k)
+    exact, mass = x.double() @ w.t(), x.abs().double() @ parts.t()
+    assert ((y.double() - exact).abs() <= 2**-16 * mass).all()  # fp32 rounding only (a bf16 input: ~2**-9)
     # a row alone (decode), first or last of a pair, or among an odd count gives the same bits
     for start, stop in ((3, 4), (2, 5), (3, 7), (0, 4)):
-        got = cpu_int8.int8_matmul(x[start:stop].clone(), q, scale)
+        got = cpu_int8.int8_matmul(x[start:stop].clone(), q, scale, offset)
         assert torch.equal(got[3 - start], y[3])
 
 
 @needs_kernel
 def test_threads_and_calling_thread_do_not_change_the_bits():
-    q, scale = _weights(1000, 576, 1)
+    q, scale, offset = _weights(1000, 576)
     x = torch.randn(3, 576)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_int8.int8_matmul(x, q, scale)
+        one = cpu_int8.int8_matmul(x, q, scale, offset)
         torch.set_num_threads(2)
-        two = cpu_int8.int8_matmul(x, q, scale)
+        two = cpu_int8.int8_matmul(x, q, scale, offset)
     finally:
         torch.set_num_threads(before)
     out = {}
-    worker = threading.Thread(target=lambda: out.setdefault("y", cpu_int8.int8_matmul(x, q, scale)))
+    worker = threading.Thread(target=lambda: out.setdefault("y", cpu_int8.int8_matmul(x, q, scale, offset)))
     worker.start()
     worker.join()
     assert torch.equal(one, two) and torch.equal(one, out["y"])
@@ -59,21 +60,24 @@ def test_threads_and_calling_thread_do_not_change_the_bits():
 
 @needs_kernel
 def test_layouts_it_does_not_take_are_refused():
-    q, scale = _weights(8, 96, 1)
+    q, scale, offset = _weights(8, 96)
     x = torch.randn(1, 96)
-    cpu_int8.int8_matmul(x, q, scale)
+    cpu_int8.int8_matmul(x, q, scale, offset)
     with pytest.raises(ValueError, match="not a layout"):
-        cpu_int8.int8_matmul(x, *_weights(8, 96, 2))  # groups of 48 columns
+        cpu_int8.int8_matmul(torch.randn(1, 48), q[:, :48], scale[:, :1], offset[:, :1])  # 48 inputs: not groups of 32
     with pytest.raises(ValueError, match="not a layout"):
-        cpu_int8.int8_matmul(x.double(), q, scale)
+        cpu_int8.int8_matmul(x.double(), q, scale, offset)
     with pytest.raises(ValueError, match="not a layout"):
-        cpu_int8.int8_matmul(torch.randn(1, 64), q, scale)
+        cpu_int8.int8_matmul(torch.randn(1, 64), q, scale, offset)
+    with pytest.raises(ValueError, match="not a layout"):
+        cpu_int8.int8_matmul(x, q, scale, offset[:, :2])
 
 
 def test_each_kernel_has_its_own_cache_fingerprint():
     names = {int8_compute_scheme(k) for k in ("int8mm", "avx2")}
     assert len(names) == 2
     assert int8_compute_scheme("int8mm") == "int8-v1-per-channel-down_proj256-mm256"  # the name before this kernel
+    assert int8_compute_scheme("avx2").startswith("int8-v2-affine-g32")
     assert weight_scheme("int8") == int8_compute_scheme(cpu_int8.small_rows_kernel())
     variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of either kernel
     assert len(variants) == 2 and engine_identity("m", "bf16", None, False, 16, "int8")[1] in variants

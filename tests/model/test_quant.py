@@ -33,31 +33,18 @@ def test_quantize_error_is_at_most_half_a_step(group):
     assert int(q.abs().max()) == 127
 
 
-COMPILED = pytest.param("avx2", marks=pytest.mark.skipif(not cpu_int8.available(),
-                                                         reason="the compiled CPU int8 kernel does not build here"))
-
-
-@pytest.mark.parametrize("kernel", ["int8mm", COMPILED])
 @pytest.mark.parametrize("rows", [1, 15, quant.INT8MM_MAX_ROWS + 1])
 @pytest.mark.parametrize("group", [None, 64])
-def test_int8_linear_matches_its_dequantized_weight(rows, group, kernel):
+def test_int8_linear_matches_its_dequantized_weight(rows, group):
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 192, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(192, rows, generator=gen).t()  # strided, as attention's output reaches o_proj
     q, scale = quant.quantize_int8(w, group)
     want = F.linear(x, _dequant(q, scale), b)
-    layer = quant.Int8Linear(q, scale, b, kernel)
-    got = layer(x)
+    got = quant.Int8Linear(q, scale, b)(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    assert layer.compiled == (kernel == "avx2")
     if rows > quant.INT8MM_MAX_ROWS:  # fp32 GEMM over the dequantized weight: fp32 rounding only
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    elif kernel == "avx2" and rows <= quant.CPU_KERNEL_MAX_ROWS:  # fp32 activations as they are
-        exact = F.linear(x.double(), _dequant(q, scale).double(), b.double())
-        mass = F.linear(x.abs().double(), _dequant(q, scale).abs().double(), b.abs().double())
-        # fp32 sums of <= 192 / 32 products per lane, then 5 reductions and the scale, bias and group sums:
-        # well under 2**-18 of the sum of magnitudes (a bf16 input would be off by ~2**-9)
-        assert ((got.double() - exact).abs() <= 2**-18 * mass).all()
     else:  # the exact product of the bf16-rounded activations, up to the bf16 rounding of each kernel result
         # (2**-9 relative: half a unit in the last of 8 mantissa bits; 2**-8 allowed for the fp32 sums)
         xb = x.bfloat16().float()
@@ -66,6 +53,46 @@ def test_int8_linear_matches_its_dequantized_weight(rows, group, kernel):
         err = (got - (sum(partials) + b)).abs()
         assert (err <= 2**-8 * sum(p.abs() for p in partials) + 1e-4).all()
         assert not torch.equal(got, want)  # the cast to bf16 happened
+
+
+def _group_dequant(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    out, k = q.shape
+    return (q.double().view(out, scale.shape[1], -1) * scale.double()[..., None] + offset.double()[..., None]).view(out, k)
+
+
+def test_affine_groups_keep_each_groups_extremes_and_half_a_step():
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(0)) * 0.05 + 0.01
+    w[3, 17] = 2.0  # an outlier widens only its own group's step
+    w[5, 32:64] = 0.25  # a constant group: exact
+    q, scale, offset = quant.quantize_int8_groups(w)
+    assert q.shape == (48, 256) and scale.shape == offset.shape == (48, 8) and q.dtype == torch.int8
+    back = _group_dequant(q, scale, offset)
+    step = scale.double().repeat_interleave(32, dim=1)
+    assert ((back - w.double()).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert int(q.min()) == -128 and int(q.max()) == 127  # every group spans the grid
+    assert torch.equal(back[5, 32:64].float(), w[5, 32:64])
+    assert float(step[3, 0]) > 5 * float(step[3, 40])  # the outlier widens its own group only (~8x here)
+    with pytest.raises(ValueError, match="groups of 32"):
+        quant.quantize_int8_groups(torch.randn(4, 48))
+
+
+@pytest.mark.skipif(not cpu_int8.available(), reason="the compiled CPU int8 kernel does not build here")
+@pytest.mark.parametrize("rows", [1, 15, quant.GROUPS_KERNEL_MAX_ROWS + 1])
+def test_group_linear_is_its_dequantized_weight_in_fp32(rows):
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 192, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(192, rows, generator=gen).t()
+    q, scale, offset = quant.quantize_int8_groups(w)
+    got = quant.Int8GroupLinear(q, scale, offset, b)(x)
+    wd = _group_dequant(q, scale, offset)
+    exact = F.linear(x.double(), wd, b.double())
+    # magnitudes of what the kernel sums: |x| times |scale * q| and |offset| apart (they may cancel in w)
+    parts = (q.double().abs().view(96, -1, 32) * scale.double()[..., None] + offset.double().abs()[..., None])
+    mass = F.linear(x.abs().double(), parts.view(96, 192), b.abs().double())
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    # fp32 rounding only (the kernel's per-group chains and the offsets' terms, or the fp32 GEMM of the
+    # dequantized weight): far under 2**-16 of those magnitudes; a bf16 activation would be ~2**-9 off
+    assert ((got.double() - exact).abs() <= 2**-16 * mass).all()
 
 
 def _tiny() -> tuple[ModelConfig, dict]:
@@ -82,10 +109,13 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     first = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu", weight_format="int8")
     path = quant.int8_path("tiny")
     assert path.is_file() and path.parent.parent == tmp_path
-    linears = [m for m in first.model.modules() if isinstance(m, quant.Int8Linear)]
+    linears = [m for m in first.model.modules() if isinstance(m, quant.INT8_LAYERS)]
     assert len(linears) == 2 * 4 + 1 and not any(isinstance(m, Linear) for m in first.model.modules())
     down = first.model.layers[0].mlp.down_proj
-    assert down.groups == 512 // quant.GROUP_SIZES["down_proj"]
+    if cpu_int8.available():  # the groups scheme: 512 inputs in groups of 32
+        assert isinstance(down, quant.Int8GroupLinear) and down.groups == 512 // cpu_int8.GROUP
+    else:
+        assert isinstance(down, quant.Int8Linear) and down.groups == 512 // quant.GROUP_SIZES["down_proj"]
     stamp = path.stat().st_mtime_ns
     assert quant.quantize_linears(Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu",
                                          dense_kv=False).model, path)  # read, not quantized again
@@ -100,7 +130,12 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
     assert not quant.quantize_linears(model, path)
     assert torch.equal(model.layers[0].mlp.down_proj.q, down.q)
-    assert quant.load_int8(path, {"x": (1, 1, 1)}) is None and path.stat().st_mtime_ns != stamp
+    assert quant.load_int8(path, "other", {"x.q": (1,)}) is None and path.stat().st_mtime_ns != stamp
+    # the other scheme's file is not used either: per channel where the groups scheme runs, and back
+    model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
+    other = "int8mm" if cpu_int8.available() else "avx2"
+    assert not quant.quantize_linears(model, path, other)
+    assert isinstance(model.layers[0].mlp.down_proj, quant.Int8Linear if other == "int8mm" else quant.Int8GroupLinear)
 
 
 def test_weight_format_is_in_the_cache_fingerprint_and_fp32_is_unchanged():
