@@ -10,7 +10,7 @@
    o      float32 [H, G, D] contiguous
    work   float32 [H * ceil(L / SPLIT), G, D] scratch for the values pass
 
-   D must be a multiple of 8 and at most 256; G at most MAX_GROUP.
+   D must be a multiple of 8 and at most 8 * MAX_VEC; L at least 1 (kvchat_decode_limits says both).
 
    Both passes split each head's L tokens into fixed SPLIT-token ranges and
    an OpenMP team of `threads` shares the (head, range) tasks, so the two
@@ -23,8 +23,13 @@
 #include <stdint.h>
 
 #define SPLIT 256
-#define MAX_GROUP 8
-#define MAX_VEC 32 /* D / 8 */
+#define MAX_VEC 32 /* D / 8: the values pass's accumulators */
+
+/* SPLIT and the largest D, for the caller's scratch size and checks. */
+void kvchat_decode_limits(int64_t *split, int64_t *max_head_dim) {
+  *split = SPLIT;
+  *max_head_dim = 8 * MAX_VEC;
+}
 
 static inline float hsum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

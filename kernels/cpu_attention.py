@@ -25,34 +25,41 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from .cpu_build import load as load_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-SPLIT_TOKENS = 256  # the C source's SPLIT: tokens per task
-MAX_GROUP = 8  # the C source's MAX_GROUP: query heads per KV head
-MAX_HEAD_DIM = 256  # the C source's MAX_VEC * 8
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.load(SOURCE)
+    lib = load_library(SOURCE)
     if lib is not None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.kvchat_decode_scores.restype = lib.kvchat_decode_values.restype = None
+        lib.kvchat_decode_scores.restype = lib.kvchat_decode_values.restype = lib.kvchat_decode_limits.restype = None
         lib.kvchat_decode_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
         lib.kvchat_decode_values.argtypes = [ptr] * 4 + [i64] * 6 + [ctypes.c_int]
+        lib.kvchat_decode_limits.argtypes = [ctypes.POINTER(i64)] * 2
     return lib
 
 
+@functools.cache
+def _limits() -> tuple[int, int]:
+    """``(tokens per task, largest head_dim)`` as the C source defines them."""
+    split, dim = ctypes.c_int64(), ctypes.c_int64()
+    _library().kvchat_decode_limits(ctypes.byref(split), ctypes.byref(dim))
+    return split.value, dim.value
+
+
 def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`decode_attention` runs these (one float32 CPU query token, K/V with ``head_dim`` contiguous
-    and equal strides, a head_dim and group it compiles for) and the library is available."""
+    """Whether :func:`decode_attention` runs these: the library is available, one float32 CPU query token,
+    float32 CPU K/V of at least one token with ``head_dim`` contiguous and equal strides, a head_dim that is
+    a positive multiple of 8 the kernel compiles for, and whole query-head groups."""
     t, h, d = query.shape
     hkv = key.shape[0]
-    return (t == 1 and query.device.type == "cpu" and key.dtype == value.dtype == torch.float32
-            and d % 8 == 0 and d <= MAX_HEAD_DIM and h % hkv == 0 and h // hkv <= MAX_GROUP
-            and key.stride() == value.stride() and key.stride(2) == 1 and key.shape == value.shape
-            and _library() is not None)
+    return (t == 1 and query.device.type == key.device.type == "cpu" and key.dtype == value.dtype == torch.float32
+            and key.shape == value.shape and key.shape[1] >= 1 and key.shape[2] == d and d >= 8 and d % 8 == 0
+            and hkv >= 1 and h % hkv == 0 and key.stride() == value.stride() and key.stride(2) == 1
+            and _library() is not None and d <= _limits()[1])
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -82,7 +89,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                              key.stride(0), key.stride(1), sm_scale, threads)
     probs = torch.softmax(scores, dim=-1)
     out = torch.empty(1, h, d)
-    work = torch.empty(hkv * -(-length // SPLIT_TOKENS), group, d)
+    work = torch.empty(hkv * -(-length // _limits()[0]), group, d)
     lib.kvchat_decode_values(probs.data_ptr(), value.data_ptr(), out.data_ptr(), work.data_ptr(), hkv, group, d,
                              length, value.stride(0), value.stride(1), threads)
     return out.to(query.dtype)

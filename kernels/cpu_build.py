@@ -9,8 +9,9 @@ OpenMP, and ``libgomp.so.1`` resolves to torch's own copy, already loaded, so
 their threads are torch's pool (a second pool would fight it for the cores).
 
 Where a library cannot be built or loaded (no compiler, no AVX2/FMA, no
-writable cache dir) or ``KVCHAT_CPU_KERNEL=0``, :func:`load` returns None
-after one logged notice and the callers keep their torch code.
+writable cache dir, no platformdirs) or ``KVCHAT_CPU_KERNEL=0``, :func:`load`
+returns None after one logged notice per library and the callers keep their
+torch code. A build removes the libraries of earlier versions of its source.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from kvchat import settings
@@ -42,10 +44,15 @@ def _cpu_flags() -> set[str]:
 
 
 def _cache_dir() -> Path:
+    """The user's own cache dir (never a shared one such as /tmp, where another user could plant a library).
+
+    Raises:
+        OSError: platformdirs is not installed (bench/gpu.py's machines, which never run these CPU paths).
+    """
     try:
         import platformdirs
-    except ImportError:  # bench/gpu.py's machines: never on these CPU paths, but stay importable
-        return Path(tempfile.gettempdir()) / "kvchat-kernels"
+    except ImportError as exc:
+        raise OSError("platformdirs is not installed: no user cache dir for compiled kernels") from exc
     return Path(platformdirs.user_cache_dir(settings.APP_NAME)) / "kernels"
 
 
@@ -73,11 +80,22 @@ def _build(source: Path, target: Path) -> None:
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
+    for old in target.parent.glob(f"{source.stem}-*.so"):  # earlier sources' builds: never loaded again
+        if old != target:
+            old.unlink(missing_ok=True)
+
+
+_build_lock = threading.Lock()  # one build per source even when two threads ask first
+
+
+def load(source: Path) -> ctypes.CDLL | None:
+    """The loaded library of ``source`` (built first if absent), or None where it cannot be (see the module doc)."""
+    with _build_lock:
+        return _load(source)
 
 
 @functools.cache
-def load(source: Path) -> ctypes.CDLL | None:
-    """The loaded library of ``source`` (built first if absent), or None where it cannot be (see the module doc)."""
+def _load(source: Path) -> ctypes.CDLL | None:
     if not settings.cpu_kernel_enabled():
         return None
     missing = REQUIRED_CPU_FLAGS - _cpu_flags()

@@ -10,7 +10,7 @@
 - ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
 - ``KVCHAT_WEIGHTS``: the weight format the model computes with.
 - ``KVCHAT_CUDA_GRAPHS``: ``0`` turns off the CUDA graphs of decode.
-- ``KVCHAT_CPU_KERNEL``: ``0`` turns off the compiled CPU int8 kernel.
+- ``KVCHAT_CPU_KERNEL``: ``0`` turns off the compiled CPU kernels (int8 matmul, decode attention).
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 - ``KVCHAT_API_KEY``: the key ``kvchat serve`` requires when ``--api-key`` is not given.
@@ -268,8 +268,9 @@ def cuda_graphs() -> bool:
 
 
 def cpu_kernel_enabled() -> bool:
-    """``KVCHAT_CPU_KERNEL``: ``1`` (default) runs int8 layers' few-row matmuls on the compiled CPU kernel
-    where it builds (:mod:`kvchat.kernels.cpu_int8`), ``0`` keeps torch's bf16 int8 kernel.
+    """``KVCHAT_CPU_KERNEL``: ``1`` (default) runs kvchat's compiled CPU kernels where they build
+    (:mod:`kvchat.kernels.cpu_build`: the int8 groups scheme's matmul, a decode step's attention), ``0``
+    keeps torch's code (int8 weights per channel on torch's kernel: another cache fingerprint).
 
     Raises:
         SettingError: any other value.

@@ -33,9 +33,9 @@ NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomp
 def resolve_weight_format(name: str, device_type: str, compute: str = "auto") -> str:
     """``auto|fp32|bf16|int8`` -> a :data:`WEIGHT_FORMATS` name for a device of type ``device_type``.
 
-    ``auto`` is what measured fastest: on a CPU int8 (``torch._weight_int8pack_mm``
-    with bf16 activations read 4x fewer weight bytes per decode step than fp32:
-    one SmolLM2 decode step's matmuls 20 vs 39 ms here, 2 threads, AVX2), on CUDA bf16.
+    ``auto`` is what measured fastest: on a CPU int8 (int8 weights read ~4x fewer bytes per decode
+    step than fp32: one SmolLM2 decode step's matmuls 20 vs 39 ms here with ``torch._weight_int8pack_mm``,
+    2 threads, ~10 ms on the compiled kernel, :mod:`kvchat.model.quant`), on CUDA bf16.
     Unless ``compute`` (the ``KVCHAT_DTYPE``/``--dtype`` name) asks for a 16-bit compute dtype: then
     ``auto`` is the unquantized format of that computation (bf16 -> bf16; fp16 -> fp32 weights computed
     in fp16), so one computation has one cache fingerprint however it was asked for.
@@ -128,11 +128,12 @@ def fp8_scheme_name(k_centring: bool, exact_sink: bool) -> str:
 
 
 def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: str | None, exact_sink: bool,
-                    block_size: int, weight_format: str = "fp32", *, compute: str | None = None) -> tuple[str, str]:
+                    block_size: int, weight_format: str = "fp32", *, compute: str | None = None,
+                    int8_kernel: str | None = None) -> tuple[str, str]:
     """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only;
     ``compute``: an overridden compute dtype's name (None: the one ``auto`` picks); ``weight_format``: a
-    :data:`WEIGHT_FORMATS` name."""
-    weights = weight_scheme(weight_format)
+    :data:`WEIGHT_FORMATS` name; ``int8_kernel``: the int8 layers' kernel (see :func:`weight_scheme`)."""
+    weights = weight_scheme(weight_format, int8_kernel)
     if kv_dtype != "fp8":
         return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=compute or "",
                                          weights=weights)

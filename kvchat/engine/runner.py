@@ -30,6 +30,8 @@ from kvchat.engine.timing import DeviceTimer
 from kvchat.model.transformer import AttnMetadata, build_model
 from kvchat.model.weights import weight_reader
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, drive_prefill
+from kvchat.kernels.cpu_int8 import small_rows_kernel
+from kvchat.model.int8_scheme import stored_scheme
 from kvchat.model.quant import int8_path, quantize_linears
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
@@ -153,7 +155,7 @@ class Engine:
         implied = FORMAT_COMPUTE_DTYPES[self.weight_format]  # what the weight format computes in unless overridden
         self.dtype = implied if dtype_name == "auto" else COMPUTE_DTYPES[dtype_name]
         if self.weight_format == "int8" and self.dtype != torch.float32:
-            raise ValueError(f"int8 weights compute in fp32 (bf16 only at the int8 matmul's input); drop --dtype {dtype_name}")
+            raise ValueError(f"int8 weights compute in fp32 (bf16 only at torch's int8 kernel's input, where it runs); drop --dtype {dtype_name}")
         timer = DeviceTimer(self.device).start()
         self.model = model = build_model(cfg, weights, self.device, self.dtype)
         weights.close()
@@ -161,8 +163,10 @@ class Engine:
         fp8 = kv_dtype == "fp8"
         if callable(calibration):  # on the weights as loaded, before any quantization: one calibration per model
             calibration = calibration(self) if fp8 else None
-        if self.weight_format == "int8":
-            quantize_linears(model, int8_path(model_fingerprint))
+        # the int8 kernel, chosen once: it decides the layers' scheme and the fingerprint's name alike
+        self.int8_kernel = small_rows_kernel() if self.weight_format == "int8" else None
+        if self.int8_kernel is not None:
+            quantize_linears(model, int8_path(model_fingerprint, stored_scheme(self.int8_kernel)), self.int8_kernel)
         if pool_bytes is not None:
             self.pool_plan = PoolPlan(pool_bytes, f"KV pool {pool_bytes / 2**20:,.0f} MiB (set by the caller)")
         else:  # after the weights and any calibration: on CUDA it reads the memory left
@@ -178,7 +182,7 @@ class Engine:
         self.compute_key = compute_key(self.weight_format, dtype_name)  # the fingerprint's compute: None = implied
         self.scale_scheme, self.cache_fingerprint = engine_identity(
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.spec.block_size, self.weight_format, compute=self.compute_key)
+            self.spec.block_size, self.weight_format, compute=self.compute_key, int8_kernel=self.int8_kernel)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"

@@ -14,7 +14,8 @@ GROUP_SIZES = {"down_proj": 256}  # per-channel scheme: input columns per scale,
 # how the weights are quantized (the stored int8 tensors' metadata): per channel for torch's kernel; asymmetric
 # groups of 32 for the compiled one (kvchat.kernels.cpu_int8)
 INT8_SCHEME = f"int8-v{INT8_VERSION}-per-channel-" + "-".join(f"{k}{v}" for k, v in sorted(GROUP_SIZES.items()))
-INT8_GROUPS_SCHEME = "int8-v2-affine-g32"
+INT8_GROUPS_VERSION = 1
+INT8_GROUPS_SCHEME = f"int8-affine-g32-v{INT8_GROUPS_VERSION}"
 SMALL_ROWS_KERNELS = ("int8mm", "avx2")  # torch's bf16-activation int8 kernel; the compiled fp32 one
 
 
@@ -30,6 +31,12 @@ def int8_compute_scheme(small_rows_kernel: str) -> str:
     """
     if small_rows_kernel not in SMALL_ROWS_KERNELS:
         raise ValueError(f"unknown int8 kernel {small_rows_kernel!r}; use {', '.join(SMALL_ROWS_KERNELS)}")
-    if small_rows_kernel == "avx2":
-        return f"{INT8_GROUPS_SCHEME}-avx2f32x{GROUPS_KERNEL_MAX_ROWS}"
+    if small_rows_kernel == "avx2":  # a layer whose inputs do not split into 32s keeps torch's kernel: -mm too
+        return f"{INT8_GROUPS_SCHEME}-avx2f32x{GROUPS_KERNEL_MAX_ROWS}-mm{INT8MM_MAX_ROWS}"
     return f"{INT8_SCHEME}-mm{INT8MM_MAX_ROWS}"
+
+
+def stored_scheme(small_rows_kernel: str) -> str:
+    """The quantization an engine with ``small_rows_kernel`` stores and reads (:data:`INT8_GROUPS_SCHEME` for
+    ``avx2``, :data:`INT8_SCHEME` for ``int8mm``): each has a file of its own beside the model."""
+    return INT8_GROUPS_SCHEME if small_rows_kernel == "avx2" else INT8_SCHEME

@@ -43,9 +43,8 @@ SmolLM2: int8mm 2.7 s, dequantize + fp32 2.1 s, fp32 weights 1.8 s at
 ``M = 512``; at ``M = 128`` 0.67 / 0.98 / 1.10 s; at ``M = 15`` 0.11 /
 0.20 / 0.15 s).
 
-The int8 tensors live in ``models_dir()/.weights/<model fingerprint>.int8.safetensors``
-(written atomically on first use, read on every later load while their
-scheme is the one this process runs; otherwise quantized again and replaced).
+The int8 tensors live in ``models_dir()/.weights/<model fingerprint>.<scheme>.safetensors``
+(:func:`int8_path`; written atomically on first use, read on every later load).
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat.kernels import cpu_int8
-from kvchat.model.int8_scheme import (GROUP_SIZES, GROUPS_KERNEL_MAX_ROWS, INT8_GROUPS_SCHEME, INT8_SCHEME,
-                                      INT8MM_MAX_ROWS)
+from kvchat.model.int8_scheme import GROUP_SIZES, GROUPS_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS, stored_scheme
 from kvchat.paths import models_dir
 from kvchat.safetensors_file import save_atomic
 
@@ -69,9 +67,11 @@ QMAX = 127
 _scratch = threading.local()  # one fp32 buffer per thread for the dequantized weight of the large-M path
 
 
-def int8_path(model_fingerprint: str) -> Path:
-    """Where a model's int8 weights live (the models dir, beside its calibration)."""
-    return models_dir() / WEIGHTS_DIR / f"{model_fingerprint}.int8.safetensors"
+def int8_path(model_fingerprint: str, scheme: str) -> Path:
+    """Where a model's int8 weights in ``scheme`` (:func:`kvchat.model.int8_scheme.stored_scheme`) live: the
+    models dir, beside its calibration; one file per scheme, so two processes of another kernel choice
+    sharing the models dir do not rewrite each other's."""
+    return models_dir() / WEIGHTS_DIR / f"{model_fingerprint}.{scheme}.safetensors"
 
 
 def group_size(name: str, in_features: int) -> int:
@@ -283,9 +283,14 @@ def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = N
 
     Returns:
         True when the tensors came from ``path``.
+    Raises:
+        ValueError: ``kernel`` is ``avx2`` where the compiled kernel is not available.
     """
-    groups_scheme = (kernel or cpu_int8.small_rows_kernel()) == "avx2"
-    scheme = INT8_GROUPS_SCHEME if groups_scheme else INT8_SCHEME
+    kernel = kernel or cpu_int8.small_rows_kernel()
+    if kernel == "avx2" and not cpu_int8.available():
+        raise ValueError("the groups scheme needs the compiled CPU int8 kernel, which is not available here")
+    groups_scheme = kernel == "avx2"
+    scheme = stored_scheme(kernel)
     found = _linears(model)
     grouped = {name: groups_scheme and m.weight.shape[1] % cpu_int8.GROUP == 0 for name, _, _, m in found}
     shapes = {}

@@ -24,7 +24,9 @@ def test_bench_engine_writes_every_backend_ratio_target_and_the_matmul_ceiling(s
     assert set(res["matmul_ceiling_per_weight_format"]) == {"fp32", "int8"}
     assert res["matmul_ceiling_per_weight_format"]["fp32"] == ceiling
     int8 = res["matmul_ceiling_per_weight_format"]["int8"]
-    assert int8["weight_gb_s"] * int8["decode_ms"] < 0.3 * ceiling["weight_gb_s"] * ceiling["decode_ms"]  # bytes read
+    # bytes read: int8 values and, per 32 inputs, an fp32 scale and offset (groups scheme, 1.25 of fp32's 4 bytes:
+    # 0.3125x) or per channel (~0.25x); fp32 reads 4 bytes a weight
+    assert int8["weight_gb_s"] * int8["decode_ms"] < 0.32 * ceiling["weight_gb_s"] * ceiling["decode_ms"]
     assert {(r["num"], r["den"]) for r in res["ratios"]} >= {("kvchat-fp8-int8", "kvchat-fp8")}
     names = [t["name"] for t in res["targets"]]
     assert "fp8 decode / bf16 decode @40" in names and "load_runtime seconds" in names

@@ -71,6 +71,8 @@ def test_what_it_does_not_take_is_refused():
     assert not cpu_attention.takes(torch.randn(2, 9, 64), k, v)  # two tokens
     assert not cpu_attention.takes(torch.randn(1, 9, 64), k.double(), v.double())
     assert not cpu_attention.takes(torch.randn(1, 9, 64), k.transpose(1, 2).contiguous().transpose(1, 2), v)
-    assert not cpu_attention.takes(torch.randn(1, 27, 64), k, v)  # 9 query heads per KV head > MAX_GROUP
+    assert not cpu_attention.takes(torch.randn(1, 8, 64), k, v)  # 8 query heads over 3 KV heads
+    assert not cpu_attention.takes(torch.randn(1, 9, 64), k[:, :0], v[:, :0])  # no token
+    assert not cpu_attention.takes(torch.randn(1, 9, 4), k[..., :4], v[..., :4])  # head_dim under 8
     with pytest.raises(ValueError, match="not what the kernel takes"):
         cpu_attention.decode_attention(torch.randn(2, 9, 64), k, v, 0.125)

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from kvchat.engine.cache_identity import engine_identity, fingerprint_variants, weight_scheme
+from kvchat.engine.cache_identity import engine_identity, fingerprint_variants
 from kvchat.kernels import cpu_int8
 from kvchat.model.int8_scheme import int8_compute_scheme
 
@@ -77,8 +77,7 @@ def test_each_kernel_has_its_own_cache_fingerprint():
     names = {int8_compute_scheme(k) for k in ("int8mm", "avx2")}
     assert len(names) == 2
     assert int8_compute_scheme("int8mm") == "int8-v1-per-channel-down_proj256-mm256"  # the name before this kernel
-    assert int8_compute_scheme("avx2").startswith("int8-v2-affine-g32")
-    assert weight_scheme("int8") == int8_compute_scheme(cpu_int8.small_rows_kernel())
+    assert int8_compute_scheme("avx2").startswith("int8-affine-g32-v1")
     variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of either kernel
     assert len(variants) == 2 and engine_identity("m", "bf16", None, False, 16, "int8")[1] in variants
     with pytest.raises(ValueError, match="unknown int8 kernel"):
@@ -102,7 +101,7 @@ def test_built_once_into_the_cache_dir_and_reused_by_the_next_process(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     # the next process finds it: no compiler needed any more
     again = _probe({"XDG_CACHE_HOME": str(tmp_path), "PATH": os.path.dirname(sys.executable)})
-    assert again.stdout.split() == ["avx2", "avx2"] or "no C compiler" in again.stderr
+    assert again.stdout.split() == ["avx2", "avx2"], again.stderr
     assert built[0].stat().st_mtime_ns == stamp
 
 
@@ -110,6 +109,7 @@ def test_without_a_compiler_or_when_turned_off_int8_layers_keep_torchs_kernel(tm
     broken = _probe({"XDG_CACHE_HOME": str(tmp_path), "CC": str(tmp_path / "no-such-cc"), "PATH": str(tmp_path)})
     assert broken.stdout.split() == ["int8mm", "int8mm"]
     assert broken.stderr.count("compiled CPU kernel cpu_int8 unavailable") == 1  # one notice, not one per call
+    assert not list(tmp_path.glob("kvchat/kernels/*"))
     off = _probe({"XDG_CACHE_HOME": str(tmp_path), "KVCHAT_CPU_KERNEL": "0"})
     assert off.stdout.split() == ["int8mm", "int8mm"] and "unavailable" not in off.stderr
     assert not list(tmp_path.glob("kvchat/kernels/*.so"))

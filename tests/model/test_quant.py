@@ -13,6 +13,7 @@ from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.runner import Engine
 from kvchat.kernels import cpu_int8
 from kvchat.model import quant
+from kvchat.model.int8_scheme import stored_scheme
 from kvchat.model.config import ModelConfig
 from kvchat.model.transformer import Linear
 
@@ -107,7 +108,8 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCHAT_MODELS", str(tmp_path))
     cfg, weights = _tiny()
     first = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu", weight_format="int8")
-    path = quant.int8_path("tiny")
+    kernel = cpu_int8.small_rows_kernel()
+    path = quant.int8_path("tiny", stored_scheme(kernel))
     assert path.is_file() and path.parent.parent == tmp_path
     linears = [m for m in first.model.modules() if isinstance(m, quant.INT8_LAYERS)]
     assert len(linears) == 2 * 4 + 1 and not any(isinstance(m, Linear) for m in first.model.modules())
@@ -131,11 +133,21 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     assert not quant.quantize_linears(model, path)
     assert torch.equal(model.layers[0].mlp.down_proj.q, down.q)
     assert quant.load_int8(path, "other", {"x.q": (1,)}) is None and path.stat().st_mtime_ns != stamp
-    # the other scheme's file is not used either: per channel where the groups scheme runs, and back
-    model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
-    other = "int8mm" if cpu_int8.available() else "avx2"
-    assert not quant.quantize_linears(model, path, other)
-    assert isinstance(model.layers[0].mlp.down_proj, quant.Int8Linear if other == "int8mm" else quant.Int8GroupLinear)
+    # the engine's layers and its fingerprint name the same kernel (chosen once, Engine.int8_kernel)
+    assert first.int8_kernel == kernel
+    assert first.cache_fingerprint == engine_identity("tiny", "bf16", None, False, 16, "int8", int8_kernel=kernel)[1]
+    assert first.cache_fingerprint != engine_identity("tiny", "bf16", None, False, 16, "int8",
+                                                      int8_kernel="int8mm" if kernel == "avx2" else "avx2")[1]
+    if kernel == "avx2":  # the per-channel scheme has a file of its own: the groups file is left alone
+        model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
+        stamp = path.stat().st_mtime_ns
+        per_channel = quant.int8_path("tiny", stored_scheme("int8mm"))
+        assert not quant.quantize_linears(model, per_channel, "int8mm") and per_channel.is_file()
+        assert isinstance(model.layers[0].mlp.down_proj, quant.Int8Linear) and path.stat().st_mtime_ns == stamp
+    else:  # the groups scheme is refused where its kernel is not built
+        with pytest.raises(ValueError, match="compiled CPU int8 kernel"):
+            quant.quantize_linears(Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20,
+                                          device="cpu").model, None, "avx2")
 
 
 def test_weight_format_is_in_the_cache_fingerprint_and_fp32_is_unchanged():
