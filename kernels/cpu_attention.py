@@ -42,6 +42,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def available() -> bool:
+    """Whether the compiled kernel is usable in this process (built or found on first call)."""
+    return _library() is not None
+
+
 @functools.cache
 def _limits() -> tuple[int, int]:
     """``(tokens per task, largest head_dim)`` as the C source defines them."""

@@ -1,7 +1,7 @@
 """Build and load kvchat's compiled CPU kernels (C sources beside this file; AVX2 + FMA), once per machine.
 
-Each source is compiled with the system C compiler (``$CC``, else ``cc``,
-else ``gcc``; :data:`FLAGS`: ``-ffp-contract=off``, so only a kernel's own
+Each source is compiled with the system C compiler (``$CC`` when set, else
+``cc``, else ``gcc``; :data:`FLAGS`: ``-ffp-contract=off``, so only a kernel's own
 FMAs round; about a second) into ``<user cache dir>/kvchat/kernels/``, named
 by the digest of its source and the flags, and loaded with ctypes; a later
 process loads the library built, with no compiler needed. The kernels use
@@ -21,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -62,21 +63,37 @@ def library_path(source: Path) -> Path:
     return _cache_dir() / f"{source.stem}-{digest}.so"
 
 
+def _compiler() -> list[str]:
+    """The compiler command: ``$CC`` as written (split like a shell command) when set, else ``cc``, else ``gcc``.
+
+    Raises:
+        FileNotFoundError: ``$CC`` names no executable, or neither ``cc`` nor ``gcc`` is on PATH.
+    """
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        argv = shlex.split(cc)
+        if shutil.which(argv[0]) is None:
+            raise FileNotFoundError(f"$CC ({cc!r}) is not an executable")
+        return argv
+    found = shutil.which("cc") or shutil.which("gcc")
+    if found is None:
+        raise FileNotFoundError("no C compiler (cc) on PATH")
+    return [found]
+
+
 def _build(source: Path, target: Path) -> None:
     """Compile ``source`` into ``target`` (atomically: a concurrent build of the same digest writes the same bytes).
 
     Raises:
-        FileNotFoundError: no C compiler on PATH.
+        FileNotFoundError: no compiler (:func:`_compiler`).
         OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired: the build failed.
     """
-    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc) on PATH")
+    compiler = _compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
+        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)

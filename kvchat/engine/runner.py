@@ -187,6 +187,8 @@ class Engine:
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
+        if self.dense is not None:  # build or load the decode attention now: its notice, if any, before any answer
+            kernels.cpu_attention.available()
         max_blocks = -(-self.max_context // self.spec.block_size)
         sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)

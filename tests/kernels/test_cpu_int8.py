@@ -110,6 +110,8 @@ def test_without_a_compiler_or_when_turned_off_int8_layers_keep_torchs_kernel(tm
     assert broken.stdout.split() == ["int8mm", "int8mm"]
     assert broken.stderr.count("compiled CPU kernel cpu_int8 unavailable") == 1  # one notice, not one per call
     assert not list(tmp_path.glob("kvchat/kernels/*"))
+    named = _probe({"XDG_CACHE_HOME": str(tmp_path), "CC": str(tmp_path / "no-such-cc")})  # $CC is honoured
+    assert named.stdout.split() == ["int8mm", "int8mm"] and "is not an executable" in named.stderr
     off = _probe({"XDG_CACHE_HOME": str(tmp_path), "KVCHAT_CPU_KERNEL": "0"})
     assert off.stdout.split() == ["int8mm", "int8mm"] and "unavailable" not in off.stderr
     assert not list(tmp_path.glob("kvchat/kernels/*.so"))
