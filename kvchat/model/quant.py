@@ -95,8 +95,36 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> tuple[torch
     return q.contiguous(), scale.contiguous()
 
 
-class Int8Linear(nn.Module):
-    """``y = x W^T (+ b)`` with ``W`` held as int8 groups and fp32 scales; see the module doc for the two kernels.
+class _Int8Layer(nn.Module):
+    """What both int8 layers share: ``y = x W^T (+ b)`` for float32 ``x`` ``[..., in_features]``, the few-row
+    kernel up to :attr:`max_rows` rows (:meth:`_few_rows`), else an fp32 GEMM over :meth:`_dequantized`."""
+
+    max_rows: int
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` float32 ``[..., in_features]`` -> float32 ``[..., out_features]``."""
+        rows = x.reshape(-1, self.in_features)
+        y = self._few_rows(rows) if rows.shape[0] <= self.max_rows else F.linear(rows, self._dequantized())
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 ``[M, in_features]`` -> ``[M, out_features]`` on the layer's int8 kernel (no bias)."""
+        raise NotImplementedError
+
+    def _dequantized(self) -> torch.Tensor:
+        """The fp32 weight ``[out, in]`` in this thread's scratch buffer (valid until the next call)."""
+        raise NotImplementedError
+
+
+class Int8Linear(_Int8Layer):
+    """``y = x W^T (+ b)`` with ``W`` held as int8 groups and fp32 scales (the module doc's per-channel scheme).
 
     Attributes:
         q: int8 ``[G, out_features, in_features // G]`` (each ``q[g]`` contiguous, as the kernels take it).
@@ -104,41 +132,33 @@ class Int8Linear(nn.Module):
         bias: float32 ``[out_features]`` or None.
     """
 
+    max_rows = INT8MM_MAX_ROWS
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.groups, self.out_features, self.group = q.shape
-        self.in_features = self.groups * self.group
+        groups, out_features, group = q.shape
+        super().__init__(out_features, groups * group, bias)
+        self.groups, self.group = groups, group
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())
         self.register_buffer("unit", torch.ones(self.out_features, dtype=torch.bfloat16, device=q.device),
                              persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes a matmul reads for the weight (int8 values + fp32 scales)."""
         return self.q.numel() + self.scale.numel() * 4
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` float32 ``[..., in_features]`` -> float32 ``[..., out_features]``."""
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= INT8MM_MAX_ROWS:
-            xb = rows.to(torch.bfloat16, memory_format=torch.contiguous_format)  # the kernel reads rows densely
-            if self.groups == 1:
-                y = torch._weight_int8pack_mm(xb, self.q[0], self.unit).float().mul_(self.scale[0])
-            else:
-                xg = xb.view(-1, self.groups, self.group).transpose(0, 1).contiguous()
-                y = torch._weight_int8pack_mm(xg[0], self.q[0], self.unit).float().mul_(self.scale[0])
-                for g in range(1, self.groups):
-                    y.add_(torch._weight_int8pack_mm(xg[g], self.q[g], self.unit).float().mul_(self.scale[g]))
-        else:
-            y = F.linear(rows, self._dequantized())
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+    def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        xb = rows.to(torch.bfloat16, memory_format=torch.contiguous_format)  # the kernel reads rows densely
+        if self.groups == 1:
+            return torch._weight_int8pack_mm(xb, self.q[0], self.unit).float().mul_(self.scale[0])
+        xg = xb.view(-1, self.groups, self.group).transpose(0, 1).contiguous()
+        y = torch._weight_int8pack_mm(xg[0], self.q[0], self.unit).float().mul_(self.scale[0])
+        for g in range(1, self.groups):
+            y.add_(torch._weight_int8pack_mm(xg[g], self.q[g], self.unit).float().mul_(self.scale[g]))
+        return y
 
     def _dequantized(self) -> torch.Tensor:
-        """The fp32 weight ``[out, in]`` in this thread's scratch buffer (valid until the next call)."""
         w = _scratch_buffer(self.q.numel(), self.q.device).view(self.out_features, self.groups, self.group)
         w.copy_(self.q.transpose(0, 1)).mul_(self.scale.t()[..., None])
         return w.view(self.out_features, self.in_features)
@@ -173,7 +193,7 @@ def quantize_int8_groups(weight: torch.Tensor, group: int = cpu_int8.GROUP) -> t
     return q.view(out_features, in_features).contiguous(), scale.contiguous(), offset.contiguous()
 
 
-class Int8GroupLinear(nn.Module):
+class Int8GroupLinear(_Int8Layer):
     """``y = x W^T (+ b)`` with ``W`` as int8 values and an fp32 scale and offset per 32 inputs of each
     output channel (the module doc's groups scheme; the compiled kernel for few rows).
 
@@ -183,33 +203,24 @@ class Int8GroupLinear(nn.Module):
         bias: float32 ``[out_features]`` or None.
     """
 
+    max_rows = GROUPS_KERNEL_MAX_ROWS
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(*q.shape, bias)
         self.groups = scale.shape[1]
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())
         self.register_buffer("offset", offset.float())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes a matmul reads for the weight (int8 values + fp32 scales and offsets)."""
         return self.q.numel() + (self.scale.numel() + self.offset.numel()) * 4
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` float32 ``[..., in_features]`` -> float32 ``[..., out_features]``."""
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= GROUPS_KERNEL_MAX_ROWS:
-            y = cpu_int8.int8_matmul(rows, self.q, self.scale, self.offset)
-        else:
-            y = F.linear(rows, self._dequantized())
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+    def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return cpu_int8.int8_matmul(rows, self.q, self.scale, self.offset)
 
     def _dequantized(self) -> torch.Tensor:
-        """The fp32 weight ``[out, in]`` in this thread's scratch buffer (valid until the next call)."""
         w = _scratch_buffer(self.q.numel(), self.q.device).view(self.out_features, self.groups, -1)
         w.copy_(self.q.view(self.out_features, self.groups, -1)).mul_(self.scale[..., None]).add_(self.offset[..., None])
         return w.view(self.out_features, self.in_features)
