@@ -9,9 +9,11 @@ Triton kernel is about to run, so this package imports where Triton is absent.
 
 :func:`read_slots` and :func:`dense_attention` (CPU only) serve the CPU
 read path, ``kvchat.engine.dense_kv``: a sequence's K/V read back from the pool
-once into a contiguous fp32 copy, so a decode step does not gather and
-dequantize the whole cache again. A decode step's attention there runs the
-compiled kernel of :mod:`kvchat.kernels.cpu_attention` where it is built.
+once into a contiguous fp32 copy, which prefill chunks and extends attend over
+without gathering and dequantizing the whole cache again. Decode steps and
+cache writes on a CPU pool run the compiled kernels of
+:mod:`kvchat.kernels.cpu_attention` where they are built (backend
+``compiled``): decode reads the paged pool itself, half the bytes of the copy.
 
 Backend choice per call:
 
@@ -22,7 +24,11 @@ Backend choice per call:
   decorates its own library functions and kvchat's kernels). Where Triton
   cannot run (not installed, or CPU tensors without the interpreter) the
   first dispatch raises :class:`kvchat.settings.SettingError`.
-- unset: Triton for CUDA tensors, the reference otherwise. CUDA without an
+- unset: Triton for CUDA tensors; on CPU tensors ``compiled`` where
+  :func:`kvchat.kernels.cpu_attention.available` (``KVCHAT_CPU_KERNEL``, a C
+  compiler): its kernels for :func:`write_kv` and :func:`decode_attention`
+  where they take the arguments, the reference for the rest; the reference
+  otherwise. CUDA without an
   importable Triton falls back to the reference with a one-time logged
   notice. FP8 pools stay on Triton on every CUDA GPU: below compute
   capability 8.9 (where Triton has no float8e4nv) the kernels convert the fp8
@@ -52,6 +58,7 @@ from .reference import (
     FP8_EPS,
     FP8_MAX,
     SCALE_SCHEME,
+    dense_attention,
     dequantize_fp8,
     dequantize_into,
     quantize_fp8,
@@ -91,7 +98,7 @@ def _triton_importable() -> bool:
 
 
 def backend_for(cache: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"`` for a call on this pool (see module doc).
+    """``"triton"``, ``"compiled"`` or ``"torch"`` for a call on this pool (see module doc).
 
     Raises:
         SettingError: ``KVCHAT_ATTENTION`` is neither unset, ``torch`` nor ``triton``, or it is
@@ -103,7 +110,7 @@ def backend_for(cache: torch.Tensor) -> str:
     if choice:
         return choice
     if not cache.is_cuda:
-        return "torch"
+        return "compiled" if cpu_attention.available() else "torch"
     if not _triton_importable():
         _notice_once("kvchat: Triton is not installed; attention runs on the PyTorch reference path")
         return "torch"
@@ -125,16 +132,6 @@ def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
     return module
 
 
-def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_start: int, sm_scale: float,
-                    provisional: bool = False) -> torch.Tensor:
-    """:func:`kvchat.kernels.reference.dense_attention` (same arguments and result), except that a decode
-    step's token (``provisional``: K/V that prefill recomputes later, one query token) runs
-    :func:`kvchat.kernels.cpu_attention.decode_attention` where that kernel takes it."""
-    if provisional and cpu_attention.takes(query, key, value):
-        return cpu_attention.decode_attention(query, key, value, sm_scale)
-    return reference.dense_attention(query, key, value, q_start, sm_scale)
-
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -149,8 +146,11 @@ def write_kv(
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    if backend_for(k_cache) == "triton":
+    backend = backend_for(k_cache)
+    if backend == "triton":
         fn = _triton_module("triton_write", k_cache).write_kv
+    elif backend == "compiled" and cpu_attention.takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        fn = cpu_attention.write_kv
     else:
         fn = reference.write_kv
     fn(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
@@ -172,8 +172,12 @@ def decode_attention(
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    if backend_for(k_cache) == "triton":
+    backend = backend_for(k_cache)
+    if backend == "triton":
         fn = _triton_module("triton_decode", k_cache).decode_attention
+    elif backend == "compiled" and cpu_attention.takes_decode(query, k_cache, v_cache, k_scale, v_scale, block_table,
+                                                             seq_lens, sink):
+        fn = cpu_attention.decode_attention
     else:
         fn = reference.decode_attention
     return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, sink)

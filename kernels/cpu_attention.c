@@ -1,31 +1,47 @@
-/* Decode attention for the CPU (AVX2 + FMA): one query token over one sequence's contiguous float32 K/V.
+/* Decode attention and the K/V cache write for the CPU (AVX2, FMA, F16C), straight on the paged pool.
 
-   Two passes around a softmax the caller runs (torch's, vectorized):
-     kvchat_decode_scores: s[h, g, t] = sm_scale * (q[h, g] . k[h, t])
-     kvchat_decode_values: o[h, g]    = sum_t p[h, g, t] * v[h, t]
+   Pool layout (kvchat.kernels.reference): per layer K and V [num_blocks, BS, H, D] in float8_e4m3fn (KIND_FP8,
+   then one float32 scale per token and KV head, [num_blocks, BS, H]), bfloat16 (KIND_BF16) or float16
+   (KIND_FP16); token t of a sequence sits at slot block_table[t / BS] * BS + t % BS.
 
-   q      float32 [H, G, D] contiguous (H KV heads, G query heads per KV head: GQA, K/V never repeated)
-   k, v   float32, element (h, t, d) at h * head_stride + t * token_stride + d (D contiguous)
-   s, p   float32 [H, G, L] contiguous
-   o      float32 [H, G, D] contiguous
-   work   float32 [H * ceil(L / SPLIT), G, D] scratch for the values pass
+   kvchat_paged_write:  the new tokens' K/V into their slots, quantized as kvchat.kernels.reference.write_kv
+                        does (same bits: per token and KV head absmax / 448, x / scale clamped to +-448, round
+                        to nearest even; 16-bit pools a round-to-nearest-even cast).
+   kvchat_paged_scores: s[r, h, g, t] = sm_scale * (q[r, h, g] . k[r, h, t]) for t < L_r, -inf up to Lmax
+   kvchat_paged_values: o[r, h, g]    = sum_t p[r, h, g, t] * v[r, h, t]
+   The softmax between the two passes is the caller's (torch's, vectorized).
 
-   D must be a multiple of 8 and at most 8 * MAX_VEC; L at least 1 (kvchat_decode_limits says both).
+   q      float32 [R, H, G, D] contiguous (R sequences, H KV heads, G query heads per KV head: GQA)
+   s, p   float32 [R, H, G, Lmax] contiguous
+   o      float32 [R, H, G, D] contiguous
+   table  int32, row r at table + r * table_stride; lens int32 [R] (L_r, the new token included)
+   sink   float32 exact position-0 K (or V) of row r at sink + r * sink_stride, [H, D] contiguous; NULL: none
+   tile   float32 [threads, H, SPLIT, D + 1] scratch (values, then each row's factor); work float32 [R * ceil(Lmax / SPLIT), H, G, D] scratch
 
-   Both passes split each head's L tokens into fixed SPLIT-token ranges and
-   an OpenMP team of `threads` shares the (head, range) tasks, so the two
-   cores stay busy even for 3 KV heads. The values pass sums each range's
-   partial output into `work`, then adds the ranges in order: the bits depend
-   on L alone, never on the thread count (split-K as in FlashDecoding, Dao et
-   al. 2023, without its rescaling since the softmax is done first). */
+   D is a multiple of 16 and at most 8 * MAX_VEC (kvchat_decode_limits says both).
+
+   Both passes split each (row, head)'s tokens into fixed SPLIT-token ranges shared by an OpenMP team of
+   `threads` (so the two cores stay busy for 3 KV heads). A task first dequantizes its range into a float32
+   tile, exactly the values kvchat.engine.dense_kv's copy holds (fp8: the byte as float16 bits times
+   2**8 * scale, as reference.dequantize_into), then runs an 8-lane loop over the tile. The values pass sums
+   each range's partial output into `work`, then adds the ranges in order: the bits depend on L_r alone,
+   never on the thread count or on the other rows (split-K as in FlashDecoding, Dao et al. 2023, without its
+   rescaling since the softmax is done first). */
 
 #include <immintrin.h>
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
-#define SPLIT 256
+#define SPLIT 128
 #define MAX_VEC 32 /* D / 8: the values pass's accumulators */
+#define KIND_FP8 0
+#define KIND_BF16 1
+#define KIND_FP16 2
+#define FP8_MAX 448.0f
+#define FP8_EPS 1e-6f
 
-/* SPLIT and the largest D, for the caller's scratch size and checks. */
+/* SPLIT and the largest D, for the caller's scratch sizes and checks. */
 void kvchat_decode_limits(int64_t *split, int64_t *max_head_dim) {
   *split = SPLIT;
   *max_head_dim = 8 * MAX_VEC;
@@ -38,84 +54,251 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
-/* Tokens [t0, t1) of one head: scores of its G query rows. NV = D / 8 is a compile-time constant in the
-   specialised copies below, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void scores_range(const float *qh, const float *kh, float *sh,
-                                                              int64_t G, int64_t L, int64_t token_stride,
-                                                              int64_t t0, int64_t t1, float sm_scale, const int NV) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const float *kt = kh + t * token_stride;
-    for (int64_t g = 0; g < G; ++g) {
-      const float *qg = qh + g * NV * 8;
-      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(kt), _mm256_loadu_ps(qg)), a1 = _mm256_setzero_ps();
-      for (int j = 1; j < NV; j += 2) {
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + 8 * j), _mm256_loadu_ps(qg + 8 * j), a1);
-        if (j + 1 < NV) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + 8 * j + 8), _mm256_loadu_ps(qg + 8 * j + 8), a0);
+static inline int64_t elem_bytes(int kind) { return kind == KIND_FP8 ? 1 : 2; }
+
+/* One token's D values of one head into dst (float32); fp8 without its scale (the byte as float16 bits:
+   value * 2**-8 / scale). */
+static inline void load_row(const uint8_t *src, int kind, int64_t D, float *dst) {
+  if (kind == KIND_FP8) {
+    /* e4m3 byte, sign-extended to 16 bits, shifted left 7, bit 14 cleared: float16 bits */
+    const __m256i clear = _mm256_set1_epi16((short)~0x4000);
+    for (int64_t d = 0; d < D; d += 16) {
+      __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + d)));
+      w = _mm256_and_si256(_mm256_slli_epi16(w, 7), clear);
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm256_castsi256_si128(w)));
+      _mm256_storeu_ps(dst + d + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1)));
+    }
+  } else if (kind == KIND_BF16) {
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * d)));
+      _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  } else {
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * d))));
+  }
+}
+
+/* Tokens [t0, t1) of one sequence of L tokens, all H heads, into tile [H, SPLIT, D] and each row's factor into
+   factor [H, SPLIT] (fp8: 2**8 * scale, else 1), so value = tile * factor; position 0 from sink when given
+   (factor 1). Each token's H * D values are one contiguous run of the pool, read in order; the block table
+   is walked a block at a time (no division per token), and while a block converts, the block PREFETCH
+   blocks ahead is fetched a few lines per token (the conversion is otherwise stalled on DRAM: measured). */
+#define PREFETCH 4 /* blocks; measured at 4,096 tokens (30 layers, 2 threads): 1 and 2 no better than none, 4 best, 8-16 no better */
+static void load_tile(const uint8_t *cache, const float *scale, const int32_t *table, const float *sink,
+                      int64_t BS, int64_t H, int64_t D, int kind, int64_t t0, int64_t t1, int64_t L, float *tile,
+                      float *factor) {
+  const int64_t eb = elem_bytes(kind), row = H * D * eb, lines = (BS * row + 63) / 64;
+  const int64_t per_token = (lines + BS - 1) / BS;
+  int64_t t = t0, blk = t0 / BS, off = t0 % BS;
+  for (; t < t1; ++blk, off = 0) {
+    const int64_t base = (int64_t)table[blk] * BS;
+    const int ahead = (blk + PREFETCH) * BS < L;
+    const uint8_t *pf = ahead ? cache + (int64_t)table[blk + PREFETCH] * BS * row : NULL;
+    const float *pf_scale = ahead && kind == KIND_FP8 ? scale + (int64_t)table[blk + PREFETCH] * BS * H : NULL;
+    for (; off < BS && t < t1; ++off, ++t) {
+      if (pf != NULL)
+        for (int64_t i = off * per_token; i < (off + 1) * per_token && i < lines; ++i)
+          _mm_prefetch((const char *)(pf + 64 * i), _MM_HINT_T0);
+      if (pf_scale != NULL && off * 16 < BS * H) _mm_prefetch((const char *)(pf_scale + 16 * off), _MM_HINT_T0);
+      for (int64_t h = 0; h < H; ++h) {
+        float *dst = tile + (h * SPLIT + t - t0) * D;
+        const int64_t slot = base + off;
+        if (t == 0 && sink != NULL) {
+          for (int64_t d = 0; d < D; ++d) dst[d] = sink[h * D + d];
+          factor[h * SPLIT] = 1.0f;
+        } else {
+          load_row(cache + (slot * H + h) * D * eb, kind, D, dst);
+          factor[h * SPLIT + t - t0] = kind == KIND_FP8 ? scale[slot * H + h] * 256.0f : 1.0f;
+        }
       }
-      sh[g * L + t] = hsum8(_mm256_add_ps(a0, a1)) * sm_scale;
     }
   }
 }
 
-/* Tokens [t0, t1) of one head: the unnormalised partial output of its G query rows into out [G, D]. */
-static inline __attribute__((always_inline)) void values_range(const float *ph, const float *vh, float *out,
-                                                              int64_t G, int64_t L, int64_t token_stride,
-                                                              int64_t t0, int64_t t1, const int NV) {
+/* The 8 lane sums of a0..a7, in order. */
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                             __m256 a7) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* Scores of G query rows over n tile tokens, 8 tokens at a time (one lane reduction per 8), then the
+   rest one at a time. NV = D / 8 is a compile-time constant in the specialised copies below. */
+static inline __attribute__((always_inline)) void scores_tile(const float *qh, const float *tile,
+                                                             const float *factor, float *sh, int64_t G,
+                                                             int64_t Lmax, int64_t t0, int64_t n, float sm_scale,
+                                                             const int NV) {
+  const __m256 sm = _mm256_set1_ps(sm_scale);
   for (int64_t g = 0; g < G; ++g) {
-    const float *pg = ph + g * L;
+    const float *qg = qh + g * NV * 8;
+    float *out = sh + g * Lmax + t0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const float *kt = tile + i * NV * 8;
+      __m256 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(kt + u * NV * 8), _mm256_loadu_ps(qg));
+      for (int j = 1; j < NV; ++j) {
+        const __m256 qj = _mm256_loadu_ps(qg + 8 * j);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kt + u * NV * 8 + 8 * j), qj, a[u]);
+      }
+      const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(factor + i), sm);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), f));
+    }
+    for (; i < n; ++i) {
+      const float *kt = tile + i * NV * 8;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(kt), _mm256_loadu_ps(qg));
+      for (int j = 1; j < NV; ++j) a = _mm256_fmadd_ps(_mm256_loadu_ps(kt + 8 * j), _mm256_loadu_ps(qg + 8 * j), a);
+      out[i] = hsum8(a) * (factor[i] * sm_scale);
+    }
+  }
+}
+
+/* The unnormalised partial output of G query rows over n tile tokens into out [G, D]. */
+static inline __attribute__((always_inline)) void values_tile(const float *ph, const float *tile,
+                                                             const float *factor, float *out, int64_t G,
+                                                             int64_t Lmax, int64_t t0, int64_t n, const int NV) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float *pg = ph + g * Lmax + t0;
     __m256 acc[MAX_VEC];
     for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *vt = vh + t * token_stride;
-      const __m256 w = _mm256_set1_ps(pg[t]);
+    for (int64_t i = 0; i < n; ++i) {
+      const float *vt = tile + i * NV * 8;
+      const __m256 w = _mm256_set1_ps(pg[i] * factor[i]);
       for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), acc[j]);
     }
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + g * NV * 8 + 8 * j, acc[j]);
   }
 }
 
-#define BY_NV(call_with_nv)      \
-  switch (nv) {                  \
-    case 4: call_with_nv(4); break;   \
+#define BY_NV(call_with_nv)           \
+  switch (nv) {                       \
     case 8: call_with_nv(8); break;   \
     case 16: call_with_nv(16); break; \
     default: call_with_nv(nv);        \
   }
 
-void kvchat_decode_scores(const float *q, const float *k, float *s, int64_t H, int64_t G, int64_t D, int64_t L,
-                          int64_t head_stride, int64_t token_stride, float sm_scale, int threads) {
-  const int64_t ranges = (L + SPLIT - 1) / SPLIT;
+/* One task of either pass: row r, tokens [t0, t1) of that row (t1 clipped to L_r, so t1 <= t0 for a range
+   past the row's end), with the row's block table and sink and the calling thread's tile. */
+typedef struct {
+  int64_t r, t0, t1;
+  const int32_t *table;
+  const float *sink;
+  float *tile, *factor;
+} Task;
+
+static inline Task task_at(int64_t task, int64_t ranges, int64_t H, int64_t D, const int32_t *lens,
+                           const int32_t *table, int64_t table_stride, const float *sink, int64_t sink_stride,
+                           float *tile) {
+  Task k;
+  k.r = task / ranges;
+  k.t0 = (task % ranges) * SPLIT;
+  k.t1 = k.t0 + SPLIT < lens[k.r] ? k.t0 + SPLIT : lens[k.r];
+  k.table = table + k.r * table_stride;
+  k.sink = sink == NULL ? NULL : sink + k.r * sink_stride;
+  k.tile = tile + (int64_t)omp_get_thread_num() * H * SPLIT * (D + 1);
+  k.factor = k.tile + H * SPLIT * D;
+  return k;
+}
+
+#define SCORES(NV) scores_tile(q + (k.r * H + h) * G * D, k.tile + h * SPLIT * D, k.factor + h * SPLIT, sh, G, Lmax, k.t0, k.t1 - k.t0, \
+                               sm_scale, NV)
+#define VALUES(NV) values_tile(p + (k.r * H + h) * G * Lmax, k.tile + h * SPLIT * D, k.factor + h * SPLIT, work + (task * H + h) * G * D, \
+                               G, Lmax, k.t0, k.t1 - k.t0, NV)
+
+void kvchat_paged_scores(const float *q, const uint8_t *k_cache, const float *k_scale, const int32_t *table,
+                         int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
+                         float *s, float *tile, int64_t R, int64_t H, int64_t G, int64_t D, int64_t BS,
+                         int64_t Lmax, float sm_scale, int kind, int threads) {
+  const int64_t ranges = (Lmax + SPLIT - 1) / SPLIT;
   const int nv = (int)(D / 8);
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t task = 0; task < H * ranges; ++task) {
-    const int64_t h = task / ranges, t0 = (task % ranges) * SPLIT;
-    const int64_t t1 = t0 + SPLIT < L ? t0 + SPLIT : L;
-#define SCORES(NV) scores_range(q + h * G * D, k + h * head_stride, s + h * G * L, G, L, token_stride, t0, t1, sm_scale, NV)
-    BY_NV(SCORES)
-#undef SCORES
+  for (int64_t task = 0; task < R * ranges; ++task) {
+    const Task k = task_at(task, ranges, H, D, lens, table, table_stride, sink, sink_stride, tile);
+    if (k.t0 < k.t1) load_tile(k_cache, k_scale, k.table, k.sink, BS, H, D, kind, k.t0, k.t1, lens[k.r], k.tile, k.factor);
+    for (int64_t h = 0; h < H; ++h) {
+      float *sh = s + (k.r * H + h) * G * Lmax;
+      for (int64_t g = 0; g < G; ++g) /* past the row's end: nothing to attend to */
+        for (int64_t t = k.t0 > k.t1 ? k.t0 : k.t1; t < k.t0 + SPLIT && t < Lmax; ++t) sh[g * Lmax + t] = -INFINITY;
+      if (k.t0 < k.t1) BY_NV(SCORES)
+    }
   }
 }
 
-void kvchat_decode_values(const float *p, const float *v, float *o, float *work, int64_t H, int64_t G, int64_t D,
-                          int64_t L, int64_t head_stride, int64_t token_stride, int threads) {
-  const int64_t ranges = (L + SPLIT - 1) / SPLIT;
+void kvchat_paged_values(const float *p, const uint8_t *v_cache, const float *v_scale, const int32_t *table,
+                         int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
+                         float *o, float *work, float *tile, int64_t R, int64_t H, int64_t G, int64_t D,
+                         int64_t BS, int64_t Lmax, int kind, int threads) {
+  const int64_t ranges = (Lmax + SPLIT - 1) / SPLIT;
   const int nv = (int)(D / 8);
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t task = 0; task < H * ranges; ++task) {
-    const int64_t h = task / ranges, t0 = (task % ranges) * SPLIT;
-    const int64_t t1 = t0 + SPLIT < L ? t0 + SPLIT : L;
-#define VALUES(NV) values_range(p + h * G * L, v + h * head_stride, work + task * G * D, G, L, token_stride, t0, t1, NV)
-    BY_NV(VALUES)
-#undef VALUES
+  for (int64_t task = 0; task < R * ranges; ++task) {
+    const Task k = task_at(task, ranges, H, D, lens, table, table_stride, sink, sink_stride, tile);
+    if (k.t0 >= k.t1) continue;
+    load_tile(v_cache, v_scale, k.table, k.sink, BS, H, D, kind, k.t0, k.t1, lens[k.r], k.tile, k.factor);
+    for (int64_t h = 0; h < H; ++h) BY_NV(VALUES)
   }
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t g = 0; g < G; ++g) {
-      float *out = o + (h * G + g) * D;
+  for (int64_t r = 0; r < R; ++r) { /* each range's partial output, added in order */
+    const int64_t used = (lens[r] + SPLIT - 1) / SPLIT;
+    for (int64_t hg = 0; hg < H * G; ++hg) {
+      float *out = o + (r * H * G + hg) * D;
+      const float *part = work + (r * ranges * H * G + hg) * D;
       for (int64_t d = 0; d < D; d += 8) {
-        __m256 sum = _mm256_loadu_ps(work + ((h * ranges) * G + g) * D + d);
-        for (int64_t r = 1; r < ranges; ++r)
-          sum = _mm256_add_ps(sum, _mm256_loadu_ps(work + ((h * ranges + r) * G + g) * D + d));
+        __m256 sum = used > 0 ? _mm256_loadu_ps(part + d) : _mm256_setzero_ps();
+        for (int64_t i = 1; i < used; ++i) sum = _mm256_add_ps(sum, _mm256_loadu_ps(part + i * H * G * D + d));
         _mm256_storeu_ps(out + d, sum);
       }
     }
+  }
+}
+
+/* float32 -> float8_e4m3fn bits, round to nearest even; |x| <= 448 (the caller clamps). */
+static inline uint8_t to_e4m3(float x) {
+  union { float f; uint32_t u; } v = {x};
+  const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80);
+  v.u &= 0x7FFFFFFFu;
+  if (v.f < 0.015625f) /* below 2**-6: subnormal, steps of 2**-9 (a carry to 8 is the smallest normal, 0x08) */
+    return sign | (uint8_t)_mm_cvtss_si32(_mm_set_ss(v.f * 512.0f)); /* MXCSR's default: to nearest even */
+  const uint32_t rounded = v.u + 0x7FFFFu + ((v.u >> 20) & 1u); /* 23 -> 3 mantissa bits, ties to even */
+  return sign | (uint8_t)((rounded >> 20) - ((127 - 7) << 3));  /* exponent bias 127 -> 7 */
+}
+
+/* float32 -> bfloat16 bits, round to nearest even (finite values). */
+static inline uint16_t to_bf16(float x) {
+  union { float f; uint32_t u; } v = {x};
+  return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+void kvchat_paged_write(const float *k, const float *v, uint8_t *k_cache, uint8_t *v_cache, float *k_scale,
+                        float *v_scale, const int64_t *slots, int64_t T, int64_t H, int64_t D, int kind) {
+  const int64_t eb = elem_bytes(kind);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    for (int which = 0; which < 2; ++which) {
+      const float *src = (which ? v : k) + t * H * D;
+      uint8_t *cache = which ? v_cache : k_cache;
+      float *scale = which ? v_scale : k_scale;
+      for (int64_t h = 0; h < H; ++h) {
+        const float *x = src + h * D;
+        uint8_t *dst = cache + (slot * H + h) * D * eb;
+        if (kind == KIND_FP8) {
+          float amax = 0.0f;
+          for (int64_t d = 0; d < D; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+          const float sc = (amax > FP8_EPS ? amax : FP8_EPS) / FP8_MAX;
+          scale[slot * H + h] = sc;
+          for (int64_t d = 0; d < D; ++d) {
+            float y = x[d] / sc;
+            y = y > FP8_MAX ? FP8_MAX : (y < -FP8_MAX ? -FP8_MAX : y);
+            dst[d] = to_e4m3(y);
+          }
+        } else if (kind == KIND_BF16) {
+          for (int64_t d = 0; d < D; ++d) ((uint16_t *)dst)[d] = to_bf16(x[d]);
+        } else {
+          for (int64_t d = 0; d < D; ++d) ((uint16_t *)dst)[d] = _cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT);
+        }
+      }
+    }
+  }
 }

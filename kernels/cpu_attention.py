@@ -1,20 +1,26 @@
-"""Compiled CPU decode attention (``cpu_attention.c``): one query token over a contiguous float32 K/V copy.
+"""Compiled CPU decode attention and cache write (``cpu_attention.c``), straight on the paged pool.
 
-The CPU read path (:mod:`kvchat.engine.dense_kv`) keeps each sequence's K/V
-as float32 ``[num_kv_heads, L, head_dim]``; a decode step reads all of it
-twice per layer (scores, then values). ``torch.bmm`` over ``[3, 3, L]``
-batches splits its work by batch entry, so one of this machine's two cores
-sits out a third of the time; this kernel splits every head's tokens into
-256-token ranges instead, and both passes read memory at the rate of the
-int8 matmul. The softmax between them stays torch's. Its figures in a decode
-step are in ``kvchat bench engine`` and the README.
+A CPU decode step used to read each sequence's K/V from a contiguous float32
+copy (:mod:`kvchat.engine.dense_kv`): 189 MB per step at 4,096 tokens of
+SmolLM2, four times the fp8 pool's 47 MB (plus 3 MB of scales), plus the
+copy's own upkeep (the new token read back from the pool and appended, every
+layer). These kernels read the pool itself through the block table: each
+128-token range of a sequence, all KV heads (one contiguous run per token),
+is dequantized into a small float32 tile in cache (the dense copy's values,
+the fp8 scale applied after the dot product) and attended to there, so DRAM
+sees the pool's bytes once. The write
+quantizes the new token's K/V exactly as :func:`kvchat.kernels.reference.write_kv`
+does (bit for bit; tested), without its dozen small torch ops per layer.
+Figures (decode step at 4,096 tokens, this 2-core machine) are in the README
+and ``kvchat bench engine``.
 
 Decode K/V are provisional (answers are recomputed as prefill chunks,
-:data:`kvchat.engine.cache_identity.NUMERICS_VERSION` 2), so this kernel's
-rounding (another summation order than ``torch.bmm``'s) never enters stored
-K/V; its bits depend on ``L`` only, not on the thread count. Built and
-loaded by :mod:`kvchat.kernels.cpu_build`; where it is not available the
-reference's ``bmm`` path runs.
+:data:`kvchat.engine.cache_identity.NUMERICS_VERSION` 2), so the attention's
+rounding (another summation order than the reference's ``bmm``) never enters
+stored K/V; its bits depend on a sequence's length only, not on the thread
+count or on the other sequences of a batch. Built and loaded by
+:mod:`kvchat.kernels.cpu_build`; where it is not available the reference runs
+(and the engine decodes over its dense copy).
 """
 
 from __future__ import annotations
@@ -26,24 +32,29 @@ from pathlib import Path
 import torch
 
 from .cpu_build import load as load_library
+from .reference import FP8_DTYPE
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
+KINDS = {FP8_DTYPE: 0, torch.bfloat16: 1, torch.float16: 2}  # the C source's KIND_* per pool dtype
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # query and new K/V: computed in float32
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = load_library(SOURCE)
     if lib is not None:
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.kvchat_decode_scores.restype = lib.kvchat_decode_values.restype = lib.kvchat_decode_limits.restype = None
-        lib.kvchat_decode_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
-        lib.kvchat_decode_values.argtypes = [ptr] * 4 + [i64] * 6 + [ctypes.c_int]
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        for fn in (lib.kvchat_paged_scores, lib.kvchat_paged_values, lib.kvchat_paged_write, lib.kvchat_decode_limits):
+            fn.restype = None
+        lib.kvchat_paged_scores.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float, i32, i32]
+        lib.kvchat_paged_values.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 6 + [i32, i32]
+        lib.kvchat_paged_write.argtypes = [ptr] * 7 + [i64] * 3 + [i32]
         lib.kvchat_decode_limits.argtypes = [ctypes.POINTER(i64)] * 2
     return lib
 
 
 def available() -> bool:
-    """Whether the compiled kernel is usable in this process (built or found on first call)."""
+    """Whether the compiled kernels are usable in this process (built or found on first call)."""
     return _library() is not None
 
 
@@ -55,46 +66,111 @@ def _limits() -> tuple[int, int]:
     return split.value, dim.value
 
 
-def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`decode_attention` runs these: the library is available, one float32 CPU query token,
-    float32 CPU K/V of at least one token with ``head_dim`` contiguous and equal strides, a head_dim that is
-    a positive multiple of 8 the kernel compiles for, and whole query-head groups."""
-    t, h, d = query.shape
-    hkv = key.shape[0]
-    return (t == 1 and query.device.type == key.device.type == "cpu" and key.dtype == value.dtype == torch.float32
-            and key.shape == value.shape and key.shape[1] >= 1 and key.shape[2] == d and d >= 8 and d % 8 == 0
-            and hkv >= 1 and h % hkv == 0 and key.stride() == value.stride() and key.stride(2) == 1
-            and _library() is not None and d <= _limits()[1])
+def takes_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> bool:
+    """A layer's pools the kernels read and write: CPU, contiguous ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` of one :data:`KINDS` dtype, ``head_dim`` a multiple of 16 up to the C source's limit, fp8 with
+    contiguous float32 scales."""
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in KINDS or v_cache.dtype != k_cache.dtype
+            or k_cache.dim() != 4 or v_cache.shape != k_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return False
+    d = k_cache.shape[3]
+    if d % 16 or _library() is None or d > _limits()[1]:
+        return False
+    if k_cache.dtype != FP8_DTYPE:
+        return True
+    return all(s is not None and s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:3]
+               for s in (k_scale, v_scale))
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Softmax attention of one token over all of ``key``/``value`` (no mask: every position is visible).
+def takes_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+    """Whether :func:`decode_attention` runs these (the arguments of
+    :func:`kvchat.kernels.reference.decode_attention`): the pools as :func:`takes_pool` says, a float32 CPU
+    query (any of :data:`FLOAT_DTYPES`) of whole query-head groups, int32 block table (``[num_seqs, max_blocks]``, columns contiguous)
+    and lengths, and a sink of float32 ``[num_seqs, num_kv_heads, head_dim]`` rows with ``[num_kv_heads,
+    head_dim]`` contiguous (any row stride), K and V alike."""
+    if not takes_pool(k_cache, v_cache, k_scale, v_scale):
+        return False
+    r, heads, d = query.shape
+    hkv = k_cache.shape[2]
+    if (query.dtype not in FLOAT_DTYPES or query.device.type != "cpu" or d != k_cache.shape[3] or heads % hkv
+            or block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != r
+            or block_table.stride(1) != 1 or seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (r,)
+            or not seq_lens.is_contiguous()):
+        return False
+    return sink is None or all(
+        s.dtype == torch.float32 and tuple(s.shape) == (r, hkv, d) and s.stride()[1:] == (d, 1)
+        and s.stride() == sink[0].stride() for s in sink)
 
-    Args:
-        query: ``[1, num_heads, head_dim]`` (any float dtype; computed in float32), heads grouped under
-            their KV head as in :func:`kvchat.kernels.reference.dense_attention`.
-        key, value: float32 ``[num_kv_heads, L, head_dim]``, ``head_dim`` contiguous (views with a longer
-            stride along ``L`` are read in place).
-        sm_scale: softmax scale.
-    Returns:
-        ``[1, num_heads, head_dim]`` in ``query.dtype``.
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                     v_scale: torch.Tensor | None, block_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                     sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One query token per sequence over its whole cached sequence, read from the paged pool.
+
+    Arguments, result and meaning as :func:`kvchat.kernels.reference.decode_attention` (query
+    ``[num_seqs, num_heads, head_dim]``, pools ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``, int32 ``block_table`` ``[num_seqs, max_blocks]`` and ``seq_lens`` ``[num_seqs]``, optional
+    exact position-0 ``sink``); ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (float32 math), zeros
+    for a sequence of length 0.
+
     Raises:
-        ValueError: inputs :func:`takes` refuses.
+        ValueError: inputs :func:`takes_decode` refuses.
     """
-    if not takes(query, key, value):
-        raise ValueError(f"cpu decode attention: query {tuple(query.shape)} {query.dtype}, key {tuple(key.shape)} "
-                         f"{key.dtype} stride {key.stride()}: not what the kernel takes (or it is not built)")
+    if not takes_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sink):
+        raise ValueError(f"cpu decode attention: query {tuple(query.shape)} {query.dtype}, pool "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}: not what the kernel takes (or it is not built)")
     lib = _library()
-    _, h, d = query.shape
-    hkv, length = key.shape[0], key.shape[1]
-    group, threads = h // hkv, torch.get_num_threads()
-    q = query.reshape(h, d).float().contiguous()
-    scores = torch.empty(hkv, group, length)
-    lib.kvchat_decode_scores(q.data_ptr(), key.data_ptr(), scores.data_ptr(), hkv, group, d, length,
-                             key.stride(0), key.stride(1), sm_scale, threads)
+    split = _limits()[0]
+    r, heads, d = query.shape
+    _, bs, hkv, _ = k_cache.shape
+    group, threads = heads // hkv, torch.get_num_threads()
+    lmax = int(seq_lens.max()) if r > 1 else int(seq_lens[0])
+    q = query.float().contiguous()
+    scores = torch.empty(r, hkv, group, lmax)
+    tile = torch.empty(threads, hkv, split, d + 1)
+    sink_k, sink_v, sink_stride = (None, None, 0) if sink is None else (sink[0].data_ptr(), sink[1].data_ptr(),
+                                                                        sink[0].stride(0))
+    fp8 = k_cache.dtype == FP8_DTYPE
+    kind = KINDS[k_cache.dtype]
+    lib.kvchat_paged_scores(q.data_ptr(), k_cache.data_ptr(), k_scale.data_ptr() if fp8 else None,
+                            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), sink_k, sink_stride,
+                            scores.data_ptr(), tile.data_ptr(), r, hkv, group, d, bs, lmax, sm_scale, kind, threads)
     probs = torch.softmax(scores, dim=-1)
-    out = torch.empty(1, h, d)
-    work = torch.empty(hkv * -(-length // _limits()[0]), group, d)
-    lib.kvchat_decode_values(probs.data_ptr(), value.data_ptr(), out.data_ptr(), work.data_ptr(), hkv, group, d,
-                             length, value.stride(0), value.stride(1), threads)
+    out = torch.empty(r, heads, d)
+    work = torch.empty(r * -(-lmax // split), hkv, group, d)
+    lib.kvchat_paged_values(probs.data_ptr(), v_cache.data_ptr(), v_scale.data_ptr() if fp8 else None,
+                            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), sink_v, sink_stride,
+                            out.data_ptr(), work.data_ptr(), tile.data_ptr(), r, hkv, group, d, bs, lmax, kind, threads)
     return out.to(query.dtype)
+
+
+def takes_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> bool:
+    """Whether :func:`write_kv` runs these (the arguments of :func:`kvchat.kernels.reference.write_kv`): the
+    pools as :func:`takes_pool` says, CPU ``[num_tokens, num_kv_heads, head_dim]`` K/V of their
+    shape in one of :data:`FLOAT_DTYPES`, int64 slots."""
+    return (takes_pool(k_cache, v_cache, k_scale, v_scale) and key.dtype == value.dtype and key.dtype in FLOAT_DTYPES
+            and key.dim() == 3 and key.shape == value.shape and tuple(key.shape[1:]) == tuple(k_cache.shape[2:])
+            and slot_mapping.dtype == torch.int64 and tuple(slot_mapping.shape) == (key.shape[0],))
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+    """:func:`kvchat.kernels.reference.write_kv` (same arguments; slot -1 skips a token), bit for bit the
+    same pool contents.
+
+    Raises:
+        ValueError: inputs :func:`takes_write` refuses.
+    """
+    if not takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        raise ValueError(f"cpu write_kv: key {tuple(key.shape)} {key.dtype}, pool {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}: not what the kernel takes (or it is not built)")
+    fp8 = k_cache.dtype == FP8_DTYPE
+    k, v, slots = key.float().contiguous(), value.float().contiguous(), slot_mapping.contiguous()
+    _library().kvchat_paged_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
+                                  slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2], KINDS[k_cache.dtype])

@@ -1,4 +1,4 @@
-"""Build and load kvchat's compiled CPU kernels (C sources beside this file; AVX2 + FMA), once per machine.
+"""Build and load kvchat's compiled CPU kernels (C sources beside this file; AVX2, FMA, F16C), once per machine.
 
 Each source is compiled with the system C compiler (``$CC`` when set, else
 ``cc``, else ``gcc``; :data:`FLAGS`: ``-ffp-contract=off``, so only a kernel's own
@@ -8,7 +8,7 @@ process loads the library built, with no compiler needed. The kernels use
 OpenMP, and ``libgomp.so.1`` resolves to torch's own copy, already loaded, so
 their threads are torch's pool (a second pool would fight it for the cores).
 
-Where a library cannot be built or loaded (no compiler, no AVX2/FMA, no
+Where a library cannot be built or loaded (no compiler, no AVX2/FMA/F16C, no
 writable cache dir, no platformdirs) or ``KVCHAT_CPU_KERNEL=0``, :func:`load`
 returns None after one logged notice per library and the callers keep their
 torch code. A build removes the libraries of earlier versions of its source.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from kvchat import settings
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma"})
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _log = logging.getLogger(__name__)
 
 

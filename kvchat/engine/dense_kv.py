@@ -1,12 +1,14 @@
-"""A contiguous, dequantized copy of one sequence's K/V: the CPU attention read path.
+"""A contiguous, dequantized copy of one sequence's K/V: the CPU attention read path of prefill and extend.
 
 The paged reference kernels gather a sequence's blocks and dequantize them at
-every step, so a CPU decode step at 4,096 tokens costs two full gathers per
+every forward, so a CPU chunk over 4,096 cached tokens would pay two full gathers per
 layer. This copy holds, per layer, float32 K/V ``[num_kv_heads, capacity,
 head_dim]`` of exactly the values the pool stores: new tokens are read back
 from the pool after :func:`kvchat.kernels.write_kv` (never taken from the
 pre-quantization K/V), so attention sees the same numbers as through the
-block table, and a decode step reads only its own new token from the pool.
+block table. Decode steps read the pool itself where the compiled CPU kernels
+run (:mod:`kvchat.kernels.cpu_attention`, half the bytes of this copy) and
+leave the copy as it was; elsewhere they read it too, and append their token.
 
 Staleness: :attr:`KVPool.block_writes` counts writes per block. The copy
 records each block's id and count when it reads it and trusts a token only

@@ -184,17 +184,18 @@ class Engine:
             model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
             self.spec.block_size, self.weight_format, compute=self.compute_key, int8_kernel=self.int8_kernel)
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
+        backend = kernels.backend_for(self.pool.k)  # on a CPU builds or loads the compiled kernels: any notice now
         if dense_kv is None:
-            dense_kv = self.device.type == "cpu" and kernels.backend_for(self.pool.k) == "torch"
+            dense_kv = self.device.type == "cpu" and backend != "triton"
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
-        if self.dense is not None:  # build or load the decode attention now: its notice, if any, before any answer
-            kernels.cpu_attention.available()
+        # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
+        self.decode_on_pool = self.dense is None or (backend == "compiled"
+                                                     and kernels.cpu_attention.takes_pool(*self.pool.layer(0)))
         max_blocks = -(-self.max_context // self.spec.block_size)
         sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
         warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink,  # GPU only
                 BATCH_BUCKETS, context_buckets(max_blocks), max_blocks)
-        backend = kernels.backend_for(self.pool.k)
         # decode batches padded to BATCH_BUCKETS where graphs can run (with them off too: the warmed-up shapes)
         self.pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
         self.decode_graphs = None  # CUDA graphs of the decode step (None: eager; always on CPU)
@@ -384,7 +385,7 @@ class Engine:
         of the prefix cache and the turn (:meth:`kvchat.engine.session.Session.turn`) recomputes
         the answer as prefill chunks once it ends (see :func:`last_cut`).
         """
-        dense = None if self.dense is None else [dense_kv or self.dense]
+        dense = None if self.decode_on_pool else [dense_kv or self.dense]
         return self._decode_rows([(seq, token_ids)], dense)[0]
 
     @torch.inference_mode()
@@ -406,7 +407,7 @@ class Engine:
         as one forward per group of that many.
         """
         denses = None
-        if self.dense is not None:
+        if not self.decode_on_pool:
             denses = [s.sequence.dense for s in steps]
             if len(steps) == 1:
                 denses = [denses[0] or self.dense]
@@ -448,8 +449,7 @@ class Engine:
                 one = len(items) == 1
                 meta = AttnMetadata(view.slot_mapping, view.block_table, view.seq_lens, view.cu_seqlens_q, True,
                                     dense=denses[0] if one else None, q_start=step[0].position,
-                                    dense_batch=None if one else [(d, r.position) for d, r in zip(denses, step)],
-                                    provisional=True)
+                                    dense_batch=None if one else [(d, r.position) for d, r in zip(denses, step)])
                 logits = self.model.logits(self.model(view.input_ids, view.positions, meta, self.pool))
         for i, (seq, ids) in enumerate(items):
             if denses is not None:

@@ -46,9 +46,6 @@ class AttnMetadata:
             A batched decode passes ``sink`` as ``[num_seqs, num_layers, num_kv_heads, head_dim]`` x2.
         dense_batch: a batched decode on the CPU read path: per sequence (its own
             dense copy, position of its new token); attention runs per sequence.
-        provisional: a decode step (:meth:`kvchat.engine.runner.Engine.decode`), whose K/V are recomputed
-            as prefill chunks later: CPU attention over a dense copy may take the compiled kernel
-            (:func:`kvchat.kernels.dense_attention`), whose rounding never reaches stored K/V.
     """
 
     slot_mapping: torch.Tensor
@@ -61,7 +58,6 @@ class AttnMetadata:
     sink: tuple[torch.Tensor, torch.Tensor] | None = None
     capture_sink: bool = False
     dense_batch: list[tuple[DenseKV, int]] | None = None
-    provisional: bool = False
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -174,13 +170,13 @@ class Attention(nn.Module):
         args = (k_cache, v_cache, k_scale, v_scale, meta.block_table, meta.seq_lens)
         if meta.dense is not None:  # the dense copy holds the sink in row 0 already
             key, value = meta.dense.append(self.layer_id, meta.slot_mapping, meta.q_start)
-            out = kernels.dense_attention(q, key, value, meta.q_start, self.sm_scale, meta.provisional)
+            out = kernels.dense_attention(q, key, value, meta.q_start, self.sm_scale)
             return self.o_proj(out.reshape(t, self.q_size))
         if meta.dense_batch is not None:  # one new token per sequence, each over its own dense copy
             k_new = kernels.read_slots(k_cache, k_scale, meta.slot_mapping)  # every sequence's token in one read
             v_new = kernels.read_slots(v_cache, v_scale, meta.slot_mapping)
             outs = [kernels.dense_attention(q[i : i + 1], *dense.put(self.layer_id, pos, k_new[i : i + 1], v_new[i : i + 1]),
-                                            pos, self.sm_scale, meta.provisional)
+                                            pos, self.sm_scale)
                     for i, (dense, pos) in enumerate(meta.dense_batch)]
             return self.o_proj(torch.cat(outs).reshape(t, self.q_size))
         sink = None

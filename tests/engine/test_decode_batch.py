@@ -126,7 +126,9 @@ def test_an_interleaved_prefill_times_only_its_own_chunks(rt):
     assert rt.engine.prefill_tokens_per_s == pytest.approx(len(ids) / (result.prefill_ms / 1e3))
 
 
-def test_dense_path_needs_one_copy_per_sequence(rt):
+def test_dense_path_needs_one_copy_per_sequence(rt, monkeypatch):
+    """Decode over the dense copies (where the compiled kernels do not run; they read the pool instead)."""
+    monkeypatch.setattr(rt.engine, "decode_on_pool", False)
     a, b = _session(rt), _session(rt)
     shared = DenseKV(rt.engine.pool, rt.engine.blocks)
     a.sequence.dense = b.sequence.dense = shared

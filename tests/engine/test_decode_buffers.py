@@ -118,8 +118,7 @@ def _per_step_batch(engine: Engine, steps: list[DecodeStep]) -> torch.Tensor:
     meta = AttnMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long), block_table=torch.tensor(table, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=torch.arange(len(steps) + 1, dtype=torch.int32),
-        is_decode=True, sink=sink, dense_batch=None if denses is None else [(d, n - 1) for d, n in zip(denses, lens)],
-        provisional=True)  # a decode step, as Engine.decode's
+        is_decode=True, sink=sink, dense_batch=None if denses is None else [(d, n - 1) for d, n in zip(denses, lens)])
     ids = torch.tensor([s.token_ids[-1] for s in steps], dtype=torch.long)
     hidden = engine.model(ids, torch.tensor([n - 1 for n in lens]), meta, engine.pool)
     for i, (s, n) in enumerate(zip(steps, lens)):
@@ -129,7 +128,7 @@ def _per_step_batch(engine: Engine, steps: list[DecodeStep]) -> torch.Tensor:
     return engine.model.logits(hidden)
 
 
-PATHS = ["dense", "paged-torch", "paged-triton"]
+PATHS = ["dense", "paged-torch", "paged-compiled", "paged-triton"]
 
 
 def _setup_path(path: str, monkeypatch) -> None:
@@ -137,11 +136,12 @@ def _setup_path(path: str, monkeypatch) -> None:
         if not _triton_interpreted():
             pytest.skip("needs Triton under TRITON_INTERPRET=1 (set before Triton was imported)")
         monkeypatch.setenv("KVCHAT_ATTENTION", "triton")
+    elif path == "paged-compiled":  # the CPU default: kvchat.kernels.cpu_attention
+        if cpu_attention._library() is None:
+            pytest.skip("the compiled CPU decode attention does not build here")
+        monkeypatch.delenv("KVCHAT_ATTENTION", raising=False)
     else:
         monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
-    # the buffers are under test, not the attention kernel: the earlier decode ran a one-token prefill
-    # forward, which never takes the compiled decode attention (kvchat.kernels.dense_attention)
-    monkeypatch.setattr(cpu_attention, "takes", lambda *args: False)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -162,7 +162,7 @@ def test_single_decode_is_bit_identical_to_the_per_step_tensors_path(smol_info, 
         ids.append(int(new.argmax()))
 
 
-@pytest.mark.parametrize("path", ["dense", "paged-triton"])
+@pytest.mark.parametrize("path", ["dense", "paged-compiled", "paged-triton"])
 def test_batched_decode_is_bit_identical_to_the_per_step_tensors_path(smol_info, weights, monkeypatch, path):
     _setup_path(path, monkeypatch)
     engine = _engine(smol_info, weights, dense=path == "dense")

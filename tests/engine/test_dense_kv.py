@@ -33,10 +33,11 @@ def _engine(kv_dtype: str = "fp8", pool_bytes: int = 2**20, dense: bool = True) 
     return Engine(cfg, dict(hf.state_dict()), "test", kv_dtype=kv_dtype, pool_bytes=pool_bytes, device="cpu", dense_kv=dense)
 
 
-def _assert_copy_matches_pool(engine: Engine, seq: SeqBlocks, first_token: int) -> None:
-    """The copy is the pool's values bit for bit, except position 0: the exact sink (fp8 pools)."""
+def _assert_copy_matches_pool(engine: Engine, seq: SeqBlocks, first_token: int, length: int | None = None) -> None:
+    """The copy holds ``length`` tokens (default: all the sequence's), the pool's values bit for bit, except
+    position 0: the exact sink (fp8 pools)."""
     dense = engine.dense
-    assert dense.length == seq.num_computed
+    assert dense.length == (seq.num_computed if length is None else length)
     table = torch.tensor(seq.block_table)
     sink = engine.sink_kv(first_token) if engine.exact_sink else None
     for layer in range(engine.cfg.num_layers):
@@ -50,14 +51,25 @@ def _assert_copy_matches_pool(engine: Engine, seq: SeqBlocks, first_token: int) 
         assert torch.equal(dense.v[layer, :, : dense.length], want_v)
 
 
-def test_copy_equals_pool_through_prefill_decode_and_rollback():
+DECODE_ON_POOL = [False, pytest.param(True, marks=pytest.mark.skipif(
+    cpu_attention._library() is None, reason="the compiled CPU decode attention does not build here"))]
+
+
+@pytest.mark.parametrize("on_pool", DECODE_ON_POOL)
+def test_copy_equals_pool_through_prefill_decode_and_rollback(on_pool):
+    """Decode over the dense copy appends to it; decode on the pool (the compiled kernels) leaves it at the
+    prefill's tokens, and the next prefill reads back the blocks decode wrote."""
     engine = _engine()
+    assert engine.decode_on_pool == (cpu_attention._library() is not None)
+    engine.decode_on_pool = on_pool
     ids = torch.randint(0, 97, (70,)).tolist()
     seq = SeqBlocks()
     engine.prefill(seq, ids[:45], boundaries=[0, 19])
     _assert_copy_matches_pool(engine, seq, ids[0])
     for n in range(46, 51):
         engine.decode(seq, ids[:n])
+    _assert_copy_matches_pool(engine, seq, ids[0], length=45 if on_pool else 50)
+    engine.prefill(seq, ids[:53])  # recomputes from the last cut (32): reads the decode tokens' block back
     _assert_copy_matches_pool(engine, seq, ids[0])
     # Roll back into the middle of a block and continue with other tokens (edit / regenerate).
     seq.num_computed = 21
@@ -66,16 +78,22 @@ def test_copy_equals_pool_through_prefill_decode_and_rollback():
     _assert_copy_matches_pool(engine, seq, ids[0])
 
 
-def test_a_write_it_did_not_make_is_noticed():
-    """Another writer (a restore from disk, say) changes a block the copy already read."""
+@pytest.mark.parametrize("on_pool", DECODE_ON_POOL)
+def test_a_write_it_did_not_make_is_noticed(on_pool):
+    """Another writer (a restore from disk, say) changes a block the copy already read: the next forward
+    over the copy (a decode over it, or a prefill) reads it again."""
     engine = _engine()
+    engine.decode_on_pool = on_pool
     ids = torch.randint(0, 97, (40,)).tolist()
     seq = SeqBlocks()
     engine.prefill(seq, ids)
     block = seq.block_table[0]
     engine.pool.mark_written([block])
     engine.pool.k.view(torch.uint8)[:, block, 3] = 0x38  # every element of token 3 becomes 1.0 * scale
-    engine.decode(seq, ids + [5])
+    if on_pool:
+        engine.prefill(seq, ids + [5, 6])
+    else:
+        engine.decode(seq, ids + [5])
     _assert_copy_matches_pool(engine, seq, ids[0])
 
 
@@ -117,16 +135,20 @@ def test_dense_attention_matches_the_paged_reference(heads, kv_heads, t, prefix)
     cpu_attention._library() is None, reason="the compiled CPU decode attention does not build here"))])
 @pytest.mark.parametrize("kv_dtype", ["fp16", "fp8"])
 def test_smollm2_dense_and_paged_paths_give_identical_logits(smol_info, kv_dtype, compiled, monkeypatch):
-    """The real model, 300 tokens + 8 decode steps, both read paths side by side: bit for bit the same,
-    so a chunk's K/V (and every snapshot) do not depend on which path computed it. With the compiled decode
-    attention on the dense path (``compiled``), decode itself is close, not bitwise: its K/V are provisional."""
+    """The real model, 300 tokens + 8 decode steps, both read paths side by side: bit for bit the same with
+    the reference kernels, so a chunk's K/V (and every snapshot) do not depend on which path computed it.
+    With the compiled kernels (``compiled``: cache writes bit for bit the reference's, decode attention on
+    the pool against decode over the dense copy), prefill is still bitwise and decode close: its K/V are
+    provisional."""
     from kvchat.model.registry import load_weights
 
     if not compiled:
-        monkeypatch.setattr(cpu_attention, "takes", lambda *args: False)
+        monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
     weights = load_weights(smol_info)
     engines = [Engine(smol_info.config, weights, smol_info.fingerprint, kv_dtype=kv_dtype, pool_bytes=2**26,
                       device="cpu", dense_kv=d) for d in (True, False)]
+    assert engines[1].decode_on_pool and engines[0].decode_on_pool == compiled
+    engines[0].decode_on_pool = False  # decode over the dense copy, the reference's dense attention
     ids = list(range(2000, 2300))
     seqs = [SeqBlocks(), SeqBlocks()]
     rows = [[e.prefill(s, ids, boundaries=[0, 128]).logits] for e, s in zip(engines, seqs)]
@@ -218,6 +240,7 @@ def test_the_engines_copy_is_allocated_for_its_context_at_load(monkeypatch):
     """Preallocated (as load_runtime does), the copy holds the whole context limit (touched, so a first restore
     faults no page) and is never reallocated by a sequence that fits; one bigger than PREALLOCATE_BYTES is capped."""
     engine = _engine()
+    engine.decode_on_pool = False  # the last token over the copy too: it holds the whole context
     dense = engine.dense
     assert dense.k.shape[2] == 0
     assert dense.preallocate(engine.max_context) >= engine.max_context and dense.length == 0

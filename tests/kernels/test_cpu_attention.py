@@ -1,4 +1,5 @@
-"""The compiled CPU decode attention (kvchat.kernels.cpu_attention) against the reference, and where it runs."""
+"""The compiled CPU decode attention and cache write (kvchat.kernels.cpu_attention) against the reference,
+and where they run."""
 
 from __future__ import annotations
 
@@ -11,68 +12,185 @@ from kvchat.kernels import reference as ref
 
 needs_kernel = pytest.mark.skipif(cpu_attention._library() is None,
                                   reason="the compiled CPU decode attention does not build here")
+POOL_DTYPES = {"fp8": ref.FP8_DTYPE, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _kv(hkv: int, length: int, d: int, spare: int = 40, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _pool(kv_dtype: str, num_blocks: int, hkv: int, d: int, seed: int = 0, block_size: int = 16):
+    """A layer's pools filled through the reference write: ``(k_cache, v_cache, k_scale, v_scale)``."""
     gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(hkv, length + spare, d, generator=gen) * 2  # spare tokens: views with a longer stride, as the dense copy
-    v = torch.randn(hkv, length + spare, d, generator=gen)
-    return k[:, :length], v[:, :length]
+    dtype = POOL_DTYPES[kv_dtype]
+    shape = (num_blocks, block_size, hkv, d)
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    scales = (torch.zeros(shape[:3]), torch.zeros(shape[:3])) if kv_dtype == "fp8" else (None, None)
+    slots = torch.arange(num_blocks * block_size)
+    k = torch.randn(len(slots), hkv, d, generator=gen) * 2
+    v = torch.randn(len(slots), hkv, d, generator=gen)
+    ref.write_kv(k, v, k_cache, v_cache, *scales, slots)
+    return k_cache, v_cache, *scales
+
+
+def _tables(lengths: list[int], num_blocks: int, seed: int = 0, block_size: int = 16):
+    """Shuffled, disjoint block tables (int32, one row per length, zero-padded) and the int32 lengths."""
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    width = max(-(-n // block_size) for n in lengths)
+    table, used = torch.zeros(len(lengths), width + 3, dtype=torch.int32), 0  # wider than needed, as the buffers
+    for i, n in enumerate(lengths):
+        nb = -(-n // block_size)
+        table[i, :nb] = torch.tensor(perm[used : used + nb], dtype=torch.int32)
+        used += nb
+    return table, torch.tensor(lengths, dtype=torch.int32)
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16", "fp16"])
 @pytest.mark.parametrize("heads,hkv,d", [(9, 3, 64), (4, 4, 32), (16, 2, 128)])
-@pytest.mark.parametrize("length", [1, 255, 256, 257, 1000])
-def test_matches_the_reference_to_fp32_rounding(heads, hkv, d, length):
-    k, v = _kv(hkv, length, d)
-    q = torch.randn(1, heads, d, generator=torch.Generator().manual_seed(1))
-    got = cpu_attention.decode_attention(q, k, v, d**-0.5)
-    want = ref.dense_attention(q, k, v, length - 1, d**-0.5)
-    group = heads // hkv
-    probs = torch.softmax(q.double().view(hkv, group, d) @ k.double().transpose(1, 2) * d**-0.5, dim=-1)
-    exact = (probs @ v.double()).view(1, heads, d)
+@pytest.mark.parametrize("lengths", [[1], [127, 128, 129], [1000, 3, 300]])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_decode_matches_the_reference_to_fp32_rounding(kv_dtype, heads, hkv, d, lengths, with_sink):
+    """Several sequences of lengths around the 128-token task ranges, over shuffled blocks, with and without
+    the exact sink: as close to a float64 computation over the same stored values as the reference is."""
+    k_cache, v_cache, k_scale, v_scale = _pool(kv_dtype, 100, hkv, d)
+    table, lens = _tables(lengths, 100)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(len(lengths), heads, d, generator=gen)
+    sink = None
+    if with_sink:
+        sink = (torch.randn(len(lengths), hkv, d, generator=gen), torch.randn(len(lengths), hkv, d, generator=gen))
+    args = (q, k_cache, v_cache, k_scale, v_scale, table, lens, d**-0.5, sink)
+    got, want = cpu_attention.decode_attention(*args), ref.decode_attention(*args)
     assert got.shape == want.shape and got.dtype == torch.float32
-    # as close to the float64 result as the reference is (a few fp32 ulps of the largest value; d <= 128 terms)
-    bound = 4 * (want.double() - exact).abs().max().item() + 2e-6 * v.abs().max().item()
-    assert (got.double() - exact).abs().max().item() <= bound
+    group = heads // hkv
+    for i, n in enumerate(lengths):
+        k = ref.gather_kv(k_cache, k_scale, table[i], n).double()
+        v = ref.gather_kv(v_cache, v_scale, table[i], n).double()
+        if sink is not None:
+            k[0], v[0] = sink[0][i], sink[1][i]
+        probs = torch.softmax(torch.einsum("hgd,thd->hgt", q[i].double().view(hkv, group, d), k) * d**-0.5, -1)
+        exact = torch.einsum("hgt,thd->hgd", probs, v).reshape(heads, d)
+        # a few fp32 ulps of the largest value, as the reference's own error (d <= 128 terms)
+        bound = 4 * (want[i].double() - exact).abs().max().item() + 2e-6 * v.abs().max().item()
+        assert (got[i].double() - exact).abs().max().item() <= bound
 
 
 @needs_kernel
-def test_bits_do_not_depend_on_the_thread_count():
-    k, v = _kv(3, 3000, 64)
-    q = torch.randn(1, 9, 64)
+def test_a_rows_bits_depend_on_its_own_length_only():
+    """The same sequence alone, among others, with 1 or 2 threads and a wider table: the same bits."""
+    k_cache, v_cache, k_scale, v_scale = _pool("fp8", 200, 3, 64)
+    table, lens = _tables([3000 // 16 * 16 - 5, 40], 200)
+    q = torch.randn(2, 9, 64)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_attention.decode_attention(q, k, v, 0.125)
+        alone = cpu_attention.decode_attention(q[:1], k_cache, v_cache, k_scale, v_scale, table[:1], lens[:1], 0.125)
         torch.set_num_threads(2)
-        two = cpu_attention.decode_attention(q, k, v, 0.125)
+        both = cpu_attention.decode_attention(q, k_cache, v_cache, k_scale, v_scale, table, lens, 0.125)
+        wide = torch.cat([table, torch.zeros(2, 50, dtype=torch.int32)], dim=1)
+        wider = cpu_attention.decode_attention(q, k_cache, v_cache, k_scale, v_scale, wide, lens, 0.125)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    assert torch.equal(alone[0], both[0]) and torch.equal(both, wider)
 
 
-def test_dispatch_takes_it_only_for_a_provisional_decode_token():
-    k, v = _kv(3, 50, 64)
+@needs_kernel
+def test_a_sequence_of_length_zero_gives_zeros():
+    k_cache, v_cache, k_scale, v_scale = _pool("fp8", 10, 3, 64)
+    table, lens = _tables([20, 1], 10)
+    lens[1] = 0  # a padded row
+    out = cpu_attention.decode_attention(torch.randn(2, 9, 64), k_cache, v_cache, k_scale, v_scale, table, lens, 0.125)
+    assert torch.equal(out[1], torch.zeros(9, 64)) and out[0].abs().sum() > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_is_the_references_bit_for_bit(kv_dtype, dtype):
+    """Random K/V over many magnitudes, zeros, outliers that saturate, fp8 subnormals and ties, slot -1
+    skipped: the pools and scales end up byte-identical to the reference write's."""
+    gen = torch.Generator().manual_seed(3)
+    t, hkv, d = 50, 3, 64
+    k = torch.randn(t, hkv, d, generator=gen) * torch.logspace(-8, 4, t)[:, None, None]
+    v = torch.randn(t, hkv, d, generator=gen)
+    k[3] = 0.0  # an all-zero token: scale FP8_EPS / 448, exact zeros
+    v[4, :, 0] = 1e6  # one outlier per head: the others become fp8 subnormals
+    v[5] = torch.tensor([448.0, -448.0, 1.0, 0.5]).repeat(d // 4) * torch.linspace(0.5, 2, d)  # ties, exact steps
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.randperm(8 * 16, generator=gen)[:t]
+    slots[7] = -1
+    shape = (8, 16, hkv, d)
+    pools = []
+    for _ in range(2):
+        caches = [torch.zeros(shape, dtype=POOL_DTYPES[kv_dtype]) for _ in range(2)]
+        scales = [torch.full(shape[:3], -1.0) for _ in range(2)] if kv_dtype == "fp8" else [None, None]
+        pools.append((*caches, *scales))
+    ref.write_kv(k, v, *pools[0], slots)
+    cpu_attention.write_kv(k, v, *pools[1], slots)
+    for want, got in zip(pools[0], pools[1]):
+        if want is not None:
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+
+
+@needs_kernel
+def test_every_fp8_value_round_trips_through_the_write():
+    """Each of the 253 finite e4m3 magnitudes and both neighbours' midpoints, as K of one token per value
+    (the token's absmax pinned at 448 so the scale is 1): the reference's bytes, every one."""
+    values = torch.arange(256, dtype=torch.uint8).view(ref.FP8_DTYPE).float()
+    values = values[values.isfinite()].unique()  # -448 .. 448
+    mids = (values[1:] + values[:-1]) / 2  # ties: round half to even
+    x = torch.cat([values, mids])
+    n = x.numel()
+    k = torch.full((n, 1, 16), 448.0)
+    k[:, 0, 1] = x
+    v = torch.zeros(n, 1, 16)
+    pools = [(torch.zeros(n, 1, 1, 16, dtype=ref.FP8_DTYPE), torch.zeros(n, 1, 1, 16, dtype=ref.FP8_DTYPE),
+              torch.zeros(n, 1, 1), torch.zeros(n, 1, 1)) for _ in range(2)]
+    slots = torch.arange(n)
+    ref.write_kv(k, v, *pools[0], slots)
+    cpu_attention.write_kv(k, v, *pools[1], slots)
+    assert torch.equal(pools[0][0].view(torch.uint8), pools[1][0].view(torch.uint8))
+    assert torch.equal(pools[1][0].float()[: values.numel(), 0, 0, 1], values)  # exact values stay exact
+
+
+def test_dispatch_runs_the_compiled_kernels_on_a_cpu_pool_unless_asked_for_torch(monkeypatch):
+    k_cache, v_cache, k_scale, v_scale = _pool("fp8", 10, 3, 64)
+    table, lens = _tables([100], 10)
     q = torch.randn(1, 9, 64)
-    reference = ref.dense_attention(q, k, v, 49, 0.125)
-    assert torch.equal(kernels.dense_attention(q, k, v, 49, 0.125), reference)  # a prefill chunk's token: stored K/V
-    provisional = kernels.dense_attention(q, k, v, 49, 0.125, provisional=True)
-    if cpu_attention._library() is not None:
-        assert not torch.equal(provisional, reference)  # another summation order: the kernel ran
-    torch.testing.assert_close(provisional, reference, rtol=1e-5, atol=1e-6)
-    q2 = torch.randn(2, 9, 64)  # two query tokens: the reference, even when provisional
-    k2, v2 = _kv(3, 51, 64)
-    assert torch.equal(kernels.dense_attention(q2, k2, v2, 49, 0.125, True), ref.dense_attention(q2, k2, v2, 49, 0.125))
+    args = (q, k_cache, v_cache, k_scale, v_scale, table, lens, 0.125)
+    reference = ref.decode_attention(*args)
+    monkeypatch.delenv("KVCHAT_ATTENTION", raising=False)
+    compiled = cpu_attention._library() is not None
+    assert kernels.backend_for(k_cache) == ("compiled" if compiled else "torch")
+    if compiled:
+        assert torch.equal(kernels.decode_attention(*args), cpu_attention.decode_attention(*args))
+        assert not torch.equal(kernels.decode_attention(*args), reference)  # another summation order: it ran
+    torch.testing.assert_close(kernels.decode_attention(*args), reference, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
+    assert kernels.backend_for(k_cache) == "torch"
+    assert torch.equal(kernels.decode_attention(*args), reference)
 
 
+@needs_kernel
 def test_what_it_does_not_take_is_refused():
-    k, v = _kv(3, 20, 64)
-    assert not cpu_attention.takes(torch.randn(2, 9, 64), k, v)  # two tokens
-    assert not cpu_attention.takes(torch.randn(1, 9, 64), k.double(), v.double())
-    assert not cpu_attention.takes(torch.randn(1, 9, 64), k.transpose(1, 2).contiguous().transpose(1, 2), v)
-    assert not cpu_attention.takes(torch.randn(1, 8, 64), k, v)  # 8 query heads over 3 KV heads
-    assert not cpu_attention.takes(torch.randn(1, 9, 64), k[:, :0], v[:, :0])  # no token
-    assert not cpu_attention.takes(torch.randn(1, 9, 4), k[..., :4], v[..., :4])  # head_dim under 8
+    k_cache, v_cache, k_scale, v_scale = _pool("fp8", 10, 3, 64)
+    table, lens = _tables([100], 10)
+    q = torch.randn(1, 9, 64)
+    assert cpu_attention.takes_decode(q, k_cache, v_cache, k_scale, v_scale, table, lens)
+    assert not cpu_attention.takes_decode(q.double(), k_cache, v_cache, k_scale, v_scale, table, lens)
+    assert not cpu_attention.takes_decode(torch.randn(1, 8, 64), k_cache, v_cache, k_scale, v_scale, table, lens)
+    assert not cpu_attention.takes_decode(q, k_cache, v_cache, None, None, table, lens)  # fp8 without scales
+    assert not cpu_attention.takes_decode(q, k_cache, v_cache, k_scale, v_scale, table.long(), lens)
+    assert not cpu_attention.takes_decode(q, k_cache, v_cache, k_scale, v_scale, table, lens.long())
+    table2, lens2 = _tables([100, 20], 10)
+    columns = table2.t().contiguous().t()  # entries of a row not contiguous
+    assert not cpu_attention.takes_decode(torch.randn(2, 9, 64), k_cache, v_cache, k_scale, v_scale, columns, lens2)
+    narrow = _pool("fp8", 10, 3, 8)  # head_dim not a multiple of 16
+    assert not cpu_attention.takes_decode(torch.randn(1, 9, 8), *narrow, table, lens)
+    assert not cpu_attention.takes_pool(k_cache[:, ::2], v_cache[:, ::2], k_scale[:, ::2], v_scale[:, ::2])
+    assert not cpu_attention.takes_pool(k_cache.float(), v_cache.float(), None, None)  # not a pool dtype
+    key = torch.randn(2, 3, 64)
+    assert cpu_attention.takes_write(key, key, k_cache, v_cache, k_scale, v_scale, torch.tensor([0, 5]))
+    assert not cpu_attention.takes_write(key, key, k_cache, v_cache, k_scale, v_scale, torch.tensor([0, 5]).int())
+    assert not cpu_attention.takes_write(key[:, :2], key[:, :2], k_cache, v_cache, k_scale, v_scale, torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="not what the kernel takes"):
-        cpu_attention.decode_attention(torch.randn(2, 9, 64), k, v, 0.125)
+        cpu_attention.decode_attention(q.double(), k_cache, v_cache, k_scale, v_scale, table, lens, 0.125)
+    with pytest.raises(ValueError, match="not what the kernel takes"):
+        cpu_attention.write_kv(key, key, k_cache, v_cache, None, None, torch.tensor([0, 5]))

@@ -419,11 +419,14 @@ def test_fp8_bit_conversion_reads_every_byte_as_the_reference(kernel):
 # ---------------------------------------------------------------- dispatch
 
 
-def test_dispatch_default_uses_reference_on_cpu_and_triton_on_request(monkeypatch):
+def test_dispatch_default_uses_the_cpu_kernels_or_reference_on_cpu_and_triton_on_request(monkeypatch):
+    from kvchat.kernels import cpu_attention
+
     pool = make_pool([20], 1, 64, POOLS[0])
     query = torch.randn(1, 3, 64, device=DEVICE)
     monkeypatch.delenv("KVCHAT_ATTENTION", raising=False)
-    assert kernels.backend_for(pool[0]) == ("triton" if DEVICE.type == "cuda" else "torch")
+    cpu_default = "compiled" if cpu_attention.available() else "torch"
+    assert kernels.backend_for(pool[0]) == ("triton" if DEVICE.type == "cuda" else cpu_default)
     monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
     assert kernels.backend_for(pool[0]) == "torch"
     monkeypatch.setenv("KVCHAT_ATTENTION", "triton")
