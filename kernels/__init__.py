@@ -13,7 +13,8 @@ once into a contiguous fp32 copy, which prefill chunks and extends attend over
 without gathering and dequantizing the whole cache again. Decode steps and
 cache writes on a CPU pool run the compiled kernels of
 :mod:`kvchat.kernels.cpu_attention` where they are built (backend
-``compiled``): decode reads the paged pool itself, half the bytes of the copy.
+``compiled``): decode reads the paged pool itself (a quarter of the copy's
+bytes for fp8, half for 16-bit pools).
 
 Backend choice per call:
 
@@ -26,9 +27,9 @@ Backend choice per call:
   first dispatch raises :class:`kvchat.settings.SettingError`.
 - unset: Triton for CUDA tensors; on CPU tensors ``compiled`` where
   :func:`kvchat.kernels.cpu_attention.available` (``KVCHAT_CPU_KERNEL``, a C
-  compiler): its kernels for :func:`write_kv` and :func:`decode_attention`
-  where they take the arguments, the reference for the rest; the reference
-  otherwise. CUDA without an
+  compiler): its kernels for :func:`write_kv` and a decode step's
+  :func:`decode_attention` where they take the arguments, the reference for
+  the rest; the reference otherwise. CUDA without an
   importable Triton falls back to the reference with a one-time logged
   notice. FP8 pools stay on Triton on every CUDA GPU: below compute
   capability 8.9 (where Triton has no float8e4nv) the kernels convert the fp8
@@ -166,8 +167,13 @@ def decode_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    provisional: bool = False,
 ) -> torch.Tensor:
     """Paged decode attention, ``[num_seqs, num_heads, head_dim]``; see :func:`reference.decode_attention`.
+
+    ``provisional``: a decode step's tokens, whose K/V prefill recomputes later; only then may a CPU pool take
+    the compiled kernel (another rounding than the reference's), never for a one-token prefill chunk, whose
+    K/V are stored.
 
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
@@ -175,8 +181,8 @@ def decode_attention(
     backend = backend_for(k_cache)
     if backend == "triton":
         fn = _triton_module("triton_decode", k_cache).decode_attention
-    elif backend == "compiled" and cpu_attention.takes_decode(query, k_cache, v_cache, k_scale, v_scale, block_table,
-                                                             seq_lens, sink):
+    elif provisional and backend == "compiled" and cpu_attention.takes_decode(query, k_cache, v_cache, k_scale, v_scale,
+                                                                             block_table, seq_lens, sink):
         fn = cpu_attention.decode_attention
     else:
         fn = reference.decode_attention

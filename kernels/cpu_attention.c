@@ -6,7 +6,8 @@
 
    kvchat_paged_write:  the new tokens' K/V into their slots, quantized as kvchat.kernels.reference.write_kv
                         does (same bits: per token and KV head absmax / 448, x / scale clamped to +-448, round
-                        to nearest even; 16-bit pools a round-to-nearest-even cast).
+                        to nearest even, NaN and inf as torch's ops give them; 16-bit pools a
+                        round-to-nearest-even cast). Slots must lie in the pool (the Python wrapper checks).
    kvchat_paged_scores: s[r, h, g, t] = sm_scale * (q[r, h, g] . k[r, h, t]) for t < L_r, -inf up to Lmax
    kvchat_paged_values: o[r, h, g]    = sum_t p[r, h, g, t] * v[r, h, t]
    The softmax between the two passes is the caller's (torch's, vectorized).
@@ -16,14 +17,15 @@
    o      float32 [R, H, G, D] contiguous
    table  int32, row r at table + r * table_stride; lens int32 [R] (L_r, the new token included)
    sink   float32 exact position-0 K (or V) of row r at sink + r * sink_stride, [H, D] contiguous; NULL: none
-   tile   float32 [threads, H, SPLIT, D + 1] scratch (values, then each row's factor); work float32 [R * ceil(Lmax / SPLIT), H, G, D] scratch
+   tile   float32 scratch of threads * H * SPLIT * (D + 1): per thread H * SPLIT * D values, then H * SPLIT factors; work float32 [R * ceil(Lmax / SPLIT), H, G, D] scratch
 
    D is a multiple of 16 and at most 8 * MAX_VEC (kvchat_decode_limits says both).
 
-   Both passes split each (row, head)'s tokens into fixed SPLIT-token ranges shared by an OpenMP team of
-   `threads` (so the two cores stay busy for 3 KV heads). A task first dequantizes its range into a float32
-   tile, exactly the values kvchat.engine.dense_kv's copy holds (fp8: the byte as float16 bits times
-   2**8 * scale, as reference.dequantize_into), then runs an 8-lane loop over the tile. The values pass sums
+   Both passes split each row's tokens into fixed SPLIT-token ranges, all KV heads in one task, shared by an
+   OpenMP team of `threads` (so the two cores stay busy for 3 KV heads). A task first converts its range to
+   float32 in a tile (fp8: the byte as float16 bits, i.e. value * 2**-8 / scale; the factor 2**8 * scale is
+   applied after the dot product in the scores pass and folded into p in the values pass), then runs 8-lane
+   loops over the tile. Every table row must hold ceil(L_r / BS) valid blocks (the wrapper checks the width). The values pass sums
    each range's partial output into `work`, then adds the ranges in order: the bits depend on L_r alone,
    never on the thread count or on the other rows (split-K as in FlashDecoding, Dao et al. 2023, without its
    rescaling since the softmax is done first). */
@@ -206,6 +208,7 @@ static inline Task task_at(int64_t task, int64_t ranges, int64_t H, int64_t D, c
                                sm_scale, NV)
 #define VALUES(NV) values_tile(p + (k.r * H + h) * G * Lmax, k.tile + h * SPLIT * D, k.factor + h * SPLIT, work + (task * H + h) * G * D, \
                                G, Lmax, k.t0, k.t1 - k.t0, NV)
+/* SCORES and VALUES are used by the two passes below. */
 
 void kvchat_paged_scores(const float *q, const uint8_t *k_cache, const float *k_scale, const int32_t *table,
                          int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
@@ -258,15 +261,17 @@ static inline uint8_t to_e4m3(float x) {
   union { float f; uint32_t u; } v = {x};
   const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80);
   v.u &= 0x7FFFFFFFu;
+  if (v.f != v.f) return sign | 0x7F; /* NaN, as torch's cast: e4m3fn's one NaN pattern, the sign kept */
   if (v.f < 0.015625f) /* below 2**-6: subnormal, steps of 2**-9 (a carry to 8 is the smallest normal, 0x08) */
     return sign | (uint8_t)_mm_cvtss_si32(_mm_set_ss(v.f * 512.0f)); /* MXCSR's default: to nearest even */
   const uint32_t rounded = v.u + 0x7FFFFu + ((v.u >> 20) & 1u); /* 23 -> 3 mantissa bits, ties to even */
   return sign | (uint8_t)((rounded >> 20) - ((127 - 7) << 3));  /* exponent bias 127 -> 7 */
 }
 
-/* float32 -> bfloat16 bits, round to nearest even (finite values). */
+/* float32 -> bfloat16 bits, round to nearest even; NaN as torch's cast writes it (all ones). */
 static inline uint16_t to_bf16(float x) {
   union { float f; uint32_t u; } v = {x};
+  if (x != x) return 0xFFFF;
   return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
 }
 
@@ -285,8 +290,11 @@ void kvchat_paged_write(const float *k, const float *v, uint8_t *k_cache, uint8_
         uint8_t *dst = cache + (slot * H + h) * D * eb;
         if (kind == KIND_FP8) {
           float amax = 0.0f;
-          for (int64_t d = 0; d < D; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
-          const float sc = (amax > FP8_EPS ? amax : FP8_EPS) / FP8_MAX;
+          for (int64_t d = 0; d < D; ++d) { /* a NaN propagates (torch's amax), so the head is written as NaN */
+            const float a = fabsf(x[d]);
+            amax = (a > amax || a != a) && amax == amax ? a : amax;
+          }
+          const float sc = (amax > FP8_EPS || amax != amax ? amax : FP8_EPS) / FP8_MAX;
           scale[slot * H + h] = sc;
           for (int64_t d = 0; d < D; ++d) {
             float y = x[d] / sc;

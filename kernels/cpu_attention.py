@@ -10,7 +10,9 @@ is dequantized into a small float32 tile in cache (the dense copy's values,
 the fp8 scale applied after the dot product) and attended to there, so DRAM
 sees the pool's bytes once. The write
 quantizes the new token's K/V exactly as :func:`kvchat.kernels.reference.write_kv`
-does (bit for bit; tested), without its dozen small torch ops per layer.
+does (bit for bit, NaN and inf included; tested), without its dozen small torch ops per layer.
+The attention runs for decode steps only (:func:`kvchat.kernels.decode_attention`'s ``provisional``), and
+needs ``head_dim`` a multiple of 16.
 Figures (decode step at 4,096 tokens, this 2-core machine) are in the README
 and ``kvchat bench engine``.
 
@@ -96,10 +98,11 @@ def takes_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return False
     r, heads, d = query.shape
     hkv = k_cache.shape[2]
-    if (query.dtype not in FLOAT_DTYPES or query.device.type != "cpu" or d != k_cache.shape[3] or heads % hkv
+    if (r < 1 or query.dtype not in FLOAT_DTYPES or d != k_cache.shape[3] or heads % hkv
             or block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != r
             or block_table.stride(1) != 1 or seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (r,)
-            or not seq_lens.is_contiguous()):
+            or not seq_lens.is_contiguous()
+            or any(t.device.type != "cpu" for t in (query, block_table, seq_lens, *(sink or ())))):
         return False
     return sink is None or all(
         s.dtype == torch.float32 and tuple(s.shape) == (r, hkv, d) and s.stride()[1:] == (d, 1)
@@ -117,8 +120,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     exact position-0 ``sink``); ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (float32 math), zeros
     for a sequence of length 0.
 
+    The softmax runs over each row's own ``L_r`` scores, so a row's bits depend on its length alone
+    (torch's softmax takes another path for rows under 16 elements, and the padding would pick it).
+
     Raises:
-        ValueError: inputs :func:`takes_decode` refuses.
+        ValueError: inputs :func:`takes_decode` refuses, or a length the block table cannot cover
+            (the kernel reads ``ceil(L / block_size)`` entries of each row, unchecked).
     """
     if not takes_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sink):
         raise ValueError(f"cpu decode attention: query {tuple(query.shape)} {query.dtype}, pool "
@@ -128,7 +135,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     r, heads, d = query.shape
     _, bs, hkv, _ = k_cache.shape
     group, threads = heads // hkv, torch.get_num_threads()
-    lmax = int(seq_lens.max()) if r > 1 else int(seq_lens[0])
+    lengths = seq_lens.tolist()
+    lmax = max(lengths)
+    if min(lengths) < 0 or lmax > block_table.shape[1] * bs:
+        raise ValueError(f"cpu decode attention: lengths {lengths} outside a block table of {block_table.shape[1]} "
+                         f"blocks of {bs} tokens")
     q = query.float().contiguous()
     scores = torch.empty(r, hkv, group, lmax)
     tile = torch.empty(threads, hkv, split, d + 1)
@@ -139,7 +150,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     lib.kvchat_paged_scores(q.data_ptr(), k_cache.data_ptr(), k_scale.data_ptr() if fp8 else None,
                             block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), sink_k, sink_stride,
                             scores.data_ptr(), tile.data_ptr(), r, hkv, group, d, bs, lmax, sm_scale, kind, threads)
-    probs = torch.softmax(scores, dim=-1)
+    if r == 1:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # past a row's length nothing is read (its scores there are -inf)
+        probs = torch.empty_like(scores)
+        for i, n in enumerate(lengths):
+            probs[i, ..., :n] = torch.softmax(scores[i, ..., :n], dim=-1)
     out = torch.empty(r, heads, d)
     work = torch.empty(r * -(-lmax // split), hkv, group, d)
     lib.kvchat_paged_values(probs.data_ptr(), v_cache.data_ptr(), v_scale.data_ptr() if fp8 else None,
@@ -155,7 +171,8 @@ def takes_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v
     shape in one of :data:`FLOAT_DTYPES`, int64 slots."""
     return (takes_pool(k_cache, v_cache, k_scale, v_scale) and key.dtype == value.dtype and key.dtype in FLOAT_DTYPES
             and key.dim() == 3 and key.shape == value.shape and tuple(key.shape[1:]) == tuple(k_cache.shape[2:])
-            and slot_mapping.dtype == torch.int64 and tuple(slot_mapping.shape) == (key.shape[0],))
+            and slot_mapping.dtype == torch.int64 and tuple(slot_mapping.shape) == (key.shape[0],)
+            and key.device.type == value.device.type == slot_mapping.device.type == "cpu")
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -164,11 +181,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     same pool contents.
 
     Raises:
-        ValueError: inputs :func:`takes_write` refuses.
+        ValueError: inputs :func:`takes_write` refuses, or a slot outside the pool (the kernel writes unchecked).
     """
     if not takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         raise ValueError(f"cpu write_kv: key {tuple(key.shape)} {key.dtype}, pool {tuple(k_cache.shape)} "
                          f"{k_cache.dtype}: not what the kernel takes (or it is not built)")
+    if slot_mapping.numel() and int(slot_mapping.max()) >= k_cache.shape[0] * k_cache.shape[1]:
+        raise ValueError(f"cpu write_kv: slot {int(slot_mapping.max())} outside a pool of "
+                         f"{k_cache.shape[0] * k_cache.shape[1]} slots")
     fp8 = k_cache.dtype == FP8_DTYPE
     k, v, slots = key.float().contiguous(), value.float().contiguous(), slot_mapping.contiguous()
     _library().kvchat_paged_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),

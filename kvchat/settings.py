@@ -161,8 +161,10 @@ def attention() -> str | None:
     """``KVCHAT_ATTENTION``: ``torch`` (the PyTorch reference kernels) or ``triton`` (the Triton kernels;
     on CPU tensors only under ``TRITON_INTERPRET=1``), case-insensitive.
 
-    Default (None): Triton for CUDA tensors, PyTorch otherwise; whether ``triton``
-    can run here is checked by :func:`kvchat.kernels.backend_for`.
+    Default (None): Triton for CUDA tensors; for CPU tensors the compiled kernels of
+    :mod:`kvchat.kernels.cpu_attention` for decode steps and cache writes where they build
+    (:func:`cpu_kernel_enabled`), PyTorch for the rest; ``torch`` runs PyTorch for everything.
+    Whether ``triton`` can run here is checked by :func:`kvchat.kernels.backend_for`.
 
     Raises:
         SettingError: any other value.

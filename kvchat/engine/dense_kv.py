@@ -7,7 +7,7 @@ head_dim]`` of exactly the values the pool stores: new tokens are read back
 from the pool after :func:`kvchat.kernels.write_kv` (never taken from the
 pre-quantization K/V), so attention sees the same numbers as through the
 block table. Decode steps read the pool itself where the compiled CPU kernels
-run (:mod:`kvchat.kernels.cpu_attention`, half the bytes of this copy) and
+run (:mod:`kvchat.kernels.cpu_attention`: a quarter of this copy's bytes for fp8, half for 16-bit pools) and
 leave the copy as it was; elsewhere they read it too, and append their token.
 
 Staleness: :attr:`KVPool.block_writes` counts writes per block. The copy

@@ -383,7 +383,8 @@ class Engine:
         Decode's K/V are provisional: one token at a time they differ in the
         last bits from what a prefill chunk computes, so their blocks stay out
         of the prefix cache and the turn (:meth:`kvchat.engine.session.Session.turn`) recomputes
-        the answer as prefill chunks once it ends (see :func:`last_cut`).
+        the answer as prefill chunks once it ends (see :func:`last_cut`). ``dense_kv``: the sequence's own
+        dense copy when decode reads one (not :attr:`decode_on_pool`), else unused.
         """
         dense = None if self.decode_on_pool else [dense_kv or self.dense]
         return self._decode_rows([(seq, token_ids)], dense)[0]
@@ -393,15 +394,15 @@ class Engine:
         """One decode forward for several sequences: float32 logits ``[len(steps), vocab_size]``.
 
         The linear layers run once over the ``num_seqs`` new tokens; attention
-        runs per sequence over its own K/V (its dense copy on the CPU read path,
-        else the paged kernels with a ``[num_seqs, max_blocks]`` block table).
+        reads each sequence's own K/V: the paged kernels with a ``[num_seqs, max_blocks]`` block table
+        (:attr:`decode_on_pool`: GPUs, and CPUs with the compiled kernels), else each sequence's dense copy.
         One step alone is exactly :meth:`decode`.
 
         Raises:
             ContextOverflowError: a sequence exceeds the context limit.
             PoolFullError: a sequence cannot get a slot; ``exc.index`` is its place in ``steps``
                 (the others are unchanged but for a reserved slot).
-            ValueError: on the CPU read path, two steps share a dense copy (or lack one).
+            ValueError: decoding over dense copies (not :attr:`decode_on_pool`), two steps share one (or lack one).
 
         More steps than the largest batch bucket (:data:`kvchat.engine.decode_buffers.BATCH_BUCKETS`) run
         as one forward per group of that many.
@@ -462,7 +463,8 @@ class Engine:
         columns, through the paged kernels: float32 logits ``[rows, vocab_size]``. What a CUDA graph
         captures (:mod:`kvchat.engine.decode_graphs`): device work only, no host read."""
         view = self.decode_buffers.view(rows, width, with_sink=self.exact_sink)
-        meta = AttnMetadata(view.slot_mapping, view.block_table, view.seq_lens, view.cu_seqlens_q, True, sink=view.sink)
+        meta = AttnMetadata(view.slot_mapping, view.block_table, view.seq_lens, view.cu_seqlens_q, True, sink=view.sink,
+                            provisional=True)
         return self.model.logits(self.model(view.input_ids, view.positions, meta, self.pool))
 
     def release(self, seq: SeqBlocks) -> None:

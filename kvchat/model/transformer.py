@@ -46,6 +46,9 @@ class AttnMetadata:
             A batched decode passes ``sink`` as ``[num_seqs, num_layers, num_kv_heads, head_dim]`` x2.
         dense_batch: a batched decode on the CPU read path: per sequence (its own
             dense copy, position of its new token); attention runs per sequence.
+        provisional: a decode step (:meth:`kvchat.engine.runner.Engine.decode`), whose K/V are recomputed
+            as prefill chunks later: a CPU pool may take the compiled decode attention
+            (:func:`kvchat.kernels.decode_attention`), whose rounding never reaches stored K/V.
     """
 
     slot_mapping: torch.Tensor
@@ -58,6 +61,7 @@ class AttnMetadata:
     sink: tuple[torch.Tensor, torch.Tensor] | None = None
     capture_sink: bool = False
     dense_batch: list[tuple[DenseKV, int]] | None = None
+    provisional: bool = False
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -183,7 +187,7 @@ class Attention(nn.Module):
         if meta.sink is not None:  # [num_layers, ...] for one sequence, [num_seqs, num_layers, ...] batched
             sink = tuple(x.reshape(-1, *x.shape[-3:])[:, self.layer_id] for x in meta.sink)
         if meta.is_decode:
-            out = kernels.decode_attention(q, *args, self.sm_scale, sink)
+            out = kernels.decode_attention(q, *args, self.sm_scale, sink, meta.provisional)
         else:
             out = kernels.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale, sink)
         return self.o_proj(out.reshape(t, self.q_size))

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from kvchat import kernels
 from kvchat.engine import dense_kv
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.persistence import CHUNK_TOKENS, KVPersist
@@ -60,7 +61,7 @@ def test_copy_equals_pool_through_prefill_decode_and_rollback(on_pool):
     """Decode over the dense copy appends to it; decode on the pool (the compiled kernels) leaves it at the
     prefill's tokens, and the next prefill reads back the blocks decode wrote."""
     engine = _engine()
-    assert engine.decode_on_pool == (cpu_attention._library() is not None)
+    assert engine.decode_on_pool == (kernels.backend_for(engine.pool.k) == "compiled")
     engine.decode_on_pool = on_pool
     ids = torch.randint(0, 97, (70,)).tolist()
     seq = SeqBlocks()
@@ -69,7 +70,9 @@ def test_copy_equals_pool_through_prefill_decode_and_rollback(on_pool):
     for n in range(46, 51):
         engine.decode(seq, ids[:n])
     _assert_copy_matches_pool(engine, seq, ids[0], length=45 if on_pool else 50)
-    engine.prefill(seq, ids[:53])  # recomputes from the last cut (32): reads the decode tokens' block back
+    # from the last cut (48): the copy keeps tokens 0..47 as read before and must notice that block 2
+    # (tokens 32..47) was written by the decode steps, and read it back
+    engine.prefill(seq, ids[:53], boundaries=[0, 19, 48])
     _assert_copy_matches_pool(engine, seq, ids[0])
     # Roll back into the middle of a block and continue with other tokens (edit / regenerate).
     seq.num_computed = 21
@@ -90,8 +93,8 @@ def test_a_write_it_did_not_make_is_noticed(on_pool):
     block = seq.block_table[0]
     engine.pool.mark_written([block])
     engine.pool.k.view(torch.uint8)[:, block, 3] = 0x38  # every element of token 3 becomes 1.0 * scale
-    if on_pool:
-        engine.prefill(seq, ids + [5, 6])
+    if on_pool:  # from the cut at 40: the copy's tokens 0..39 are trusted unless it notices the write
+        engine.prefill(seq, ids + [5, 6], boundaries=[0, 40])
     else:
         engine.decode(seq, ids + [5])
     _assert_copy_matches_pool(engine, seq, ids[0])
@@ -112,6 +115,26 @@ def test_switching_sequences_and_reusing_blocks_reads_afresh():
     _assert_copy_matches_pool(engine, a, a_ids[0])
     fresh = _engine(pool_bytes=6 * 16 * 2 * 2 * 2 * (16 + 4))
     assert torch.equal(logits, fresh.prefill(SeqBlocks(), a_ids).logits)
+
+
+def test_a_one_token_chunk_is_not_a_decode_step(monkeypatch):
+    """A prefill chunk of one token (a segment of one token) stores its K/V: on an engine without a dense
+    copy it runs the reference's attention, not the compiled decode kernel, so its logits and pool are
+    the reference path's bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    texts = [torch.randint(0, 97, (64,), generator=gen).tolist() for _ in range(5)]  # the kernel's rounding
+    runs = []  # differs from the reference's in some of them (measured: 3 of 5 seeds), so all must match
+    for attention in (None, "torch"):
+        if attention:
+            monkeypatch.setenv("KVCHAT_ATTENTION", attention)
+        engine, run = _engine(dense=False), []
+        for ids in texts:
+            seq = SeqBlocks()
+            run.append(engine.score(seq, ids, boundaries=[0, 40, 41]))  # positions 41.. read token 40's K/V
+            engine.release(seq)
+        runs.append((*run, engine.pool.k.clone(), engine.pool.v.clone()))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])

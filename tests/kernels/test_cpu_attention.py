@@ -74,21 +74,27 @@ def test_decode_matches_the_reference_to_fp32_rounding(kv_dtype, heads, hkv, d, 
 
 @needs_kernel
 def test_a_rows_bits_depend_on_its_own_length_only():
-    """The same sequence alone, among others, with 1 or 2 threads and a wider table: the same bits."""
+    """Each row alone (1 thread, a table exactly as wide as it needs), all rows in one batch (2 threads), and
+    the batch over a wider table: the same bits, short rows (under 16 tokens: torch's softmax takes another
+    path there) included."""
     k_cache, v_cache, k_scale, v_scale = _pool("fp8", 200, 3, 64)
-    table, lens = _tables([3000 // 16 * 16 - 5, 40], 200)
-    q = torch.randn(2, 9, 64)
+    table, lens = _tables([3000 // 16 * 16 - 5, 7, 40, 1], 200)
+    q = torch.randn(4, 9, 64)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = cpu_attention.decode_attention(q[:1], k_cache, v_cache, k_scale, v_scale, table[:1], lens[:1], 0.125)
+        alone = [cpu_attention.decode_attention(q[i : i + 1], k_cache, v_cache, k_scale, v_scale,
+                                                table[i : i + 1, : -(-int(n) // 16)].contiguous(), lens[i : i + 1], 0.125)
+                 for i, n in enumerate(lens)]
         torch.set_num_threads(2)
-        both = cpu_attention.decode_attention(q, k_cache, v_cache, k_scale, v_scale, table, lens, 0.125)
-        wide = torch.cat([table, torch.zeros(2, 50, dtype=torch.int32)], dim=1)
+        batch = cpu_attention.decode_attention(q, k_cache, v_cache, k_scale, v_scale, table, lens, 0.125)
+        wide = torch.cat([table, torch.zeros(4, 50, dtype=torch.int32)], dim=1)
         wider = cpu_attention.decode_attention(q, k_cache, v_cache, k_scale, v_scale, wide, lens, 0.125)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(alone[0], both[0]) and torch.equal(both, wider)
+    for i in range(4):
+        assert torch.equal(alone[i][0], batch[i]), i
+    assert torch.equal(batch, wider)
 
 
 @needs_kernel
@@ -130,6 +136,42 @@ def test_write_is_the_references_bit_for_bit(kv_dtype, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16", "fp16"])
+def test_write_of_nan_and_inf_is_the_references(kv_dtype):
+    """A model that blew up: NaN and inf in a head are written as the reference writes them (fp8: the NaN
+    bytes and a NaN or inf scale), not hidden as finite values."""
+    k = torch.ones(3, 1, 16)
+    k[0, 0, 2] = float("nan")
+    k[1, 0, 5] = float("inf")
+    k[2, 0, 0] = -float("inf")
+    pools = []
+    for _ in range(2):
+        caches = [torch.zeros(3, 1, 1, 16, dtype=POOL_DTYPES[kv_dtype]) for _ in range(2)]
+        scales = [torch.zeros(3, 1, 1) for _ in range(2)] if kv_dtype == "fp8" else [None, None]
+        pools.append((*caches, *scales))
+    ref.write_kv(k, -k, *pools[0], torch.arange(3))
+    cpu_attention.write_kv(k, -k, *pools[1], torch.arange(3))
+    for want, got in zip(pools[0], pools[1]):
+        if want is not None:
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+    assert not pools[1][0].float().isfinite().all()
+
+
+@needs_kernel
+def test_indices_outside_the_pool_or_the_table_are_refused():
+    k_cache, v_cache, k_scale, v_scale = _pool("fp8", 10, 3, 64)
+    key = torch.randn(1, 3, 64)
+    with pytest.raises(ValueError, match="outside a pool of 160 slots"):
+        cpu_attention.write_kv(key, key, k_cache, v_cache, k_scale, v_scale, torch.tensor([160]))
+    table, lens = _tables([40], 10)
+    with pytest.raises(ValueError, match="outside a block table"):
+        cpu_attention.decode_attention(torch.randn(1, 9, 64), k_cache, v_cache, k_scale, v_scale, table[:, :2],
+                                       lens, 0.125)  # 40 tokens need 3 blocks
+    assert not cpu_attention.takes_decode(torch.randn(0, 9, 64), k_cache, v_cache, k_scale, v_scale,
+                                          table[:0], lens[:0])  # no row
+
+
+@needs_kernel
 def test_every_fp8_value_round_trips_through_the_write():
     """Each of the 253 finite e4m3 magnitudes and both neighbours' midpoints, as K of one token per value
     (the token's absmax pinned at 448 so the scale is 1): the reference's bytes, every one."""
@@ -159,13 +201,15 @@ def test_dispatch_runs_the_compiled_kernels_on_a_cpu_pool_unless_asked_for_torch
     monkeypatch.delenv("KVCHAT_ATTENTION", raising=False)
     compiled = cpu_attention._library() is not None
     assert kernels.backend_for(k_cache) == ("compiled" if compiled else "torch")
+    step = kernels.decode_attention(*args, provisional=True)  # a decode step
     if compiled:
-        assert torch.equal(kernels.decode_attention(*args), cpu_attention.decode_attention(*args))
-        assert not torch.equal(kernels.decode_attention(*args), reference)  # another summation order: it ran
-    torch.testing.assert_close(kernels.decode_attention(*args), reference, rtol=1e-5, atol=1e-6)
+        assert torch.equal(step, cpu_attention.decode_attention(*args))
+        assert not torch.equal(step, reference)  # another summation order: it ran
+    torch.testing.assert_close(step, reference, rtol=1e-5, atol=1e-6)
+    assert torch.equal(kernels.decode_attention(*args), reference)  # a one-token prefill chunk: stored K/V
     monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
     assert kernels.backend_for(k_cache) == "torch"
-    assert torch.equal(kernels.decode_attention(*args), reference)
+    assert torch.equal(kernels.decode_attention(*args, provisional=True), reference)
 
 
 @needs_kernel
