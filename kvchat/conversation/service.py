@@ -115,14 +115,14 @@ class ChatService:
         """Why this engine cannot restore ``chat_id``'s stored KV (another KV dtype, nothing stored, …)."""
         e = self.rt.engine
         return why_not_restored(db, chat_id, self.persist.fingerprint, self.rt.info.fingerprint, e.spec.kv_dtype,
-                                e.spec.block_size, e.weight_format, e.compute_key)
+                                e.spec.block_size, e.weight_format, e.compute_key, e.int8_kernel)
 
     def _shortfall(self, chat_id: str, history_tokens: int, reused_tokens: int) -> str | None:
         """:func:`kvchat.engine.cache_miss.shortfall_reason` for this engine."""
         e = self.rt.engine
         return shortfall_reason(get_db(), chat_id, history_tokens, reused_tokens, self.persist.fingerprint,
                                 self.rt.info.fingerprint, e.spec.kv_dtype, e.spec.block_size, e.weight_format,
-                                e.compute_key)
+                                e.compute_key, e.int8_kernel)
 
     @property
     def bytes_per_token(self) -> int:

@@ -12,8 +12,14 @@ from kvchat.store.chunk_refs import owner_fingerprints
 
 
 
+# each int8 kernel (kvchat.model.int8_scheme.SMALL_ROWS_KERNELS): its name, and what makes a run use it
+INT8_KERNELS = {"avx2": ("the compiled int8 kernel", "KVCHAT_CPU_KERNEL=1 and a C compiler restore it"),
+                "int8mm": ("torch's int8 kernel", "KVCHAT_CPU_KERNEL=0 restores it")}
+
+
 def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerprint: str, kv_dtype: str,
-                     block_size: int, weight_format: str = "fp32", compute: str | None = None) -> str:
+                     block_size: int, weight_format: str = "fp32", compute: str | None = None,
+                     int8_kernel: str | None = None) -> str:
     """One line saying why ``owner``'s stored KV could not be restored by an engine with ``fingerprint``.
 
     Args:
@@ -24,6 +30,7 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
         block_size: the running engine's block size.
         weight_format: the running engine's weight format (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`).
         compute: the running engine's compute key (:func:`kvchat.engine.cache_identity.compute_key`).
+        int8_kernel: the running int8 engine's kernel (:attr:`kvchat.engine.runner.Engine.int8_kernel`).
     """
     stored = set(owner_fingerprints(db, owner))
     if not stored:
@@ -36,6 +43,10 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
     for other in KV_DTYPE_NAMES:
         if other != kv_dtype and fingerprint_variants(model_fingerprint, other, block_size) & stored:
             return f"its KV was saved as {other}; this run uses {kv_dtype} (caches never cross KV dtypes)"
+    for kernel, (name, restore) in INT8_KERNELS.items():
+        if weight_format == "int8" and int8_kernel not in (None, kernel) and fingerprint_variants(
+                model_fingerprint, kv_dtype, block_size, ("int8",), (compute,), (kernel,)) & stored:
+            return f"its KV was computed with {name}; this run uses {INT8_KERNELS[int8_kernel][0]} ({restore})"
     for w, c in ((w, c) for w in WEIGHT_FORMATS for c in compute_keys(w)):
         if (w, c) == (weight_format, compute) or not (
                 fingerprint_variants(model_fingerprint, kv_dtype, block_size, (w,), (c,)) & stored):
@@ -52,7 +63,7 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
 
 def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_tokens: int, fingerprint: str,
                      model_fingerprint: str, kv_dtype: str, block_size: int, weight_format: str = "fp32",
-                     compute: str | None = None) -> str | None:
+                     compute: str | None = None, int8_kernel: str | None = None) -> str | None:
     """Why reopening ``owner`` recomputed stored history, or None when it did not.
 
     A resume from the pool alone stops at the last whole block, cut back to a
@@ -63,4 +74,5 @@ def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_token
     """
     if history_tokens - 1 - reused_tokens < block_size:
         return None
-    return why_not_restored(db, owner, fingerprint, model_fingerprint, kv_dtype, block_size, weight_format, compute)
+    return why_not_restored(db, owner, fingerprint, model_fingerprint, kv_dtype, block_size, weight_format, compute,
+                            int8_kernel)

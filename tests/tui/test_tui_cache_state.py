@@ -53,6 +53,25 @@ def test_why_not_restored_names_the_cause():
     assert disk_bytes(db, bf16) == {"c_3": 7} and disk_bytes(db) == {"c_1": 100, "c_2": 100, "c_3": 7}
 
 
+def test_why_not_restored_names_the_other_int8_kernel():
+    """int8 K/V made with the compiled kernel, resumed where it is off (KVCHAT_CPU_KERNEL=0, no compiler),
+    and the other way round: the line names the kernel and the setting that restores it."""
+    from kvchat.engine.cache_identity import weight_scheme
+
+    db = get_db()
+    by_kernel = {k: cache_fingerprint(MODEL_FP, "bf16", "none", 16, weights=weight_scheme("int8", k))
+                 for k in ("avx2", "int8mm")}
+    add_chunk_row(db, "k1", by_kernel["avx2"], "c_1")
+    add_chunk_row(db, "k2", by_kernel["int8mm"], "c_2")
+    off = why_not_restored(db, "c_1", by_kernel["int8mm"], MODEL_FP, "bf16", 16, "int8", None, "int8mm")
+    assert off == ("its KV was computed with the compiled int8 kernel; this run uses torch's int8 kernel "
+                   "(KVCHAT_CPU_KERNEL=1 and a C compiler restore it)")
+    on = why_not_restored(db, "c_2", by_kernel["avx2"], MODEL_FP, "bf16", 16, "int8", None, "avx2")
+    assert "computed with torch's int8 kernel" in on and "KVCHAT_CPU_KERNEL=0 restores it" in on
+    assert "chain stops early" in why_not_restored(db, "c_1", by_kernel["avx2"], MODEL_FP, "bf16", 16, "int8",
+                                                   None, "avx2")
+
+
 def test_a_shared_system_prompt_block_does_not_make_a_chat_in_memory():
     assert not all_in_memory(16, 120, 16)  # only the first block (the system prompt) is cached
     assert all_in_memory(112, 120, 16) and all_in_memory(48, 51, 16)
