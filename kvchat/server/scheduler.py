@@ -268,6 +268,8 @@ class Scheduler:
         req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
         service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store,
                               branch_on_conflict=True)  # another process changed the chat: branch, as below
+        if req.turns and self.store:  # the chat's last turn may still be on its way to disk: its snapshot
+            self.persist.flush()  # gives the resume what the pool alone cuts back to a chunk edge
         found = chat_with_ids(rendered.token_ids, fp) if req.turns else None
         busy = {j.service.chat.chat_id for j in [*self.running, *self.queued] if j.service and j.service.chat}
         if found and self.store and found not in busy:  # a chat answered by another request now: branch off

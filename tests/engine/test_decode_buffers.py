@@ -94,10 +94,21 @@ def _ids(n: int, seed: int, vocab: int) -> list[int]:
 
 @torch.inference_mode()
 def _per_step_decode(engine: Engine, seq: SeqBlocks, ids: list[int], dense: DenseKV | None) -> torch.Tensor:
-    """The earlier ``Engine.decode``: one forward with fresh ``slot_mapping``, ``block_table`` (exactly
-    the sequence's width), ``seq_lens`` and positions tensors."""
+    """The earlier ``Engine.decode``: one forward (a decode step: provisional) with fresh ``slot_mapping``,
+    ``block_table`` (exactly the sequence's width), ``seq_lens`` and positions tensors."""
     n = len(ids)
-    return engine.model.logits(engine._forward(seq, ids, n - 1, n, register=False, dense_kv=dense))[0]
+    sink = engine.sink_kv(ids[0]) if engine.exact_sink else None
+    engine.prepare_write(seq, n - 1, n, dense, sink)
+    meta = AttnMetadata(
+        slot_mapping=torch.tensor(engine.blocks.slots(seq, n - 1, n), dtype=torch.long),
+        block_table=torch.tensor([seq.block_table], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), is_decode=True, dense=dense, q_start=n - 1, sink=sink,
+        provisional=True)
+    hidden = engine.model(torch.tensor([ids[-1]]), torch.tensor([n - 1]), meta, engine.pool)
+    if dense is not None:
+        dense.finish(seq, n)
+    engine.blocks.commit(seq, ids, n, register=False)
+    return engine.model.logits(hidden)[0]
 
 
 @torch.inference_mode()
@@ -118,7 +129,8 @@ def _per_step_batch(engine: Engine, steps: list[DecodeStep]) -> torch.Tensor:
     meta = AttnMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long), block_table=torch.tensor(table, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=torch.arange(len(steps) + 1, dtype=torch.int32),
-        is_decode=True, sink=sink, dense_batch=None if denses is None else [(d, n - 1) for d, n in zip(denses, lens)])
+        is_decode=True, sink=sink, dense_batch=None if denses is None else [(d, n - 1) for d, n in zip(denses, lens)],
+        provisional=True)  # a decode step, as Engine.decode_batch's
     ids = torch.tensor([s.token_ids[-1] for s in steps], dtype=torch.long)
     hidden = engine.model(ids, torch.tensor([n - 1 for n in lens]), meta, engine.pool)
     for i, (s, n) in enumerate(zip(steps, lens)):
