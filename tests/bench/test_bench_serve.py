@@ -10,7 +10,9 @@ def test_bench_serve_measures_cold_warm_restart_and_streams(smol_info):
     res = run_serve(ns, quick=True)
     cold, warm, restart = res["turns"]
     assert cold["cached_tokens"] == 0 and cold["prefilled_tokens"] == cold["prompt_tokens"]
-    assert warm["from_memory"] > 0 and warm["from_disk"] == 0
+    # warm: from the pool up to its last chunk edge, the turn's snapshot the rest (the server waits for the
+    # last turn's snapshot writes before it looks a continued chat up); a restart: from disk only
+    assert warm["from_memory"] > warm["from_disk"] and warm["from_memory"] + warm["from_disk"] >= warm["prompt_tokens"] - 32
     assert restart["from_disk"] > 0 and restart["from_memory"] == 0
     assert restart["cached_tokens"] >= warm["prompt_tokens"] - 32
     assert [r["streams"] for r in res["concurrency"]] == [1, 2] and len(res["rounds"]) == 2
