@@ -14,7 +14,9 @@ without gathering and dequantizing the whole cache again. Decode steps and
 cache writes on a CPU pool run the compiled kernels of
 :mod:`kvchat.kernels.cpu_attention` where they are built (backend
 ``compiled``): decode reads the paged pool itself (a quarter of the copy's
-bytes for fp8, half for 16-bit pools).
+bytes for fp8, half for 16-bit pools). With int8 group weights a decode step's
+whole layers run compiled instead (:mod:`kvchat.kernels.cpu_decode`, over the same kernels;
+picked by :mod:`kvchat.model.compiled_decode`).
 
 Backend choice per call:
 

@@ -35,6 +35,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "cpu_kernels.h"
+
 #define SPLIT 128
 #define MAX_VEC 32 /* D / 8: the values pass's accumulators */
 #define KIND_FP8 0

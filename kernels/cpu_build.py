@@ -1,9 +1,10 @@
 """Build and load kvchat's compiled CPU kernels (C sources beside this file; AVX2, FMA, F16C), once per machine.
 
-Each source is compiled with the system C compiler (``$CC`` when set, else
+Each library is compiled from its source (and any sources linked in with it;
+every source includes ``cpu_kernels.h``, the entry points) with the system C compiler (``$CC`` when set, else
 ``cc``, else ``gcc``; :data:`FLAGS`: ``-ffp-contract=off``, so only a kernel's own
 FMAs round; about a second) into ``<user cache dir>/kvchat/kernels/``, named
-by the digest of its source and the flags, and loaded with ctypes; a later
+by the digest of its sources, the header and the flags, and loaded with ctypes; a later
 process loads the library built, with no compiler needed. The kernels use
 OpenMP, and ``libgomp.so.1`` resolves to torch's own copy, already loaded, so
 their threads are torch's pool (a second pool would fight it for the cores).
@@ -57,9 +58,14 @@ def _cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir(settings.APP_NAME)) / "kernels"
 
 
-def library_path(source: Path) -> Path:
-    """Where the library built from ``source`` with :data:`FLAGS` lives (built or not)."""
-    digest = hashlib.blake2b((source.read_text() + " ".join(FLAGS)).encode(), digest_size=8).hexdigest()
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # the entry points every source includes
+
+
+def library_path(source: Path, *also: Path) -> Path:
+    """Where the library built from ``source`` (and the sources ``also``, linked in) with :data:`FLAGS` lives
+    (built or not): named by ``source``, versioned by the digest of every source, :data:`HEADER` and the flags."""
+    text = "".join(p.read_text() for p in (source, *also, HEADER)) + " ".join(FLAGS)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
     return _cache_dir() / f"{source.stem}-{digest}.so"
 
 
@@ -81,8 +87,8 @@ def _compiler() -> list[str]:
     return [found]
 
 
-def _build(source: Path, target: Path) -> None:
-    """Compile ``source`` into ``target`` (atomically: a concurrent build of the same digest writes the same bytes).
+def _build(sources: tuple[Path, ...], target: Path) -> None:
+    """Compile ``sources`` into the one library ``target`` (atomically: a concurrent build of the same digest writes the same bytes).
 
     Raises:
         FileNotFoundError: no compiler (:func:`_compiler`).
@@ -90,14 +96,15 @@ def _build(source: Path, target: Path) -> None:
     """
     compiler = _compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
+    stem = sources[0].stem
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{stem}-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
+        subprocess.run([*compiler, *FLAGS, "-o", tmp, *map(str, sources)], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
-    for old in target.parent.glob(f"{source.stem}-*.so"):  # earlier sources' builds: never loaded again
+    for old in target.parent.glob(f"{stem}-*.so"):  # earlier sources' builds: never loaded again
         if old != target:
             old.unlink(missing_ok=True)
 
@@ -105,23 +112,24 @@ def _build(source: Path, target: Path) -> None:
 _build_lock = threading.Lock()  # one build per source even when two threads ask first
 
 
-def load(source: Path) -> ctypes.CDLL | None:
-    """The loaded library of ``source`` (built first if absent), or None where it cannot be (see the module doc)."""
+def load(source: Path, *also: Path) -> ctypes.CDLL | None:
+    """The loaded library of ``source`` with the sources ``also`` linked in (built first if absent), or None
+    where it cannot be (see the module doc)."""
     with _build_lock:
-        return _load(source)
+        return _load(source, *also)
 
 
 @functools.cache
-def _load(source: Path) -> ctypes.CDLL | None:
+def _load(source: Path, *also: Path) -> ctypes.CDLL | None:
     if not settings.cpu_kernel_enabled():
         return None
     missing = REQUIRED_CPU_FLAGS - _cpu_flags()
     try:
         if missing:
             raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
-        target = library_path(source)
+        target = library_path(source, *also)
         if not target.exists():
-            _build(source, target)
+            _build((source, *also), target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = (getattr(exc, "stderr", None) or b"").decode(errors="replace").strip().splitlines()[:1]

@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu_kernels.h"
+
 #define GROUP 32
 
 static inline float hsum8(__m256 v) {

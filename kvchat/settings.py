@@ -271,7 +271,7 @@ def cuda_graphs() -> bool:
 
 def cpu_kernel_enabled() -> bool:
     """``KVCHAT_CPU_KERNEL``: ``1`` (default) runs kvchat's compiled CPU kernels where they build
-    (:mod:`kvchat.kernels.cpu_build`: the int8 groups scheme's matmul, a decode step's attention on the paged pool, the cache write), ``0``
+    (:mod:`kvchat.kernels.cpu_build`: the int8 groups scheme's matmul, a decode step's attention on the paged pool, the cache write, a decode step's whole layers), ``0``
     keeps torch's code (int8 weights per channel on torch's kernel: another cache fingerprint).
 
     Raises:

@@ -1,4 +1,5 @@
-"""The built wheel ships the stylesheet: install it into a fresh venv and start the app headless from there.
+"""The built wheel ships the stylesheet and the kernels' C sources: install it into a fresh venv, start the app
+headless from there and build the compiled CPU decode layer (every source and the header) from its files.
 
 The venv sees the test interpreter's site-packages (torch, textual, …) but the test runs
 from a directory outside the checkout and checks that ``kvchat`` came from the
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import venv
 from pathlib import Path
+
+from kvchat.kernels import cpu_decode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,6 +40,8 @@ async def main():
         }))
 
 asyncio.run(main())
+from kvchat.kernels import cpu_decode
+print(json.dumps({"kernel_source": str(cpu_decode.SOURCE), "kernel_built": cpu_decode.available()}))
 """
 
 
@@ -68,10 +73,15 @@ def test_wheel_ships_the_stylesheet_and_the_app_starts_from_it(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     proc = subprocess.run([str(python), "-c", CHILD], check=False, cwd=elsewhere, capture_output=True, text=True, timeout=120,
-                          env={"KVCHAT_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
+                          env={"KVCHAT_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin",
+                               "XDG_CACHE_HOME": str(tmp_path / "cache")})  # built from the wheel's sources
     assert proc.returncode == 0, proc.stderr[-2000:]
-    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    facts, kernel = json.loads(lines[-2]), json.loads(lines[-1])
     site = env_dir / "lib"
     assert Path(facts["module"]).is_relative_to(site) and not Path(facts["module"]).is_relative_to(REPO)
     assert Path(facts["css"]).is_relative_to(site) and Path(facts["css"]).is_file()
     assert facts["sidebar_width"] == 36 and facts["status_height"] == 2  # values from kvchat.tcss
+    assert Path(kernel["kernel_source"]).is_relative_to(site)
+    # where this machine builds the kernels (a C compiler, AVX2), the wheel's files alone build them too
+    assert kernel["kernel_built"] == cpu_decode.available()

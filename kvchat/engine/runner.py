@@ -28,6 +28,7 @@ from kvchat.engine.device import activate, check_device, device_guard
 from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
 from kvchat.engine.timing import DeviceTimer
 from kvchat.model.transformer import AttnMetadata, build_model
+from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.weights import weight_reader
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, drive_prefill
 from kvchat.kernels.cpu_int8 import small_rows_kernel
@@ -191,6 +192,9 @@ class Engine:
         # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
         self.decode_on_pool = self.dense is None or (backend == "compiled"
                                                      and kernels.cpu_attention.takes_pool(*self.pool.layer(0)))
+        # a CPU decode step's layers in one compiled call each, where the model and pool qualify (else None)
+        self.compiled_decode = (compiled_decode(model, self.pool)
+                                if self.device.type == "cpu" and backend == "compiled" and self.decode_on_pool else None)
         max_blocks = -(-self.max_context // self.spec.block_size)
         sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
@@ -463,6 +467,9 @@ class Engine:
         columns, through the paged kernels: float32 logits ``[rows, vocab_size]``. What a CUDA graph
         captures (:mod:`kvchat.engine.decode_graphs`): device work only, no host read."""
         view = self.decode_buffers.view(rows, width, with_sink=self.exact_sink)
+        if self.compiled_decode is not None:
+            return self.compiled_decode(view.input_ids, view.positions, view.slot_mapping, view.block_table,
+                                        view.seq_lens, view.sink)
         meta = AttnMetadata(view.slot_mapping, view.block_table, view.seq_lens, view.cu_seqlens_q, True, sink=view.sink,
                             provisional=True)
         return self.model.logits(self.model(view.input_ids, view.positions, meta, self.pool))

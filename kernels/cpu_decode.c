@@ -1,0 +1,252 @@
+/* One decode layer of a Llama-family decoder for the CPU (AVX2, FMA), in one call: the torch code of
+   kvchat.model.transformer.Block for a decode step, with int8 group weights (cpu_int8.c) and the paged
+   attention and cache write (cpu_attention.c), built together with both (cpu_kernels.h).
+
+   x[r] += attn(rms_norm(x[r]) * attn_norm);  x[r] += mlp(rms_norm(x[r]) * mlp_norm), for the R rows of a step:
+
+     qkv   = int8_matmul(h, qkv) (+ bias)          [R, (H + 2 Hkv) D], q heads, then k heads, then v heads
+     q, k  = RoPE (rotate-half, sin carrying its sign: kvchat.model.transformer.apply_rope), k -= k_shift
+     pool  <- k, v at slots (kvchat_paged_write)
+     a     = softmax(q . K^T * sm_scale) V over the row's own L_r tokens (kvchat_paged_scores/values)
+     x    += int8_matmul(a, o)
+     gu    = int8_matmul(rms_norm(x) * mlp_norm, gate_up)   [R, 2 I], gate then up
+     x    += int8_matmul(silu(gate) * up, down)
+
+   Why one call: a decode step of SmolLM2 ran ~40 torch ops per layer besides the kernels (norms, RoPE's
+   cat/mul/addcmul, slicing, softmax, SiLU, residuals, the ctypes wrappers' checks), each a few microseconds
+   of dispatch for a few hundred floats of work. Here they are plain loops between the kernels' OpenMP regions.
+
+   Numerics: fp32 throughout; the rounding differs from torch's (summation order of the norms, the
+   polynomial exp below), which is allowed because decode K/V are provisional (recomputed as prefill
+   chunks when the turn ends; kvchat.engine.runner.Engine.decode). A row's bits depend on the row alone:
+   the norms, RoPE and SiLU work row by row, the int8 kernel and the attention are row-invariant
+   (their sources say why), and the softmax runs over the row's own length.
+
+   Layout of the caller's scratch (float32, kvchat_decode_scratch_floats of it): carved below in `carve`. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_kernels.h"
+
+#define GROUP 32 /* cpu_int8.c's inputs per scale and offset */
+
+typedef struct {
+  const int8_t *q;                  /* [n, k] */
+  const float *scale, *offset;      /* [n, k / GROUP] */
+  const float *bias;                /* [n] or NULL */
+  int64_t n, k;
+} Int8Weight;
+
+typedef struct {
+  const float *attn_norm, *mlp_norm; /* [hidden] */
+  Int8Weight qkv, o, gate_up, down;
+  const float *k_shift;              /* [Hkv, D] or NULL */
+  uint8_t *k_cache, *v_cache;        /* the layer's pool, cpu_attention.c's layout */
+  float *k_scale, *v_scale;          /* fp8 pools' scales, else NULL */
+  int64_t index;                     /* the layer's index: its rows of the sink */
+} DecodeLayer;
+
+typedef struct {
+  int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_stride, num_layers;
+  const int32_t *table, *lens;       /* [rows, >= ceil(L_r / BS)] (row stride table_stride), [rows] */
+  const int64_t *slots;              /* [rows], -1: nothing written */
+  const float *cos, *sin;            /* [rows, D] */
+  const float *sink_k, *sink_v;      /* [rows, num_layers, Hkv, D] exact position-0 K/V, or NULL */
+  float eps, sm_scale;
+  int kind, threads;                 /* cpu_attention.c's KIND_*; OpenMP team size */
+  float *scratch;
+} DecodeStep;
+
+typedef struct {
+  float *h, *qkv, *q, *k, *v, *attn, *proj, *gu, *act, *xsum, *scores, *tile, *work;
+} Scratch;
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static int64_t longest(const DecodeStep *s) {
+  int64_t lmax = 0;
+  for (int64_t r = 0; r < s->rows; ++r) lmax = max64(lmax, s->lens[r]);
+  return lmax;
+}
+
+/* The scratch of a step of s->rows rows and at most lmax tokens, at base (NULL: sizes only); returns floats used. */
+static int64_t carve(const DecodeStep *s, int64_t lmax, float *base, Scratch *b) {
+  int64_t split, max_dim;
+  kvchat_decode_limits(&split, &max_dim);
+  const int64_t R = s->rows, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->inter;
+  const int64_t widest = max64(max64(s->hidden, H * D), I);
+  const int64_t sizes[13] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
+                             R * Hkv * D,         R * H * D,             R * s->hidden, R * 2 * I,
+                             R * I,               R * (widest / GROUP + 1), R * H * lmax,
+                             (int64_t)s->threads * Hkv * split * (D + 1), R * ((lmax + split - 1) / split) * H * D};
+  float **slot[13] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
+                      &b->scores, &b->tile, &b->work};
+  int64_t used = 0;
+  for (int i = 0; i < 13; ++i) {
+    if (base != NULL) *slot[i] = base + used;
+    used += (sizes[i] + 15) / 16 * 16; /* each part on a 64-byte boundary of the base */
+  }
+  return used;
+}
+
+/* Floats of scratch a step of s->rows rows over at most lmax tokens needs (s->scratch unused). */
+int64_t kvchat_decode_scratch_floats(const DecodeStep *s, int64_t lmax) { return carve(s, lmax, NULL, NULL) + 16; }
+
+static inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+/* exp(x) in 8 lanes: Cephes' expf (S. Moshier): x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts),
+   exp(r) by its degree-7 polynomial, times 2**n. Inputs are clamped to [-87.3, 88.3] (normal results); a NaN
+   stays NaN (min/max return their second operand when one is NaN). */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-87.3365447505531f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The 8 floats at x[i..i+8) where i + 8 <= n, else the n - i left, padded with pad. */
+static inline __m256 load_part(const float *x, int64_t i, int64_t n, float pad) {
+  if (i + 8 <= n) return _mm256_loadu_ps(x + i);
+  float t[8];
+  for (int j = 0; j < 8; ++j) t[j] = i + j < n ? x[i + j] : pad;
+  return _mm256_loadu_ps(t);
+}
+
+static inline void store_part(float *y, int64_t i, int64_t n, __m256 v) {
+  if (i + 8 <= n) {
+    _mm256_storeu_ps(y + i, v);
+    return;
+  }
+  float t[8];
+  _mm256_storeu_ps(t, v);
+  for (int j = 0; i + j < n; ++j) y[i + j] = t[j];
+}
+
+/* y[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w (Zhang & Sennrich 2019), n a multiple of 8. */
+static void rms_norm(const float *x, const float *w, float *y, int64_t R, int64_t n, float eps) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float *xr = x + r * n;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), acc);
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(y + r * n + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(w + i)));
+  }
+}
+
+static void linear(const Int8Weight *w, const float *x, float *y, int64_t R, float *xsum, int threads) {
+  kvchat_int8_matmul(x, w->q, w->scale, w->offset, xsum, y, R, w->n, w->k / GROUP, threads);
+  if (w->bias != NULL)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < w->n; ++i) y[r * w->n + i] += w->bias[i];
+}
+
+/* heads rows of D values: dst = src * cos + swap_halves(src) * sin (- shift), D a multiple of 16. */
+static void rope(const float *src, float *dst, int64_t heads, int64_t D, const float *cos, const float *sin,
+                 const float *shift) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float *x = src + h * D;
+    float *y = dst + h * D;
+    for (int64_t d = 0; d < D; d += 8) {
+      const int64_t other = d < half ? d + half : d - half;
+      __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(x + other), _mm256_loadu_ps(sin + d),
+                                 _mm256_mul_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(cos + d)));
+      if (shift != NULL) v = _mm256_sub_ps(v, _mm256_loadu_ps(shift + h * D + d));
+      _mm256_storeu_ps(y + d, v);
+    }
+  }
+}
+
+/* Each of the H score rows of row r, softmax over its first lens[r] entries, in place. */
+static void softmax_rows(float *s, const int32_t *lens, int64_t R, int64_t H, int64_t lmax, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t rh = 0; rh < R * H; ++rh) {
+    float *x = s + rh * lmax;
+    const int64_t n = lens[rh / H];
+    if (n == 0) continue;
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, load_part(x, i, n, -INFINITY));
+    float mx = -INFINITY, t[8];
+    _mm256_storeu_ps(t, m);
+    for (int j = 0; j < 8; ++j) mx = t[j] > mx ? t[j] : mx;
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      __m256 e = exp8(_mm256_sub_ps(load_part(x, i, n, mx), vm));
+      if (i + 8 > n) /* padded lanes hold exp(0): leave them out of the sum */
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)),
+                                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+      sum = _mm256_add_ps(sum, e);
+      store_part(x, i, n, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
+    for (int64_t i = 0; i < n; i += 8) store_part(x, i, n, _mm256_mul_ps(load_part(x, i, n, 0.0f), inv));
+  }
+}
+
+/* act[r] = silu(gate[r]) * up[r] with gu[r] = (gate, up), I values each; silu(g) = g / (1 + exp(-g)). */
+static void silu_mul(const float *gu, float *act, int64_t R, int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < I; i += 8) {
+      const __m256 g = load_part(gu + r * 2 * I, i, I, 0.0f), u = load_part(gu + r * 2 * I + I, i, I, 0.0f);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+      store_part(act + r * I, i, I, _mm256_mul_ps(silu, u));
+    }
+}
+
+static void add_rows(float *x, const float *y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
+  const int64_t R = s->rows, Hd = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->inter;
+  const int64_t G = H / Hkv, lmax = longest(s), width = (H + 2 * Hkv) * D;
+  const int th = s->threads;
+  Scratch b;
+  carve(s, lmax, (float *)(((uintptr_t)s->scratch + 63) & ~(uintptr_t)63), &b);
+
+  rms_norm(x, w->attn_norm, b.h, R, Hd, s->eps);
+  linear(&w->qkv, b.h, b.qkv, R, b.xsum, th);
+  for (int64_t r = 0; r < R; ++r) {
+    const float *row = b.qkv + r * width, *c = s->cos + r * D, *sn = s->sin + r * D;
+    rope(row, b.q + r * H * D, H, D, c, sn, NULL);
+    rope(row + H * D, b.k + r * Hkv * D, Hkv, D, c, sn, w->k_shift);
+    for (int64_t i = 0; i < Hkv * D; ++i) b.v[r * Hkv * D + i] = row[(H + Hkv) * D + i];
+  }
+  kvchat_paged_write(b.k, b.v, w->k_cache, w->v_cache, w->k_scale, w->v_scale, s->slots, R, Hkv, D, s->kind);
+  const int64_t sink_off = w->index * Hkv * D, sink_stride = s->num_layers * Hkv * D;
+  const float *sink_k = s->sink_k == NULL ? NULL : s->sink_k + sink_off;
+  const float *sink_v = s->sink_v == NULL ? NULL : s->sink_v + sink_off;
+  kvchat_paged_scores(b.q, w->k_cache, w->k_scale, s->table, s->table_stride, s->lens, sink_k, sink_stride, b.scores,
+                      b.tile, R, Hkv, G, D, s->block_size, lmax, s->sm_scale, s->kind, th);
+  softmax_rows(b.scores, s->lens, R, H, lmax, th);
+  kvchat_paged_values(b.scores, w->v_cache, w->v_scale, s->table, s->table_stride, s->lens, sink_v, sink_stride,
+                      b.attn, b.work, b.tile, R, Hkv, G, D, s->block_size, lmax, s->kind, th);
+  linear(&w->o, b.attn, b.proj, R, b.xsum, th);
+  add_rows(x, b.proj, R * Hd);
+
+  rms_norm(x, w->mlp_norm, b.h, R, Hd, s->eps);
+  linear(&w->gate_up, b.h, b.gu, R, b.xsum, th);
+  silu_mul(b.gu, b.act, R, I);
+  linear(&w->down, b.act, b.proj, R, b.xsum, th);
+  add_rows(x, b.proj, R * Hd);
+}

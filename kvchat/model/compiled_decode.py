@@ -1,0 +1,75 @@
+"""A decode step of a :class:`kvchat.model.transformer.Transformer` on the CPU through the compiled decode
+layers (:class:`kvchat.kernels.cpu_decode.DecodeLayers`): the embedding, RoPE angles, final norm and LM head
+in torch, every decoder layer in one C call.
+
+It runs where the model computes in float32 with int8 group weights in every layer
+(:class:`kvchat.model.quant.Int8GroupLinear`, the CPU's default ``--weights auto``), has no per-head q/k norm
+(Qwen3), and the pool is one the compiled attention reads; :func:`compiled_decode` returns None otherwise
+and the engine keeps the torch layers. Measured in the README (session 12).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvchat.engine.kv_pool import KVPool
+from kvchat.kernels import cpu_decode
+from kvchat.model.quant import Int8GroupLinear
+from kvchat.model.transformer import Transformer
+
+
+def _weight(layer) -> cpu_decode.Int8Weight | None:
+    if type(layer) is not Int8GroupLinear:
+        return None
+    return cpu_decode.Int8Weight(layer.q, layer.scale, layer.offset, None if layer.bias is None else layer.bias.detach())
+
+
+class CompiledDecode:
+    """``model``'s decode step over ``pool`` with its layers compiled (see the module doc); call it."""
+
+    def __init__(self, model: Transformer, layers: cpu_decode.DecodeLayers):
+        self.model, self.layers = model, layers
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 sink: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """float32 logits ``[R, vocab_size]`` of one decode step; the new tokens' K/V written to the pool.
+
+        Args as :class:`kvchat.engine.decode_buffers.DecodeView` holds them: int64 ``input_ids``,
+        ``positions`` and ``slot_mapping`` ``[R]``, int32 ``block_table`` ``[R, width]`` and ``seq_lens``
+        ``[R]``, ``sink`` float32 ``[R, num_layers, num_kv_heads, head_dim]`` x2 or None.
+        Raises:
+            ValueError: what :meth:`kvchat.kernels.cpu_decode.DecodeLayers.run` refuses.
+        """
+        model = self.model
+        x = F.embedding(input_ids, model.embed_tokens).contiguous()
+        cos, sin = model.rope(positions, torch.float32)
+        self.layers.run(x, cos, sin, slot_mapping, block_table, seq_lens, sink)
+        return model.logits(model.norm(x))
+
+
+def compiled_decode(model: Transformer, pool: KVPool) -> CompiledDecode | None:
+    """The compiled decode step of ``model`` (weights loaded and quantized, K shifts set) over ``pool``, or
+    None where it does not run (see the module doc; ``KVCHAT_CPU_KERNEL=0`` among them)."""
+    cfg = model.cfg
+    if cfg.qk_norm or model.embed_tokens.dtype != torch.float32 or model.embed_tokens.device.type != "cpu":
+        return None
+    if not cpu_decode.available():
+        return None
+    tensors = []
+    for i, block in enumerate(model.layers):
+        att, mlp = block.self_attn, block.mlp
+        weights = [_weight(m) for m in (att.qkv, att.o_proj, mlp.gate_up, mlp.down_proj)]
+        if None in weights:
+            return None
+        shift = None if att.k_shift is None else att.k_shift.detach().float().contiguous()
+        tensors.append(cpu_decode.LayerTensors(block.input_layernorm.weight.detach(),
+                                               block.post_attention_layernorm.weight.detach(),
+                                               *weights, shift, pool.layer(i)))
+    shape = dict(heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden=cfg.hidden_size,
+                 inter=cfg.intermediate_size)
+    if not cpu_decode.DecodeLayers.takes(tensors, **shape):
+        return None
+    att = model.layers[0].self_attn
+    return CompiledDecode(model, cpu_decode.DecodeLayers(tensors, eps=cfg.rms_norm_eps, sm_scale=att.sm_scale, **shape))

@@ -1,0 +1,191 @@
+"""The compiled decode layers (kvchat.kernels.cpu_decode, kvchat.model.compiled_decode) against the torch
+layers they replace, on small random-weight engines, and where they run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.calibration import make_calibration
+from kvchat.engine.runner import Engine
+from kvchat.engine.sequence import DecodeStep, Sequence
+from kvchat.kernels import cpu_decode
+from kvchat.model.compiled_decode import compiled_decode
+from kvchat.model.config import ModelConfig
+
+needs_kernel = pytest.mark.skipif(not cpu_decode.available(), reason="the compiled CPU decode layer does not build here")
+
+
+def _model(kind: str = "llama", **extra):
+    torch.manual_seed(0)
+    shape = dict(vocab_size=97, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1) | extra
+    hf_cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "qwen3": transformers.Qwen3Config}[kind](**shape)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    if kind == "qwen2":  # transformers initialises biases to zero: give them values, so a missed bias shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    return ModelConfig.from_hf(hf_cfg.to_dict()), dict(model.state_dict())
+
+
+@pytest.fixture(autouse=True)
+def models_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCHAT_MODELS", str(tmp_path / "models"))  # the int8 weights are stored there
+
+
+def _engine(model, kv_dtype="fp8", calibration=None, **kw) -> Engine:
+    cfg, weights = model
+    return Engine(cfg, weights, "tiny", kv_dtype=kv_dtype, pool_bytes=2**21, device="cpu", weight_format="int8",
+                  calibration=calibration, **kw)
+
+
+def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill ``ids[:-1]`` on a fresh sequence, decode ``ids[-1]``: (logits, the stored K of that token in
+    layer 1, dequantized)."""
+    saved = engine.compiled_decode
+    engine.compiled_decode = saved if compiled else None
+    try:
+        seq = SeqBlocks()
+        engine.prefill(seq, ids[:-1])
+        logits = engine.decode(seq, ids)
+        slot = engine.blocks.slots(seq, len(ids) - 1, len(ids))[0]
+        k_cache, _, k_scale, _ = engine.pool.layer(1)
+        bs = k_cache.shape[1]
+        k = k_cache[slot // bs, slot % bs].float()
+        if k_scale is not None:
+            k = k * k_scale[slot // bs, slot % bs][:, None]
+        engine.release(seq)
+        return logits, k
+    finally:
+        engine.compiled_decode = saved
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("length", [2, 17, 130, 300])
+def test_a_compiled_step_is_the_torch_layers_step_to_fp32_rounding(kind, kv_dtype, length):
+    model = _model(kind)
+    cal = None
+    if kv_dtype == "fp8":  # a K shift of the calibration's shape: the compiled layer must subtract it too
+        cfg = model[0]
+        cal = make_calibration(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) * 0.3, "test")
+    engine = _engine(model, kv_dtype, cal)
+    assert engine.compiled_decode is not None
+    ids = torch.randint(0, 97, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    got, got_k = _decode_once(engine, ids, compiled=True)
+    want, want_k = _decode_once(engine, ids, compiled=False)
+    # fp32 throughout on both sides; they differ in summation order (norms, matmul pairs) and in the exp
+    # (a degree-7 polynomial, ~1e-7 relative): measured up to ~3e-6 relative here
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-4 * scale, (got - want).abs().max()
+    assert not torch.equal(got, torch.zeros_like(got))
+    # the token's stored K: the same up to one step of the pool's rounding (e4m3: 2**-3 relative; bf16: 2**-8)
+    step = 2**-3 if kv_dtype == "fp8" else 2**-8
+    assert ((got_k - want_k).abs() <= want_k.abs() * step + 1e-3).all()
+
+
+@needs_kernel
+def test_a_rows_bits_depend_on_the_row_alone_not_the_batch_or_threads():
+    engine = _engine(_model(), exact_sink=True)
+    gen = torch.Generator().manual_seed(1)
+    texts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 140, 37)]
+
+    def step(rows: list[list[int]], threads: int) -> torch.Tensor:
+        seqs = []
+        for ids in rows:
+            s = Sequence(list(ids))
+            engine.prefill(s.blocks, ids[:-1])
+            seqs.append(s)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            logits = engine.decode_batch([DecodeStep(s, s.token_ids) for s in seqs])
+        finally:
+            torch.set_num_threads(before)
+        for s in seqs:
+            engine.release(s.blocks)
+        return logits
+
+    batched = step(texts, 2)
+    for i, ids in enumerate(texts):
+        assert torch.equal(step([ids], 1)[0], batched[i])
+
+
+@needs_kernel
+def test_it_runs_for_int8_group_weights_in_fp32_only():
+    model = _model()
+    assert _engine(model).compiled_decode is not None
+    cfg, weights = model
+    fp32 = Engine(cfg, weights, "tiny", kv_dtype="fp8", pool_bytes=2**21, device="cpu", weight_format="fp32")
+    assert fp32.compiled_decode is None and compiled_decode(fp32.model, fp32.pool) is None
+    qwen3 = _engine(_model("qwen3", head_dim=32))  # per-head q/k norms: the torch layers
+    assert qwen3.compiled_decode is None
+    torch_attention = _engine(model, kv_dtype="fp16")
+    assert torch_attention.compiled_decode is not None  # every pool dtype the compiled attention reads
+
+
+def test_turned_off_it_does_not_run():
+    code = "from kvchat.kernels import cpu_decode; print(cpu_decode.available())"
+    off = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVCHAT_CPU_KERNEL": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert off.stdout.split() == ["False"], off.stderr
+
+
+@needs_kernel
+def test_a_length_past_the_table_or_a_slot_outside_the_pool_is_refused():
+    engine = _engine(_model())
+    cfg = engine.cfg
+    layers = engine.compiled_decode.layers
+    x = torch.zeros(1, cfg.hidden_size)
+    cos = sin = torch.zeros(1, 1, cfg.head_dim)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    ok_slot, ok_len = torch.tensor([0]), torch.tensor([32], dtype=torch.int32)
+    layers.run(x, cos, sin, ok_slot, table, ok_len, None)  # two blocks of 16 tokens: in range
+    with pytest.raises(ValueError, match="past a block table"):
+        layers.run(x, cos, sin, ok_slot, table, torch.tensor([33], dtype=torch.int32), None)
+    slots = engine.pool.k[0].shape[0] * engine.pool.k[0].shape[1]
+    with pytest.raises(ValueError, match="outside a pool"):
+        layers.run(x, cos, sin, torch.tensor([slots]), table, ok_len, None)
+    with pytest.raises(ValueError, match="not what it takes"):
+        layers.run(x.double(), cos, sin, ok_slot, table, ok_len, None)
+
+
+@needs_kernel
+def test_on_the_real_model_it_decodes_the_torch_layers_greedy_answer(smol_info):
+    from kvchat.model.loader import load_runtime
+
+    engine = load_runtime(None, "fp8").engine
+    assert engine.compiled_decode is not None  # the default model and format take it
+    ids = torch.randint(100, 40000, (700,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def greedy(compiled: bool) -> tuple[list[int], torch.Tensor]:
+        saved = engine.compiled_decode
+        engine.compiled_decode = saved if compiled else None
+        try:
+            seq, toks = SeqBlocks(), list(ids)
+            toks.append(int(engine.prefill(seq, toks).logits.argmax()))
+            first = None
+            for _ in range(24):
+                logits = engine.decode(seq, toks)
+                first = logits if first is None else first
+                toks.append(int(logits.argmax()))
+            engine.release(seq)
+            return toks[len(ids):], first
+        finally:
+            engine.compiled_decode = saved
+
+    got, got_first = greedy(True)
+    want, want_first = greedy(False)
+    assert got == want
+    # the first step reads the same pool on both sides (later ones read each side's own provisional K/V)
+    assert (got_first - want_first).abs().max() <= 1e-4 * want_first.abs().max()
