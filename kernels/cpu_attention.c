@@ -51,12 +51,6 @@ void kvchat_decode_limits(int64_t *split, int64_t *max_head_dim) {
   *max_head_dim = 8 * MAX_VEC;
 }
 
-static inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
 
 static inline int64_t elem_bytes(int kind) { return kind == KIND_FP8 ? 1 : 2; }
 

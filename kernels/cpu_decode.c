@@ -30,8 +30,6 @@
 
 #include "cpu_kernels.h"
 
-#define GROUP 32 /* cpu_int8.c's inputs per scale and offset */
-
 typedef struct {
   const int8_t *q;                  /* [n, k] */
   const float *scale, *offset;      /* [n, k / GROUP] */
@@ -39,7 +37,7 @@ typedef struct {
   int64_t n, k;
 } Int8Weight;
 
-typedef struct {
+typedef struct DecodeLayer {
   const float *attn_norm, *mlp_norm; /* [hidden] */
   Int8Weight qkv, o, gate_up, down;
   const float *k_shift;              /* [Hkv, D] or NULL */
@@ -48,7 +46,7 @@ typedef struct {
   int64_t index;                     /* the layer's index: its rows of the sink */
 } DecodeLayer;
 
-typedef struct {
+typedef struct DecodeStep {
   int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_stride, num_layers;
   const int32_t *table, *lens;       /* [rows, >= ceil(L_r / BS)] (row stride table_stride), [rows] */
   const int64_t *slots;              /* [rows], -1: nothing written */
@@ -79,7 +77,7 @@ static int64_t carve(const DecodeStep *s, int64_t lmax, float *base, Scratch *b)
   const int64_t widest = max64(max64(s->hidden, H * D), I);
   const int64_t sizes[13] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
                              R * Hkv * D,         R * H * D,             R * s->hidden, R * 2 * I,
-                             R * I,               R * (widest / GROUP + 1), R * H * lmax,
+                             R * I,               R * (widest / GROUP), R * H * lmax,
                              (int64_t)s->threads * Hkv * split * (D + 1), R * ((lmax + split - 1) / split) * H * D};
   float **slot[13] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
                       &b->scores, &b->tile, &b->work};
@@ -91,15 +89,9 @@ static int64_t carve(const DecodeStep *s, int64_t lmax, float *base, Scratch *b)
   return used;
 }
 
-/* Floats of scratch a step of s->rows rows over at most lmax tokens needs (s->scratch unused). */
+/* Floats of scratch a step of s->rows rows over at most lmax tokens needs (s->scratch unused): the parts, and
+   16 more for aligning the base to 64 bytes. */
 int64_t kvchat_decode_scratch_floats(const DecodeStep *s, int64_t lmax) { return carve(s, lmax, NULL, NULL) + 16; }
-
-static inline float hsum(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
 
 /* exp(x) in 8 lanes: Cephes' expf (S. Moshier): x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts),
    exp(r) by its degree-7 polynomial, times 2**n. Inputs are clamped to [-87.3, 88.3] (normal results); a NaN
@@ -145,7 +137,7 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t R, int64_
     const float *xr = x + r * n;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), acc);
-    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)n + eps));
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / (float)n + eps));
     for (int64_t i = 0; i < n; i += 8)
       _mm256_storeu_ps(y + r * n + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(w + i)));
   }
@@ -197,19 +189,20 @@ static void softmax_rows(float *s, const int32_t *lens, int64_t R, int64_t H, in
       sum = _mm256_add_ps(sum, e);
       store_part(x, i, n, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
     for (int64_t i = 0; i < n; i += 8) store_part(x, i, n, _mm256_mul_ps(load_part(x, i, n, 0.0f), inv));
   }
 }
 
-/* act[r] = silu(gate[r]) * up[r] with gu[r] = (gate, up), I values each; silu(g) = g / (1 + exp(-g)). */
+/* act[r] = silu(gate[r]) * up[r] with gu[r] = (gate, up), I values each (a multiple of 8: down's inputs are
+   groups of 32); silu(g) = g / (1 + exp(-g)). */
 static void silu_mul(const float *gu, float *act, int64_t R, int64_t I) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < I; i += 8) {
-      const __m256 g = load_part(gu + r * 2 * I, i, I, 0.0f), u = load_part(gu + r * 2 * I + I, i, I, 0.0f);
+      const __m256 g = _mm256_loadu_ps(gu + r * 2 * I + i), u = _mm256_loadu_ps(gu + r * 2 * I + I + i);
       const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
-      store_part(act + r * I, i, I, _mm256_mul_ps(silu, u));
+      _mm256_storeu_ps(act + r * I + i, _mm256_mul_ps(silu, u));
     }
 }
 
@@ -217,6 +210,7 @@ static void add_rows(float *x, const float *y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
+/* x float32 [rows, hidden] (hidden a multiple of 32) += one decoder layer, as the module comment says. */
 void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
   const int64_t R = s->rows, Hd = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->inter;
   const int64_t G = H / Hkv, lmax = longest(s), width = (H + 2 * Hkv) * D;

@@ -26,7 +26,6 @@ import torch
 from .cpu_attention import KINDS, SOURCE as ATTENTION_SOURCE, takes_pool
 from .cpu_build import load as load_library
 from .cpu_int8 import GROUP, SOURCE as INT8_SOURCE
-from .reference import FP8_DTYPE
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -120,6 +119,10 @@ def _takes_weight(w: Int8Weight, out_features: int, in_features: int) -> bool:
 class DecodeLayers:
     """A model's decoder layers as the compiled decode step runs them (see the module doc).
 
+    The tensors' addresses are read once, here: a layer's weights, norms, K shift or pool replaced later
+    are not seen (the engine sets them all before it builds this). One step at a time: :meth:`run` reuses
+    one step record and one scratch buffer (the engine's one thread drives it).
+
     Args:
         layers: each layer's tensors, in order (kept referenced: the C reads them through pointers).
         heads, kv_heads, head_dim, hidden, inter: the model's shape (``heads`` a multiple of ``kv_heads``).
@@ -138,7 +141,7 @@ class DecodeLayers:
             raise ValueError("decode layers: tensors or pools of a layout the compiled decode step does not take")
         self._lib, self._layers = lib, layers
         k_cache = layers[0].pool[0]
-        self._fp8, self._slots_in_pool = k_cache.dtype == FP8_DTYPE, k_cache.shape[0] * k_cache.shape[1]
+        self._slots_in_pool = k_cache.shape[0] * k_cache.shape[1]
         self._block_size = k_cache.shape[1]
         self._structs = (_Layer * len(layers))()
         for i, (t, c) in enumerate(zip(layers, self._structs)):
@@ -153,15 +156,15 @@ class DecodeLayers:
                            block_size=self._block_size, num_layers=len(layers), eps=eps, sm_scale=sm_scale,
                            kind=KINDS[k_cache.dtype])
         self._shape = (heads, kv_heads, head_dim, hidden)
-        self._scratch = torch.empty(0)
+        self._scratch = torch.empty(0, dtype=torch.float32)
         self._scratch_for: dict[tuple[int, int, int], int] = {}
 
     @staticmethod
     def takes(layers: list[LayerTensors], *, heads: int, kv_heads: int, head_dim: int, hidden: int, inter: int) -> bool:
         """Whether these layers run here: float32 norms and K shift, int8 group weights of the model's shape
         (every input width a multiple of 32), pools the compiled attention reads
-        (:func:`kvchat.kernels.cpu_attention.takes_pool`), ``head_dim`` a multiple of 16."""
-        if not layers or heads % kv_heads or head_dim % 16 or not available():
+        (:func:`kvchat.kernels.cpu_attention.takes_pool`: ``head_dim`` a multiple of 16 among them)."""
+        if not layers or heads % kv_heads or not available():
             return False
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         return all(
@@ -216,7 +219,7 @@ class DecodeLayers:
         if need is None:
             need = self._scratch_for[key] = self._lib.kvchat_decode_scratch_floats(ctypes.byref(s), width * self._block_size)
         if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+            self._scratch = torch.empty(need, dtype=torch.float32)
         s.scratch = self._scratch.data_ptr()
         step, fn = ctypes.addressof(s), self._lib.kvchat_decode_layer
         xp = x.data_ptr()

@@ -30,14 +30,6 @@
 
 #include "cpu_kernels.h"
 
-#define GROUP 32
-
-static inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
 
 /* 8 int8 weights at w as floats: one sign-extending load (vpmovsxbd from memory), one conversion. */
 static inline __m256 widen(const int8_t *w) {

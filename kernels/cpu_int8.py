@@ -34,7 +34,7 @@ import torch
 from .cpu_build import load as load_library
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
-GROUP = 32  # the C source's GROUP: inputs per scale and offset
+GROUP = 32  # cpu_kernels.h's GROUP: inputs per scale and offset
 
 
 @functools.cache

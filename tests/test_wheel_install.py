@@ -10,6 +10,8 @@ even though the checkout has it.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import site
 import subprocess
 import sys
@@ -59,6 +61,15 @@ def _see_this_interpreters_packages(python: Path) -> None:
     Path(child_site, "parent-packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
 
 
+def _child_env(tmp_path: Path) -> dict[str, str]:
+    """A bare environment, but for what decides whether the kernels build here (the compiler, its switch),
+    and a fresh cache dir, so the kernels are built from the wheel's own sources."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    env = {"KVCHAT_HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "PATH": ":".join(dict.fromkeys([*([os.path.dirname(cc)] if cc else []), "/usr/bin", "/bin"]))}
+    return env | {k: os.environ[k] for k in ("CC", "KVCHAT_CPU_KERNEL") if k in os.environ}
+
+
 def test_wheel_ships_the_stylesheet_and_the_app_starts_from_it(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
@@ -73,8 +84,7 @@ def test_wheel_ships_the_stylesheet_and_the_app_starts_from_it(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     proc = subprocess.run([str(python), "-c", CHILD], check=False, cwd=elsewhere, capture_output=True, text=True, timeout=120,
-                          env={"KVCHAT_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin",
-                               "XDG_CACHE_HOME": str(tmp_path / "cache")})  # built from the wheel's sources
+                          env=_child_env(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     facts, kernel = json.loads(lines[-2]), json.loads(lines[-1])

@@ -193,8 +193,7 @@ class Engine:
         self.decode_on_pool = self.dense is None or (backend == "compiled"
                                                      and kernels.cpu_attention.takes_pool(*self.pool.layer(0)))
         # a CPU decode step's layers in one compiled call each, where the model and pool qualify (else None)
-        self.compiled_decode = (compiled_decode(model, self.pool)
-                                if self.device.type == "cpu" and backend == "compiled" and self.decode_on_pool else None)
+        self.compiled_decode = compiled_decode(model, self.pool) if backend == "compiled" and self.decode_on_pool else None
         max_blocks = -(-self.max_context // self.spec.block_size)
         sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
@@ -465,7 +464,9 @@ class Engine:
     def paged_decode_step(self, rows: int, width: int) -> torch.Tensor:
         """The decode forward over the decode buffers' current views, ``rows`` rows and ``width`` block-table
         columns, through the paged kernels: float32 logits ``[rows, vocab_size]``. What a CUDA graph
-        captures (:mod:`kvchat.engine.decode_graphs`): device work only, no host read."""
+        captures (:mod:`kvchat.engine.decode_graphs`): device work only, no host read. On a CPU with
+        :attr:`compiled_decode` the compiled layers run instead (they read the lengths and slots on the host
+        to check them)."""
         view = self.decode_buffers.view(rows, width, with_sink=self.exact_sink)
         if self.compiled_decode is not None:
             return self.compiled_decode(view.input_ids, view.positions, view.slot_mapping, view.block_table,

@@ -26,7 +26,12 @@ def _weight(layer) -> cpu_decode.Int8Weight | None:
 
 
 class CompiledDecode:
-    """``model``'s decode step over ``pool`` with its layers compiled (see the module doc); call it."""
+    """``model``'s decode step with its layers compiled (see the module doc); call it.
+
+    Args:
+        model: the loaded model (its embedding, RoPE, final norm and LM head run in torch).
+        layers: its decoder layers over the engine's pool (:func:`compiled_decode` builds them).
+    """
 
     def __init__(self, model: Transformer, layers: cpu_decode.DecodeLayers):
         self.model, self.layers = model, layers
@@ -50,10 +55,11 @@ class CompiledDecode:
 
 
 def compiled_decode(model: Transformer, pool: KVPool) -> CompiledDecode | None:
-    """The compiled decode step of ``model`` (weights loaded and quantized, K shifts set) over ``pool``, or
-    None where it does not run (see the module doc; ``KVCHAT_CPU_KERNEL=0`` among them)."""
+    """The compiled decode step of ``model`` (weights loaded and quantized, K shifts set: their addresses are
+    taken now) over ``pool``, or None where it does not run (see the module doc; ``KVCHAT_CPU_KERNEL=0``
+    among them)."""
     cfg = model.cfg
-    if cfg.qk_norm or model.embed_tokens.dtype != torch.float32 or model.embed_tokens.device.type != "cpu":
+    if cfg.qk_norm or model.embed_tokens.dtype != torch.float32:
         return None
     if not cpu_decode.available():
         return None

@@ -48,11 +48,23 @@ def _engine(model, kv_dtype="fp8", calibration=None, **kw) -> Engine:
                   calibration=calibration, **kw)
 
 
+class _Counted:
+    """The engine's compiled decode step, counting its calls (so a test knows which path ran)."""
+
+    def __init__(self, step):
+        self.step, self.calls = step, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.step(*args)
+
+
 def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``ids[:-1]`` on a fresh sequence, decode ``ids[-1]``: (logits, the stored K of that token in
-    layer 1, dequantized)."""
+    layer 1, dequantized); the decode on the compiled layers (checked) or on the torch layers."""
     saved = engine.compiled_decode
-    engine.compiled_decode = saved if compiled else None
+    counted = _Counted(saved)
+    engine.compiled_decode = counted if compiled else None
     try:
         seq = SeqBlocks()
         engine.prefill(seq, ids[:-1])
@@ -64,6 +76,7 @@ def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.
         if k_scale is not None:
             k = k * k_scale[slot // bs, slot % bs][:, None]
         engine.release(seq)
+        assert counted.calls == (1 if compiled else 0)
         return logits, k
     finally:
         engine.compiled_decode = saved
@@ -88,7 +101,6 @@ def test_a_compiled_step_is_the_torch_layers_step_to_fp32_rounding(kind, kv_dtyp
     # (a degree-7 polynomial, ~1e-7 relative): measured up to ~3e-6 relative here
     scale = want.abs().max()
     assert (got - want).abs().max() <= 1e-4 * scale, (got - want).abs().max()
-    assert not torch.equal(got, torch.zeros_like(got))
     # the token's stored K: the same up to one step of the pool's rounding (e4m3: 2**-3 relative; bf16: 2**-8)
     step = 2**-3 if kv_dtype == "fp8" else 2**-8
     assert ((got_k - want_k).abs() <= want_k.abs() * step + 1e-3).all()
@@ -97,6 +109,7 @@ def test_a_compiled_step_is_the_torch_layers_step_to_fp32_rounding(kind, kv_dtyp
 @needs_kernel
 def test_a_rows_bits_depend_on_the_row_alone_not_the_batch_or_threads():
     engine = _engine(_model(), exact_sink=True)
+    engine.compiled_decode = counted = _Counted(engine.compiled_decode)
     gen = torch.Generator().manual_seed(1)
     texts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 140, 37)]
 
@@ -119,6 +132,7 @@ def test_a_rows_bits_depend_on_the_row_alone_not_the_batch_or_threads():
     batched = step(texts, 2)
     for i, ids in enumerate(texts):
         assert torch.equal(step([ids], 1)[0], batched[i])
+    assert counted.calls == 1 + len(texts)
 
 
 @needs_kernel
@@ -130,8 +144,10 @@ def test_it_runs_for_int8_group_weights_in_fp32_only():
     assert fp32.compiled_decode is None and compiled_decode(fp32.model, fp32.pool) is None
     qwen3 = _engine(_model("qwen3", head_dim=32))  # per-head q/k norms: the torch layers
     assert qwen3.compiled_decode is None
-    torch_attention = _engine(model, kv_dtype="fp16")
-    assert torch_attention.compiled_decode is not None  # every pool dtype the compiled attention reads
+    fp16_pool = _engine(model, kv_dtype="fp16")
+    assert fp16_pool.compiled_decode is not None  # every pool dtype the compiled attention reads
+    ragged = _engine(_model(intermediate_size=100))  # down's 100 inputs are no groups of 32: a per-channel layer
+    assert ragged.compiled_decode is None
 
 
 def test_turned_off_it_does_not_run():
@@ -184,7 +200,9 @@ def test_on_the_real_model_it_decodes_the_torch_layers_greedy_answer(smol_info):
         finally:
             engine.compiled_decode = saved
 
+    counted = engine.compiled_decode = _Counted(engine.compiled_decode)
     got, got_first = greedy(True)
+    assert counted.calls == 24
     want, want_first = greedy(False)
     assert got == want
     # the first step reads the same pool on both sides (later ones read each side's own provisional K/V)
