@@ -8,11 +8,14 @@
                         does (same bits: per token and KV head absmax / 448, x / scale clamped to +-448, round
                         to nearest even, NaN and inf as torch's ops give them; 16-bit pools a
                         round-to-nearest-even cast). Slots must lie in the pool (the Python wrapper checks).
-   kvchat_paged_scores: s[r, h, g, t] = sm_scale * (q[r, h, g] . k[r, h, t]) for t < L_r, -inf up to Lmax
+   kvchat_paged_scores: s[r, h, g, t] = sm_scale * (q[r, h, g] . k[r, h, t]) for t < L_rg, -inf up to Lmax
    kvchat_paged_values: o[r, h, g]    = sum_t p[r, h, g, t] * v[r, h, t]
-   The softmax between the two passes is the caller's (torch's, vectorized).
+   The softmax between the two passes is the caller's (torch's, vectorized), with p = 0 past L_rg.
 
-   q      float32 [R, H, G, D] contiguous (R sequences, H KV heads, G query heads per KV head: GQA)
+   q      float32 [R, H, G, D] contiguous (R sequences, H KV heads, G queries per KV head). The G queries of a
+          KV head are T consecutive tokens of G / T query heads each (GQA), token-major: query g is token
+          g / (G / T) of the T newest and sees L_rg = L_r - T + 1 + g / (G / T) tokens (causal). A decode step
+          has T = 1; a short chunk of one sequence (T > 1) reads each K/V range once for all its tokens.
    s, p   float32 [R, H, G, Lmax] contiguous
    o      float32 [R, H, G, D] contiguous
    table  int32, row r at table + r * table_stride; lens int32 [R] (L_r, the new token included)
@@ -208,9 +211,9 @@ static inline Task task_at(int64_t task, int64_t ranges, int64_t H, int64_t D, c
 
 void kvchat_paged_scores(const float *q, const uint8_t *k_cache, const float *k_scale, const int32_t *table,
                          int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
-                         float *s, float *tile, int64_t R, int64_t H, int64_t G, int64_t D, int64_t BS,
-                         int64_t Lmax, float sm_scale, int kind, int threads) {
-  const int64_t ranges = (Lmax + SPLIT - 1) / SPLIT;
+                         float *s, float *tile, int64_t R, int64_t H, int64_t G, int64_t T, int64_t D,
+                         int64_t BS, int64_t Lmax, float sm_scale, int kind, int threads) {
+  const int64_t ranges = (Lmax + SPLIT - 1) / SPLIT, per_token = G / T;
   const int nv = (int)(D / 8);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t task = 0; task < R * ranges; ++task) {
@@ -218,9 +221,11 @@ void kvchat_paged_scores(const float *q, const uint8_t *k_cache, const float *k_
     if (k.t0 < k.t1) load_tile(k_cache, k_scale, k.table, k.sink, BS, H, D, kind, k.t0, k.t1, lens[k.r], k.tile, k.factor);
     for (int64_t h = 0; h < H; ++h) {
       float *sh = s + (k.r * H + h) * G * Lmax;
-      for (int64_t g = 0; g < G; ++g) /* past the row's end: nothing to attend to */
-        for (int64_t t = k.t0 > k.t1 ? k.t0 : k.t1; t < k.t0 + SPLIT && t < Lmax; ++t) sh[g * Lmax + t] = -INFINITY;
       if (k.t0 < k.t1) BY_NV(SCORES)
+      for (int64_t g = 0; g < G; ++g) { /* past the query's own length: nothing to attend to */
+        const int64_t seen = lens[k.r] - T + 1 + g / per_token, from = k.t0 > seen ? k.t0 : seen;
+        for (int64_t t = from; t < k.t0 + SPLIT && t < Lmax; ++t) sh[g * Lmax + t] = -INFINITY;
+      }
     }
   }
 }

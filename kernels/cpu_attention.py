@@ -48,7 +48,7 @@ def _library() -> ctypes.CDLL | None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         for fn in (lib.kvchat_paged_scores, lib.kvchat_paged_values, lib.kvchat_paged_write, lib.kvchat_decode_limits):
             fn.restype = None
-        lib.kvchat_paged_scores.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float, i32, i32]
+        lib.kvchat_paged_scores.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64, ptr, ptr] + [i64] * 7 + [ctypes.c_float, i32, i32]
         lib.kvchat_paged_values.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 6 + [i32, i32]
         lib.kvchat_paged_write.argtypes = [ptr] * 7 + [i64] * 3 + [i32]
         lib.kvchat_decode_limits.argtypes = [ctypes.POINTER(i64)] * 2
@@ -149,7 +149,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     kind = KINDS[k_cache.dtype]
     lib.kvchat_paged_scores(q.data_ptr(), k_cache.data_ptr(), k_scale.data_ptr() if fp8 else None,
                             block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), sink_k, sink_stride,
-                            scores.data_ptr(), tile.data_ptr(), r, hkv, group, d, bs, lmax, sm_scale, kind, threads)
+                            scores.data_ptr(), tile.data_ptr(), r, hkv, group, 1, d, bs, lmax, sm_scale, kind, threads)
     if r == 1:
         probs = torch.softmax(scores, dim=-1)
     else:  # past a row's length nothing is read (its scores there are -inf)

@@ -1,13 +1,16 @@
-/* One decode layer of a Llama-family decoder for the CPU (AVX2, FMA), in one call: the torch code of
-   kvchat.model.transformer.Block for a decode step, with int8 group weights (cpu_int8.c) and the paged
-   attention and cache write (cpu_attention.c), built together with both (cpu_kernels.h).
+/* One decoder layer of a Llama-family model for the CPU (AVX2, FMA), in one call: the torch code of
+   kvchat.model.transformer.Block for a decode step or a short chunk, with int8 group weights (cpu_int8.c) and
+   the paged attention and cache write (cpu_attention.c), built together with both (cpu_kernels.h).
 
-   x[r] += attn(rms_norm(x[r]) * attn_norm);  x[r] += mlp(rms_norm(x[r]) * mlp_norm), for the R rows of a step:
+   x[r] += attn(rms_norm(x[r]) * attn_norm);  x[r] += mlp(rms_norm(x[r]) * mlp_norm), for the R rows of a step.
+   The rows are S sequences of T consecutive new tokens each (row r = s T + t): a decode step has T = 1 (S rows
+   of a batch), a short chunk of one sequence S = 1 (cpu_attention.c then reads each cached K/V range once for
+   all T tokens, each token seeing the tokens up to itself):
 
      qkv   = int8_matmul(h, qkv) (+ bias)          [R, (H + 2 Hkv) D], q heads, then k heads, then v heads
      q, k  = RoPE (rotate-half, sin carrying its sign: kvchat.model.transformer.apply_rope), k -= k_shift
      pool  <- k, v at slots (kvchat_paged_write)
-     a     = softmax(q . K^T * sm_scale) V over the row's own L_r tokens (kvchat_paged_scores/values)
+     a     = softmax(q . K^T * sm_scale) V over the token's own L_s - T + 1 + t tokens (kvchat_paged_scores/values)
      x    += int8_matmul(a, o)
      gu    = int8_matmul(rms_norm(x) * mlp_norm, gate_up)   [R, 2 I], gate then up
      x    += int8_matmul(silu(gate) * up, down)
@@ -17,10 +20,12 @@
    of dispatch for a few hundred floats of work. Here they are plain loops between the kernels' OpenMP regions.
 
    Numerics: fp32 throughout; the rounding differs from torch's (summation order of the norms, the
-   polynomial exp below), which is allowed because decode K/V are provisional (recomputed as prefill
-   chunks when the turn ends; kvchat.engine.runner.Engine.decode). A row's bits depend on the row alone:
-   the norms, RoPE and SiLU work row by row, the int8 kernel and the attention are row-invariant
-   (their sources say why), and the softmax runs over the row's own length.
+   polynomial exp below). Decode K/V are provisional (recomputed as prefill chunks when the turn ends;
+   kvchat.engine.runner.Engine.decode); a short chunk's K/V are stored, and every chunk of its size runs
+   here, cold or resumed, so they are the same bits either way (kvchat.model.int8_scheme.COMPILED_LAYER_MAX_TOKENS,
+   which names this path in the cache fingerprint). A row's bits depend on its token, its position and the
+   cached K/V alone: the norms, RoPE and SiLU work row by row, the int8 kernel and the attention are
+   row-invariant (their sources say why), and the softmax runs over the token's own length.
 
    Layout of the caller's scratch (float32, kvchat_decode_scratch_floats of it): carved below in `carve`. */
 
@@ -48,10 +53,11 @@ typedef struct DecodeLayer {
 
 typedef struct DecodeStep {
   int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_stride, num_layers;
-  const int32_t *table, *lens;       /* [rows, >= ceil(L_r / BS)] (row stride table_stride), [rows] */
+  int64_t tokens;                    /* T, new tokens per sequence: rows / T sequences (S) */
+  const int32_t *table, *lens;       /* [S, >= ceil(L_s / BS)] (row stride table_stride), [S], the new tokens included */
   const int64_t *slots;              /* [rows], -1: nothing written */
   const float *cos, *sin;            /* [rows, D] */
-  const float *sink_k, *sink_v;      /* [rows, num_layers, Hkv, D] exact position-0 K/V, or NULL */
+  const float *sink_k, *sink_v;      /* [S, num_layers, Hkv, D] exact position-0 K/V, or NULL */
   float eps, sm_scale;
   int kind, threads;                 /* cpu_attention.c's KIND_*; OpenMP team size */
   float *scratch;
@@ -65,7 +71,7 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static int64_t longest(const DecodeStep *s) {
   int64_t lmax = 0;
-  for (int64_t r = 0; r < s->rows; ++r) lmax = max64(lmax, s->lens[r]);
+  for (int64_t r = 0; r < s->rows / s->tokens; ++r) lmax = max64(lmax, s->lens[r]);
   return lmax;
 }
 
@@ -167,13 +173,17 @@ static void rope(const float *src, float *dst, int64_t heads, int64_t D, const f
   }
 }
 
-/* Each of the H score rows of row r, softmax over its first lens[r] entries, in place. */
-static void softmax_rows(float *s, const int32_t *lens, int64_t R, int64_t H, int64_t lmax, int threads) {
+/* Scores [S, Hkv, T, G, lmax] (as cpu_attention.c orders the queries): each row's softmax over the entries its
+   token t sees (lens[s] - T + 1 + t), in place, and zeros after them up to lens[s] (the values pass reads that
+   far). */
+static void softmax_rows(float *s, const int32_t *lens, int64_t S, int64_t Hkv, int64_t T, int64_t G, int64_t lmax,
+                         int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t rh = 0; rh < R * H; ++rh) {
+  for (int64_t rh = 0; rh < S * Hkv * T * G; ++rh) {
     float *x = s + rh * lmax;
-    const int64_t n = lens[rh / H];
-    if (n == 0) continue;
+    const int64_t full = lens[rh / (Hkv * T * G)], n = full - T + 1 + rh % (T * G) / G;
+    for (int64_t i = n > 0 ? n : 0; i < full; ++i) x[i] = 0.0f;
+    if (n <= 0) continue;
     __m256 m = _mm256_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, load_part(x, i, n, -INFINITY));
     float mx = -INFINITY, t[8];
@@ -213,7 +223,7 @@ static void add_rows(float *x, const float *y, int64_t n) {
 /* x float32 [rows, hidden] (hidden a multiple of 32) += one decoder layer, as the module comment says. */
 void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
   const int64_t R = s->rows, Hd = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->inter;
-  const int64_t G = H / Hkv, lmax = longest(s), width = (H + 2 * Hkv) * D;
+  const int64_t T = s->tokens, S = R / T, G = H / Hkv, lmax = longest(s), width = (H + 2 * Hkv) * D;
   const int th = s->threads;
   Scratch b;
   carve(s, lmax, (float *)(((uintptr_t)s->scratch + 63) & ~(uintptr_t)63), &b);
@@ -222,7 +232,8 @@ void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
   linear(&w->qkv, b.h, b.qkv, R, b.xsum, th);
   for (int64_t r = 0; r < R; ++r) {
     const float *row = b.qkv + r * width, *c = s->cos + r * D, *sn = s->sin + r * D;
-    rope(row, b.q + r * H * D, H, D, c, sn, NULL);
+    for (int64_t h = 0; h < Hkv; ++h) /* q as [S, Hkv, T, G, D]: a KV head's T * G queries together */
+      rope(row + h * G * D, b.q + (((r / T * Hkv + h) * T + r % T) * G) * D, G, D, c, sn, NULL);
     rope(row + H * D, b.k + r * Hkv * D, Hkv, D, c, sn, w->k_shift);
     for (int64_t i = 0; i < Hkv * D; ++i) b.v[r * Hkv * D + i] = row[(H + Hkv) * D + i];
   }
@@ -231,11 +242,19 @@ void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
   const float *sink_k = s->sink_k == NULL ? NULL : s->sink_k + sink_off;
   const float *sink_v = s->sink_v == NULL ? NULL : s->sink_v + sink_off;
   kvchat_paged_scores(b.q, w->k_cache, w->k_scale, s->table, s->table_stride, s->lens, sink_k, sink_stride, b.scores,
-                      b.tile, R, Hkv, G, D, s->block_size, lmax, s->sm_scale, s->kind, th);
-  softmax_rows(b.scores, s->lens, R, H, lmax, th);
+                      b.tile, S, Hkv, T * G, T, D, s->block_size, lmax, s->sm_scale, s->kind, th);
+  softmax_rows(b.scores, s->lens, S, Hkv, T, G, lmax, th);
   kvchat_paged_values(b.scores, w->v_cache, w->v_scale, s->table, s->table_stride, s->lens, sink_v, sink_stride,
-                      b.attn, b.work, b.tile, R, Hkv, G, D, s->block_size, lmax, s->kind, th);
-  linear(&w->o, b.attn, b.proj, R, b.xsum, th);
+                      b.attn, b.work, b.tile, S, Hkv, T * G, D, s->block_size, lmax, s->kind, th);
+  const float *attn = b.attn; /* [S, Hkv, T, G, D]; with T > 1 reordered to rows [R, H * D] in b.q (free now) */
+  if (T > 1) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t i = 0; i < G * D; ++i)
+          b.q[r * H * D + h * G * D + i] = b.attn[(((r / T * Hkv + h) * T + r % T) * G) * D + i];
+    attn = b.q;
+  }
+  linear(&w->o, attn, b.proj, R, b.xsum, th);
   add_rows(x, b.proj, R * Hd);
 
   rms_norm(x, w->mlp_norm, b.h, R, Hd, s->eps);

@@ -1,5 +1,5 @@
-"""A CPU decode step's layers in one compiled call each (``cpu_decode.c``, linked with ``cpu_int8.c`` and
-``cpu_attention.c``).
+"""A CPU decode step's or short chunk's layers in one compiled call each (``cpu_decode.c``, linked with
+``cpu_int8.c`` and ``cpu_attention.c``).
 
 The torch code of a decode layer (:class:`kvchat.model.transformer.Block`) ran about 40 small ops per layer
 around its compiled kernels: RMSNorm, RoPE, slicing, softmax, SiLU, residual adds and the kernels' ctypes
@@ -7,8 +7,11 @@ wrappers with their checks, each a few microseconds of dispatch for a few hundre
 model that is 1,200 dispatches per token. :class:`DecodeLayers` runs each layer as one C call over plain
 float32 buffers: the int8 group matmuls of :mod:`kvchat.kernels.cpu_int8`, the paged cache write and
 attention of :mod:`kvchat.kernels.cpu_attention`, and the small ops as loops between them (the C source
-gives the formulas and the numerics). It is for decode steps only: their K/V are provisional, so its
-rounding (another summation order, a polynomial exp) never reaches stored K/V.
+gives the formulas and the numerics). It runs decode steps (one new token per sequence, K/V provisional) and
+short chunks of one sequence (a question after a resume: ``tokens`` new tokens that read each cached K/V
+range of the pool once between them). Its rounding (another summation order, a polynomial exp) differs from
+the torch layers', so the engine runs every chunk of a size it takes here, cold or resumed alike
+(:data:`kvchat.model.int8_scheme.COMPILED_LAYER_MAX_TOKENS`).
 
 Built and loaded by :mod:`kvchat.kernels.cpu_build`; where it cannot be (``KVCHAT_CPU_KERNEL=0``, no
 compiler, no AVX2) :func:`available` is False and the torch layers run.
@@ -43,7 +46,7 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [(n, _I64) for n in ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
-                                    "table_stride", "num_layers")] + [
+                                    "table_stride", "num_layers", "tokens")] + [
         ("table", _P), ("lens", _P), ("slots", _P), ("cos", _P), ("sin", _P), ("sink_k", _P), ("sink_v", _P),
         ("eps", ctypes.c_float), ("sm_scale", ctypes.c_float), ("kind", ctypes.c_int), ("threads", ctypes.c_int),
         ("scratch", _P)]
@@ -177,40 +180,49 @@ class DecodeLayers:
             for t in layers)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-            block_table: torch.Tensor, seq_lens: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Every layer over a decode step's ``R`` rows, ``x`` updated in place.
+            block_table: torch.Tensor, seq_lens: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor] | None,
+            tokens: int = 1) -> None:
+        """Every layer over ``R`` rows, ``x`` updated in place: ``S = R / tokens`` sequences of ``tokens``
+        consecutive new tokens each (row ``s * tokens + t``); a decode step has ``tokens == 1``.
 
         Args:
             x: float32 ``[R, hidden]`` contiguous, the embedded tokens; on return the last layer's output
                 (before the final norm).
             cos, sin: float32 ``[R, 1, head_dim]`` contiguous (:meth:`kvchat.model.transformer.Transformer.rope`).
             slot_mapping: int64 ``[R]`` pool slot of each row's new token (-1: not written).
-            block_table: int32 ``[R, width]`` (columns contiguous, any row stride); seq_lens: int32 ``[R]``
-                contiguous, the new token included (0: a padded row, output zeros).
-            sink: float32 ``[R, num_layers, kv_heads, head_dim]`` contiguous x2, exact position-0 K/V, or None.
+            block_table: int32 ``[S, width]`` (columns contiguous, any row stride); seq_lens: int32 ``[S]``
+                contiguous, the new tokens included (0: a padded decode row, output zeros); token ``t`` of
+                sequence ``s`` attends to its first ``seq_lens[s] - tokens + 1 + t`` tokens.
+            sink: float32 ``[S, num_layers, kv_heads, head_dim]`` contiguous x2, exact position-0 K/V, or None.
+            tokens: new tokens per sequence, at least 1.
         Raises:
-            ValueError: arguments of another shape, dtype or layout, a length past the block table, or a
-                slot outside the pool (the C reads and writes unchecked).
+            ValueError: arguments of another shape, dtype or layout, ``R`` not a multiple of ``tokens``, a
+                length under ``tokens`` (``tokens > 1``) or past the block table, or a slot outside the pool
+                (the C reads and writes unchecked).
         """
         r = x.shape[0]
         heads, kv_heads, head_dim, hidden = self._shape
         width = block_table.shape[1]
-        sink_shape = (r, len(self._layers), kv_heads, head_dim)
-        if not (_is_f32(x, (r, hidden)) and _is_f32(cos, (r, 1, head_dim)) and _is_f32(sin, (r, 1, head_dim))
+        seqs = r // tokens if tokens >= 1 else 0
+        sink_shape = (seqs, len(self._layers), kv_heads, head_dim)
+        if not (r >= 1 and seqs * tokens == r
+                and _is_f32(x, (r, hidden)) and _is_f32(cos, (r, 1, head_dim)) and _is_f32(sin, (r, 1, head_dim))
                 and slot_mapping.dtype == torch.int64 and tuple(slot_mapping.shape) == (r,) and slot_mapping.is_contiguous()
-                and block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == r
-                and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (r,)
-                and seq_lens.is_contiguous() and r >= 1
+                and block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == seqs
+                and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (seqs,)
+                and seq_lens.is_contiguous()
                 and all(t.device.type == "cpu" for t in (slot_mapping, block_table, seq_lens))
                 and (sink is None or all(_is_f32(s, sink_shape) for s in sink))):
-            raise ValueError(f"compiled decode step: x {tuple(x.shape)} {x.dtype}, block table "
-                             f"{tuple(block_table.shape)} {block_table.dtype}: not what it takes")
-        longest, slot_max = int(seq_lens.max()), int(slot_mapping.max())
-        if int(seq_lens.min()) < 0 or longest > width * self._block_size or slot_max >= self._slots_in_pool:
-            raise ValueError(f"compiled decode step: length {longest} past a block table of {width} blocks of "
-                             f"{self._block_size} tokens, or slot {slot_max} outside a pool of {self._slots_in_pool}")
+            raise ValueError(f"compiled decode layers: x {tuple(x.shape)} {x.dtype}, {tokens} tokens per sequence, "
+                             f"block table {tuple(block_table.shape)} {block_table.dtype}: not what it takes")
+        longest, shortest, slot_max = int(seq_lens.max()), int(seq_lens.min()), int(slot_mapping.max())
+        if (shortest < (0 if tokens == 1 else tokens) or longest > width * self._block_size
+                or slot_max >= self._slots_in_pool):
+            raise ValueError(f"compiled decode layers: lengths {shortest}..{longest} under {tokens} new tokens or past "
+                             f"a block table of {width} blocks of {self._block_size} tokens, or slot {slot_max} "
+                             f"outside a pool of {self._slots_in_pool}")
         s = self._step
-        s.rows, s.table_stride, s.threads = r, block_table.stride(0), torch.get_num_threads()
+        s.rows, s.tokens, s.table_stride, s.threads = r, tokens, block_table.stride(0), torch.get_num_threads()
         s.table, s.lens, s.slots = block_table.data_ptr(), seq_lens.data_ptr(), slot_mapping.data_ptr()
         s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
         s.sink_k, s.sink_v = (None, None) if sink is None else (sink[0].data_ptr(), sink[1].data_ptr())

@@ -23,8 +23,8 @@ void kvchat_int8_matmul(const float *x, const int8_t *q, const float *scale, con
 
 void kvchat_paged_scores(const float *q, const uint8_t *k_cache, const float *k_scale, const int32_t *table,
                          int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
-                         float *s, float *tile, int64_t R, int64_t H, int64_t G, int64_t D, int64_t BS,
-                         int64_t Lmax, float sm_scale, int kind, int threads);
+                         float *s, float *tile, int64_t R, int64_t H, int64_t G, int64_t T, int64_t D,
+                         int64_t BS, int64_t Lmax, float sm_scale, int kind, int threads);
 
 void kvchat_paged_values(const float *p, const uint8_t *v_cache, const float *v_scale, const int32_t *table,
                          int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,

@@ -193,7 +193,10 @@ class KVPersist:
         if nbytes / self.read_bytes_per_s > (end - first) / self.engine.prefill_tokens_per_s:
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
-        pool, blocks, dense = self.engine.pool, self.engine.blocks, self.engine.dense
+        pool, blocks = self.engine.pool, self.engine.blocks
+        # the dense copy is the read path of torch-layer chunks; where short chunks (a question) read the pool
+        # (Engine.runs_compiled) it is left to catch up from the pool when a longer chunk needs it
+        dense = self.engine.dense if self.engine.compiled_decode is None else None
         sink = self.engine.sink_kv(token_ids[0]) if dense is not None and self.engine.exact_sink else None
         self.engine.prepare_write(seq, first, end, dense, sink)
         staging = threading.local()

@@ -32,7 +32,7 @@ from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.weights import weight_reader
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, drive_prefill
 from kvchat.kernels.cpu_int8 import small_rows_kernel
-from kvchat.model.int8_scheme import stored_scheme
+from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, stored_scheme
 from kvchat.model.quant import int8_path, quantize_linears
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
@@ -281,12 +281,26 @@ class Engine:
         with device_guard(self.device):
             return self._forward_on_device(seq, token_ids, start, end, register, sink, capture_sink, dense_kv)
 
+    def runs_compiled(self, start: int, end: int) -> bool:
+        """Whether the chunk ``[start, end)`` runs on the compiled decoder layers (:attr:`compiled_decode`):
+        up to :data:`COMPILED_LAYER_MAX_TOKENS` tokens after position 0, by its bounds alone, so a cold run
+        and a resumed one compute it alike. It reads the pool, not the dense copy."""
+        return self.compiled_decode is not None and 0 < start and end - start <= COMPILED_LAYER_MAX_TOKENS
+
     def _forward_on_device(self, seq, token_ids, start, end, register, sink, capture_sink, dense_kv) -> torch.Tensor:
         """:meth:`_forward`'s body, run with the engine's device current."""
-        dense = None if capture_sink or self.dense is None else (dense_kv or self.dense)
-        self.prepare_write(seq, start, end, dense, sink)
         dev = self.device
         ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
+        if not capture_sink and self.runs_compiled(start, end):
+            self.prepare_write(seq, start, end)
+            slots = torch.tensor(self.blocks.slots(seq, start, end), dtype=torch.long)
+            table = torch.tensor([seq.block_table], dtype=torch.int32)
+            hidden = self.compiled_decode.chunk(ids, start, slots, table,
+                                                None if sink is None else (sink[0][None], sink[1][None]))
+            self.blocks.commit(seq, token_ids, end, register)
+            return hidden
+        dense = None if capture_sink or self.dense is None else (dense_kv or self.dense)
+        self.prepare_write(seq, start, end, dense, sink)
         positions = torch.arange(start, end, device=dev)
         slots = torch.tensor(self.blocks.slots(seq, start, end), dtype=torch.long, device=dev)
         meta = AttnMetadata(

@@ -1,6 +1,6 @@
-"""A decode step of a :class:`kvchat.model.transformer.Transformer` on the CPU through the compiled decode
-layers (:class:`kvchat.kernels.cpu_decode.DecodeLayers`): the embedding, RoPE angles, final norm and LM head
-in torch, every decoder layer in one C call.
+"""A decode step or a short chunk of a :class:`kvchat.model.transformer.Transformer` on the CPU through the
+compiled decoder layers (:class:`kvchat.kernels.cpu_decode.DecodeLayers`): the embedding, RoPE angles, final
+norm and LM head in torch, every decoder layer in one C call.
 
 It runs where the model computes in float32 with int8 group weights in every layer
 (:class:`kvchat.model.quant.Int8GroupLinear`, the CPU's default ``--weights auto``), has no per-head q/k norm
@@ -47,11 +47,30 @@ class CompiledDecode:
         Raises:
             ValueError: what :meth:`kvchat.kernels.cpu_decode.DecodeLayers.run` refuses.
         """
+        return self.model.logits(self._hidden(input_ids, positions, slot_mapping, block_table, seq_lens, sink, 1))
+
+    def chunk(self, input_ids: torch.Tensor, start: int, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+              sink: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The final-norm hidden states float32 ``[T, hidden]`` of ``T`` new tokens of one sequence at positions
+        ``start .. start + T - 1`` (tokens before ``start`` in the pool); their K/V written to the pool.
+
+        Args:
+            input_ids, slot_mapping: int64 ``[T]``. block_table: int32 ``[1, width]`` covering ``start + T``
+                tokens. sink: float32 ``[1, num_layers, num_kv_heads, head_dim]`` x2 or None.
+        Raises:
+            ValueError: what :meth:`kvchat.kernels.cpu_decode.DecodeLayers.run` refuses.
+        """
+        t = input_ids.shape[0]
+        positions = torch.arange(start, start + t)
+        lens = torch.tensor([start + t], dtype=torch.int32)
+        return self._hidden(input_ids, positions, slot_mapping, block_table, lens, sink, t)
+
+    def _hidden(self, input_ids, positions, slot_mapping, block_table, seq_lens, sink, tokens) -> torch.Tensor:
         model = self.model
         x = F.embedding(input_ids, model.embed_tokens).contiguous()
         cos, sin = model.rope(positions, torch.float32)
-        self.layers.run(x, cos, sin, slot_mapping, block_table, seq_lens, sink)
-        return model.logits(model.norm(x))
+        self.layers.run(x, cos, sin, slot_mapping, block_table, seq_lens, sink, tokens)
+        return model.norm(x)
 
 
 def compiled_decode(model: Transformer, pool: KVPool) -> CompiledDecode | None:

@@ -10,6 +10,11 @@ INT8MM_MAX_ROWS = 256  # rows up to which the int8 kernel beats dequantize + fp3
 # rows up to which the compiled kernel runs the groups scheme, then dequantize + fp32 GEMM (the 121 matmuls of a
 # SmolLM2 step, 2 threads: 72 vs 107 ms at 16 rows, 262 vs 218 ms at 64)
 GROUPS_KERNEL_MAX_ROWS = 32
+# chunks of up to this many tokens after position 0 run the compiled decoder layers where the model takes them
+# (kvchat.model.compiled_decode: a question after a resume reads the fp8 pool instead of a dense float32 copy
+# restored beside it), cold or resumed alike; their K/V differ from the torch layers' in the last bits, so the
+# number enters the fingerprint. At most GROUPS_KERNEL_MAX_ROWS: the layers' matmuls are that kernel's.
+COMPILED_LAYER_MAX_TOKENS = 32
 GROUP_SIZES = {"down_proj": 256}  # per-channel scheme: input columns per scale, by layer name; others: the whole row
 # how the weights are quantized (the stored int8 tensors' metadata): per channel for torch's kernel; asymmetric
 # groups of 32 for the compiled one (kvchat.kernels.cpu_int8)
@@ -32,7 +37,8 @@ def int8_compute_scheme(small_rows_kernel: str) -> str:
     if small_rows_kernel not in SMALL_ROWS_KERNELS:
         raise ValueError(f"unknown int8 kernel {small_rows_kernel!r}; use {', '.join(SMALL_ROWS_KERNELS)}")
     if small_rows_kernel == "avx2":  # a layer whose inputs do not split into 32s keeps torch's kernel: -mm too
-        return f"{INT8_GROUPS_SCHEME}-avx2f32x{GROUPS_KERNEL_MAX_ROWS}-mm{INT8MM_MAX_ROWS}"
+        return (f"{INT8_GROUPS_SCHEME}-avx2f32x{GROUPS_KERNEL_MAX_ROWS}-mm{INT8MM_MAX_ROWS}"
+                f"-layer{COMPILED_LAYER_MAX_TOKENS}")
     return f"{INT8_SCHEME}-mm{INT8MM_MAX_ROWS}"
 
 

@@ -18,6 +18,7 @@ from kvchat.engine.sequence import DecodeStep, Sequence
 from kvchat.kernels import cpu_decode
 from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.config import ModelConfig
+from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
 
 needs_kernel = pytest.mark.skipif(not cpu_decode.available(), reason="the compiled CPU decode layer does not build here")
 
@@ -49,14 +50,19 @@ def _engine(model, kv_dtype="fp8", calibration=None, **kw) -> Engine:
 
 
 class _Counted:
-    """The engine's compiled decode step, counting its calls (so a test knows which path ran)."""
+    """The engine's compiled decode step, counting its decode calls and its chunks (so a test knows which path
+    ran)."""
 
     def __init__(self, step):
-        self.step, self.calls = step, 0
+        self.step, self.calls, self.chunks = step, 0, []
 
     def __call__(self, *args):
         self.calls += 1
         return self.step(*args)
+
+    def chunk(self, input_ids, start, *args):
+        self.chunks.append((start, start + input_ids.shape[0]))
+        return self.step.chunk(input_ids, start, *args)
 
 
 def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +110,85 @@ def test_a_compiled_step_is_the_torch_layers_step_to_fp32_rounding(kind, kv_dtyp
     # the token's stored K: the same up to one step of the pool's rounding (e4m3: 2**-3 relative; bf16: 2**-8)
     step = 2**-3 if kv_dtype == "fp8" else 2**-8
     assert ((got_k - want_k).abs() <= want_k.abs() * step + 1e-3).all()
+
+
+def _chunk_once(engine: Engine, ids: list[int], start: int, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill ``ids[:start]``, then ``ids[start:]`` as one chunk: (its hidden states, its tokens' stored K in
+    layer 1, dequantized ``[T, kv_heads, head_dim]``); the chunk on the compiled layers (checked) or the torch ones."""
+    saved = engine.compiled_decode
+    counted = _Counted(saved)
+    engine.compiled_decode = counted if compiled else None
+    try:
+        seq = SeqBlocks()
+        engine.prefill(seq, ids[:start])
+        with torch.inference_mode():  # as Engine.prefill runs its chunks
+            hidden = engine._forward(seq, ids, start, len(ids))
+        slots = torch.tensor(engine.blocks.slots(seq, start, len(ids)))
+        k_cache, _, k_scale, _ = engine.pool.layer(1)
+        bs = k_cache.shape[1]
+        k = k_cache[slots // bs, slots % bs].float()
+        if k_scale is not None:
+            k = k * k_scale[slots // bs, slots % bs][..., None]
+        engine.release(seq)
+        assert counted.chunks == ([(start, len(ids))] if compiled else [])
+        return hidden, k
+    finally:
+        engine.compiled_decode = saved
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("start, tokens", [(1, 2), (17, 5), (130, 32), (300, 16)])
+def test_a_compiled_chunk_is_the_torch_layers_chunk_to_fp32_rounding(kind, kv_dtype, start, tokens):
+    """A short chunk (a question after a resume) on the compiled layers: each token attends causally to the
+    cached tokens and to the chunk's tokens up to itself, read from the pool once for all of them."""
+    model = _model(kind)
+    cal = None
+    if kv_dtype == "fp8":
+        cfg = model[0]
+        cal = make_calibration(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) * 0.3, "test")
+    engine = _engine(model, kv_dtype, cal, exact_sink=kv_dtype == "fp8")
+    assert engine.runs_compiled(start, start + tokens)
+    ids = torch.randint(0, 97, (start + tokens,), generator=torch.Generator().manual_seed(start)).tolist()
+    got, got_k = _chunk_once(engine, ids, start, compiled=True)
+    want, want_k = _chunk_once(engine, ids, start, compiled=False)
+    assert got.shape == want.shape == (tokens, model[0].hidden_size)
+    # fp32 on both sides, another summation order and exp (see the decode step's test); a causal mask off by
+    # one token moves rows by far more (measured on SmolLM2: cosine 0.93-0.99, before the mask was right)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got - want).abs().max()
+    step = 2**-3 if kv_dtype == "fp8" else 2**-8
+    assert ((got_k - want_k).abs() <= want_k.abs() * step + 1e-3).all()
+
+
+@needs_kernel
+def test_a_chunk_runs_compiled_by_its_bounds_alone():
+    engine = _engine(_model(), exact_sink=True)
+    limit = COMPILED_LAYER_MAX_TOKENS
+    assert engine.runs_compiled(1, 1 + limit) and engine.runs_compiled(4000, 4001)
+    assert not engine.runs_compiled(0, 5)  # position 0: the sink's own forward and a prompt's first chunk
+    assert not engine.runs_compiled(10, 11 + limit)  # longer: the torch layers over the dense copy
+    engine.compiled_decode = counted = _Counted(engine.compiled_decode)
+    ids = torch.randint(0, 97, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    seq = SeqBlocks()
+    engine.prefill(seq, ids, boundaries=[40, 40 + limit, 41 + 2 * limit])  # chunks 0-40, 40-72, 72-105, 105-120
+    engine.release(seq)
+    assert counted.chunks == [(40, 40 + limit), (41 + 2 * limit, 120)]
+
+
+@needs_kernel
+def test_a_chunks_bits_do_not_depend_on_the_thread_count():
+    engine = _engine(_model(), exact_sink=True)
+    ids = torch.randint(0, 97, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    before = torch.get_num_threads()
+    got = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            got.append(_chunk_once(engine, ids, 180, compiled=True))
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
 @needs_kernel
@@ -174,6 +259,13 @@ def test_a_length_past_the_table_or_a_slot_outside_the_pool_is_refused():
         layers.run(x, cos, sin, torch.tensor([slots]), table, ok_len, None)
     with pytest.raises(ValueError, match="not what it takes"):
         layers.run(x.double(), cos, sin, ok_slot, table, ok_len, None)
+    x3, cos3 = torch.zeros(3, cfg.hidden_size), torch.zeros(3, 1, cfg.head_dim)
+    slots3 = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="not what it takes"):  # 3 rows are no whole number of 2-token sequences
+        layers.run(x3, cos3, cos3, slots3, table, ok_len, None, tokens=2)
+    with pytest.raises(ValueError, match="under 3 new tokens"):  # 2 tokens in all cannot hold 3 new ones
+        layers.run(x3, cos3, cos3, slots3, table, torch.tensor([2], dtype=torch.int32), None, tokens=3)
+    layers.run(x3, cos3, cos3, slots3, table, torch.tensor([3], dtype=torch.int32), None, tokens=3)
 
 
 @needs_kernel

@@ -27,16 +27,18 @@ def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,
 @pytest.mark.parametrize("n,k", [(40, 576), (24, 1536), (13, 64)])
 def test_each_row_is_an_fp32_dot_product_whatever_the_other_rows(n, k):
     q, scale, offset = _weights(n, k)
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(15, k, generator=torch.Generator().manual_seed(1))  # rows in an eight, a four, a pair, alone
     y = cpu_int8.int8_matmul(x, q, scale, offset)
     w = (q.double().view(n, -1, 32) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
     parts = (q.double().abs().view(n, -1, 32) * scale.double()[..., None] + offset.double().abs()[..., None]).view(n, k)
     exact, mass = x.double() @ w.t(), x.abs().double() @ parts.t()
     assert ((y.double() - exact).abs() <= 2**-16 * mass).all()  # fp32 rounding only (a bf16 input: ~2**-9)
-    # a row alone (decode), first or last of a pair, or among an odd count gives the same bits
-    for start, stop in ((3, 4), (2, 5), (3, 7), (0, 4)):
+    # a row alone (decode), in a pair, a four or an eight, or among an odd count gives the same bits
+    for i in range(15):
+        assert torch.equal(cpu_int8.int8_matmul(x[i : i + 1].clone(), q, scale, offset)[0], y[i])
+    for start, stop in ((2, 5), (3, 7), (0, 4), (1, 13)):
         got = cpu_int8.int8_matmul(x[start:stop].clone(), q, scale, offset)
-        assert torch.equal(got[3 - start], y[3])
+        assert torch.equal(got, y[start:stop])
 
 
 @needs_kernel
