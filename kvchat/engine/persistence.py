@@ -42,7 +42,10 @@ from kvchat.store.snapshot import ChunkData, ChunkLayout
 
 CHUNK_TOKENS = 256
 DEFAULT_READ_BYTES_PER_S = 500e6
-READ_THREADS = 4  # chunk files read at once by a restore
+# chunk files read at once by a restore: one per torch thread (the cores kvchat was given), at most this many.
+# Measured, a 4,096-token restore (16 files) warm in fresh processes on 2 cores: 4 readers 44-71 ms, 2 readers
+# 29-31 ms, 1 reader 46-49 ms; with the page cache dropped 2 and 4 readers alike (118-148 ms, disk-bound here)
+READ_THREADS = 4
 _READERS = threading.Lock()  # one restore's readers at a time: they set torch's thread count (see restore)
 
 
@@ -161,10 +164,11 @@ class KVPersist:
         recomputed for logits), all of them with ``whole`` (a prefix held for
         later turns, no logits wanted: an opened chat's history). Blocks for
         the whole chain are reserved first
-        (``PoolFullError`` before any read); :data:`READ_THREADS` workers then
+        (``PoolFullError`` before any read); one worker per torch thread (at most :data:`READ_THREADS`) then
         each read, verify and copy one file at a time into those blocks (and,
-        on a CPU, dequantized into the engine's dense copy, so the first
-        forward after a resume reads nothing back from the pool) through
+        on a CPU without the compiled decoder layers, dequantized into the
+        engine's dense copy, so the first forward after a resume reads nothing
+        back from the pool; with them a question reads the pool itself) through
         one reused staging buffer (a fresh buffer per file paid a first-touch
         page fault per 4 KiB: about 40 ms per 100 MB here); on CUDA that buffer
         is pinned and the copy runs non-blocking on the thread's side stream
@@ -223,7 +227,8 @@ class KVPersist:
             # several files in flight: reads overlap checksums and faults. Each reader runs its copies on one
             # thread: the readers already fill the cores, and a pool of OpenMP workers per reader would oversubscribe
             # them (kvchat.cpu_threads.on_own_thread); measured, 4,096 tokens warm: 58-64 ms median vs 67-77 ms
-            with ThreadPoolExecutor(READ_THREADS, initializer=torch.set_num_threads, initargs=(1,)) as ex:
+            readers = max(1, min(READ_THREADS, threads))
+            with ThreadPoolExecutor(readers, initializer=torch.set_num_threads, initargs=(1,)) as ex:
                 futures = [ex.submit(load, *item) for item in todo]
                 for k, ((_, b, row), fut) in enumerate(zip(todo, futures)):
                     try:

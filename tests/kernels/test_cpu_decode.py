@@ -177,6 +177,50 @@ def test_a_chunk_runs_compiled_by_its_bounds_alone():
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dtype, monkeypatch):
+    """With the compiled layers a restore leaves the dense copy alone (no dequantized float32 copy of the
+    chat), and the question, a short chunk, reads the restored pool: the same logits and K/V bits as a cold
+    prefill of the whole token list (same chunk plan)."""
+    from kvchat.engine import dense_kv
+    from kvchat.engine.persistence import CHUNK_TOKENS, KVPersist
+
+    model = _model()
+    ids = torch.randint(0, 97, (CHUNK_TOKENS + 37 + 9,), generator=torch.Generator().manual_seed(5)).tolist()
+    history, cut = ids[:-9], CHUNK_TOKENS + 37
+    saver = _engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
+    persist, seq = KVPersist(saver), SeqBlocks()
+    saver.prefill(seq, history, boundaries=[cut])
+    persist.save(seq, history, [], owner="chat")
+    persist.close()
+
+    cold_engine = _engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
+    cold = SeqBlocks()
+    want = cold_engine.prefill(cold, ids, boundaries=[cut]).logits
+
+    engine = _engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
+    engine.compiled_decode = counted = _Counted(engine.compiled_decode)
+    read = []
+    real = dense_kv.kernels.read_slots
+    monkeypatch.setattr(dense_kv.kernels, "read_slots", lambda *a, **k: (read.append(1), real(*a, **k))[1])
+    persist, resumed = KVPersist(engine), SeqBlocks()
+    assert persist.restore(resumed, ids).from_disk == cut
+    assert engine.dense.length == 0  # nothing dequantized into the copy
+    got = engine.prefill(resumed, ids, boundaries=[cut]).logits
+    persist.close()
+    assert counted.chunks == [(cut, len(ids))] and read == []  # the question on the compiled layers, off the pool
+    assert torch.equal(got, want)
+    pos = torch.arange(len(ids))
+    slots_got = torch.tensor(resumed.block_table)[pos // 16] * 16 + pos % 16
+    slots_want = torch.tensor(cold.block_table)[pos // 16] * 16 + pos % 16
+    for name in ("k", "v", "k_scale", "v_scale"):  # every stored byte, the question's included
+        a, b = getattr(engine.pool, name), getattr(cold_engine.pool, name)
+        if a is not None:
+            assert torch.equal(a.flatten(1, 2)[:, slots_got].view(torch.uint8),
+                               b.flatten(1, 2)[:, slots_want].view(torch.uint8)), name
+
+
+@needs_kernel
 def test_a_chunks_bits_do_not_depend_on_the_thread_count():
     engine = _engine(_model(), exact_sink=True)
     ids = torch.randint(0, 97, (200,), generator=torch.Generator().manual_seed(4)).tolist()
