@@ -174,8 +174,9 @@ def decode_attention(
     """Paged decode attention, ``[num_seqs, num_heads, head_dim]``; see :func:`reference.decode_attention`.
 
     ``provisional``: a decode step's tokens, whose K/V prefill recomputes later; only then may a CPU pool take
-    the compiled kernel (another rounding than the reference's), never for a one-token prefill chunk, whose
-    K/V are stored.
+    the compiled kernel here (another rounding than the reference's), never for a one-token prefill chunk on
+    the torch layers, whose K/V are stored (the compiled decoder layers run such chunks themselves, every one
+    of them: :meth:`kvchat.engine.runner.Engine.runs_compiled`).
 
     Raises:
         SettingError: see :func:`backend_for` and the module doc.

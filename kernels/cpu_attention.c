@@ -10,7 +10,9 @@
                         round-to-nearest-even cast). Slots must lie in the pool (the Python wrapper checks).
    kvchat_paged_scores: s[r, h, g, t] = sm_scale * (q[r, h, g] . k[r, h, t]) for t < L_rg, -inf up to Lmax
    kvchat_paged_values: o[r, h, g]    = sum_t p[r, h, g, t] * v[r, h, t]
-   The softmax between the two passes is the caller's (torch's, vectorized), with p = 0 past L_rg.
+   The softmax between the two passes is the caller's, with p = 0 past L_rg (the values pass still multiplies
+   those zeros by the V of the later tokens up to L_r: a NaN or inf there reaches the earlier tokens' output,
+   as in a masked matmul).
 
    q      float32 [R, H, G, D] contiguous (R sequences, H KV heads, G queries per KV head). The G queries of a
           KV head are T consecutive tokens of G / T query heads each (GQA), token-major: query g is token
@@ -18,7 +20,7 @@
           has T = 1; a short chunk of one sequence (T > 1) reads each K/V range once for all its tokens.
    s, p   float32 [R, H, G, Lmax] contiguous
    o      float32 [R, H, G, D] contiguous
-   table  int32, row r at table + r * table_stride; lens int32 [R] (L_r, the new token included)
+   table  int32, row r at table + r * table_stride; lens int32 [R] (L_r, the T new tokens included)
    sink   float32 exact position-0 K (or V) of row r at sink + r * sink_stride, [H, D] contiguous; NULL: none
    tile   float32 scratch of threads * H * SPLIT * (D + 1): per thread H * SPLIT * D values, then H * SPLIT factors; work float32 [R * ceil(Lmax / SPLIT), H, G, D] scratch
 
@@ -29,8 +31,8 @@
    float32 in a tile (fp8: the byte as float16 bits, i.e. value * 2**-8 / scale; the factor 2**8 * scale is
    applied after the dot product in the scores pass and folded into p in the values pass), then runs 8-lane
    loops over the tile. Every table row must hold ceil(L_r / BS) valid blocks (the wrapper checks the width). The values pass sums
-   each range's partial output into `work`, then adds the ranges in order: the bits depend on L_r alone,
-   never on the thread count or on the other rows (split-K as in FlashDecoding, Dao et al. 2023, without its
+   each range's partial output into `work`, then adds the ranges in order: a query's bits depend on L_r, T and
+   its index alone, never on the thread count or on the other rows (split-K as in FlashDecoding, Dao et al. 2023, without its
    rescaling since the softmax is done first). */
 
 #include <immintrin.h>

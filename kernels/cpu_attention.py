@@ -11,16 +11,19 @@ the fp8 scale applied after the dot product) and attended to there, so DRAM
 sees the pool's bytes once. The write
 quantizes the new token's K/V exactly as :func:`kvchat.kernels.reference.write_kv`
 does (bit for bit, NaN and inf included; tested), without its dozen small torch ops per layer.
-The attention runs for decode steps only (:func:`kvchat.kernels.decode_attention`'s ``provisional``), and
-needs ``head_dim`` a multiple of 16.
+Through :func:`decode_attention` the attention runs for decode steps only (:func:`kvchat.kernels.decode_attention`'s
+``provisional``); the compiled decoder layers (:mod:`kvchat.kernels.cpu_decode`) also run it for short chunks
+of one sequence, whose K/V are stored (every chunk of that size runs there, so the bits are the same cold or
+resumed). It needs ``head_dim`` a multiple of 16.
 Figures (decode step at 4,096 tokens, this 2-core machine) are in the README
 and ``kvchat bench engine``.
 
 Decode K/V are provisional (answers are recomputed as prefill chunks,
-:data:`kvchat.engine.cache_identity.NUMERICS_VERSION` 2), so the attention's
-rounding (another summation order than the reference's ``bmm``) never enters
-stored K/V; its bits depend on a sequence's length only, not on the thread
-count or on the other sequences of a batch. Built and loaded by
+:data:`kvchat.engine.cache_identity.NUMERICS_VERSION` 2), so through
+:func:`decode_attention` the attention's rounding (another summation order than
+the reference's ``bmm``) never enters stored K/V; a query's bits depend on its
+sequence's length and its place among the chunk's tokens only, not on the
+thread count or on the other sequences of a batch. Built and loaded by
 :mod:`kvchat.kernels.cpu_build`; where it is not available the reference runs
 (and the engine decodes over its dense copy).
 """

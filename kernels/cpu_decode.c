@@ -5,7 +5,7 @@
    x[r] += attn(rms_norm(x[r]) * attn_norm);  x[r] += mlp(rms_norm(x[r]) * mlp_norm), for the R rows of a step.
    The rows are S sequences of T consecutive new tokens each (row r = s T + t): a decode step has T = 1 (S rows
    of a batch), a short chunk of one sequence S = 1 (cpu_attention.c then reads each cached K/V range once for
-   all T tokens, each token seeing the tokens up to itself):
+   all T tokens, each token seeing the tokens up to itself); the Python wrapper passes no other mix:
 
      qkv   = int8_matmul(h, qkv) (+ bias)          [R, (H + 2 Hkv) D], q heads, then k heads, then v heads
      q, k  = RoPE (rotate-half, sin carrying its sign: kvchat.model.transformer.apply_rope), k -= k_shift

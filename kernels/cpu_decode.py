@@ -120,7 +120,7 @@ def _takes_weight(w: Int8Weight, out_features: int, in_features: int) -> bool:
 
 
 class DecodeLayers:
-    """A model's decoder layers as the compiled decode step runs them (see the module doc).
+    """A model's decoder layers as the compiled decode steps and short chunks run them (see the module doc).
 
     The tensors' addresses are read once, here: a layer's weights, norms, K shift or pool replaced later
     are not seen (the engine sets them all before it builds this). One step at a time: :meth:`run` reuses
@@ -194,9 +194,9 @@ class DecodeLayers:
                 contiguous, the new tokens included (0: a padded decode row, output zeros); token ``t`` of
                 sequence ``s`` attends to its first ``seq_lens[s] - tokens + 1 + t`` tokens.
             sink: float32 ``[S, num_layers, kv_heads, head_dim]`` contiguous x2, exact position-0 K/V, or None.
-            tokens: new tokens per sequence, at least 1.
+            tokens: new tokens per sequence: 1 (a decode step, any ``S``) or more for one sequence (a chunk).
         Raises:
-            ValueError: arguments of another shape, dtype or layout, ``R`` not a multiple of ``tokens``, a
+            ValueError: arguments of another shape, dtype or layout, ``R`` not ``tokens`` (``tokens > 1``), a
                 length under ``tokens`` (``tokens > 1``) or past the block table, or a slot outside the pool
                 (the C reads and writes unchecked).
         """
@@ -205,7 +205,7 @@ class DecodeLayers:
         width = block_table.shape[1]
         seqs = r // tokens if tokens >= 1 else 0
         sink_shape = (seqs, len(self._layers), kv_heads, head_dim)
-        if not (r >= 1 and seqs * tokens == r
+        if not (r >= 1 and seqs * tokens == r and (tokens == 1 or seqs == 1)
                 and _is_f32(x, (r, hidden)) and _is_f32(cos, (r, 1, head_dim)) and _is_f32(sin, (r, 1, head_dim))
                 and slot_mapping.dtype == torch.int64 and tuple(slot_mapping.shape) == (r,) and slot_mapping.is_contiguous()
                 and block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == seqs

@@ -57,65 +57,25 @@ static inline float offsets_dot(const float *of, const float *xs, int64_t G) {
   return r;
 }
 
-/* Output channel n for rows m .. m + 7: channel()'s arithmetic for each row, each weight widened once for eight. */
-static void channel8(const float *x, const int8_t *q, const float *scale, const float *offset, const float *xsum,
-                     float *y, int64_t N, int64_t G, int64_t n, int64_t m) {
+/* Output channel n for rows m .. m + ROWS - 1 (ROWS a compile-time constant at each call): each weight group
+   widened once for all of them, then for each row its 8-lane group dot product scaled into its accumulator. */
+static inline __attribute__((always_inline)) void channel(const float *x, const int8_t *q, const float *scale,
+                                                         const float *offset, const float *xsum, float *y, int64_t N,
+                                                         int64_t G, int64_t n, int64_t m, const int ROWS) {
   const int64_t K = G * GROUP;
   const float *x0 = x + m * K;
   const int8_t *w = q + n * K;
   const float *sc = scale + n * G;
   __m256 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k = g * GROUP;
     const __m256 w0 = widen(w + k), w1 = widen(w + k + 8), w2 = widen(w + k + 16), w3 = widen(w + k + 24);
     const __m256 s = _mm256_broadcast_ss(sc + g);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + i * K + k), s, acc[i]);
+    for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + i * K + k), s, acc[i]);
   }
   const float *of = offset + n * G;
-  for (int i = 0; i < 8; ++i) y[(m + i) * N + n] = hsum8(acc[i]) + offsets_dot(of, xsum + (m + i) * G, G);
-}
-
-/* Output channel n for rows m .. m + 3: channel()'s arithmetic for each row, each weight widened once for four. */
-static void channel4(const float *x, const int8_t *q, const float *scale, const float *offset, const float *xsum,
-                     float *y, int64_t N, int64_t G, int64_t n, int64_t m) {
-  const int64_t K = G * GROUP;
-  const float *x0 = x + m * K;
-  const int8_t *w = q + n * K;
-  const float *sc = scale + n * G;
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t k = g * GROUP;
-    const __m256 w0 = widen(w + k), w1 = widen(w + k + 8), w2 = widen(w + k + 16), w3 = widen(w + k + 24);
-    const __m256 s = _mm256_broadcast_ss(sc + g);
-    acc0 = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + k), s, acc0);
-    acc1 = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + K + k), s, acc1);
-    acc2 = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + 2 * K + k), s, acc2);
-    acc3 = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + 3 * K + k), s, acc3);
-  }
-  const float *of = offset + n * G;
-  const __m256 accs[4] = {acc0, acc1, acc2, acc3};
-  for (int i = 0; i < 4; ++i) y[(m + i) * N + n] = hsum8(accs[i]) + offsets_dot(of, xsum + (m + i) * G, G);
-}
-
-/* Output channel n for rows m and m + 1 (pair) or m alone. */
-static void channel(const float *x, const int8_t *q, const float *scale, const float *offset, const float *xsum,
-                    float *y, int64_t N, int64_t G, int64_t n, int64_t m, int pair) {
-  const int64_t K = G * GROUP;
-  const float *x0 = x + m * K, *x1 = x0 + K;
-  const int8_t *w = q + n * K;
-  const float *sc = scale + n * G;
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t k = g * GROUP;
-    const __m256 w0 = widen(w + k), w1 = widen(w + k + 8), w2 = widen(w + k + 16), w3 = widen(w + k + 24);
-    const __m256 s = _mm256_broadcast_ss(sc + g);
-    acc0 = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + k), s, acc0);
-    if (pair) acc1 = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x1 + k), s, acc1);
-  }
-  const float *of = offset + n * G;
-  y[m * N + n] = hsum8(acc0) + offsets_dot(of, xsum + m * G, G);
-  if (pair) y[(m + 1) * N + n] = hsum8(acc1) + offsets_dot(of, xsum + (m + 1) * G, G);
+  for (int i = 0; i < ROWS; ++i) y[(m + i) * N + n] = hsum8(acc[i]) + offsets_dot(of, xsum + (m + i) * G, G);
 }
 
 void kvchat_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, float *xsum, float *y,
@@ -131,14 +91,15 @@ void kvchat_int8_matmul(const float *x, const int8_t *q, const float *scale, con
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n1 = (blk + 1) * 8 < N ? (blk + 1) * 8 : N;
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8)
-      for (int64_t n = blk * 8; n < n1; ++n) channel8(x, q, scale, offset, xsum, y, N, G, n, m);
-    for (; m + 4 <= M; m += 4)
-      for (int64_t n = blk * 8; n < n1; ++n) channel4(x, q, scale, offset, xsum, y, N, G, n, m);
-    for (; m < M; m += 2) {
-      const int pair = m + 1 < M;
-      for (int64_t n = blk * 8; n < n1; ++n) channel(x, q, scale, offset, xsum, y, N, G, n, m, pair);
+    for (int64_t m = 0; m < M;) { /* rows in eights, then a four, a pair, one */
+      const int rows = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+      for (int64_t n = blk * 8; n < n1; ++n) {
+        if (rows == 8) channel(x, q, scale, offset, xsum, y, N, G, n, m, 8);
+        else if (rows == 4) channel(x, q, scale, offset, xsum, y, N, G, n, m, 4);
+        else if (rows == 2) channel(x, q, scale, offset, xsum, y, N, G, n, m, 2);
+        else channel(x, q, scale, offset, xsum, y, N, G, n, m, 1);
+      }
+      m += rows;
     }
   }
 }

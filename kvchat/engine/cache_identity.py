@@ -67,12 +67,13 @@ def compute_keys(weight_format: str) -> tuple[str | None, ...]:
     return (None, *(n for n in COMPUTE_NAMES if n != FORMAT_COMPUTE[weight_format]))
 
 
-def weight_scheme(weight_format: str, int8_kernel: str | None = None) -> str:
+def weight_scheme(weight_format: str, int8_kernel: str | None = None, compiled_layers: bool = False) -> str:
     """The name a weight format enters the cache fingerprint with ("" for fp32: fingerprints made before
     weight formats existed stay valid; the int8 name carries its kernel choice, which changes K/V).
 
     ``int8_kernel``: a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name; None: this process's
     (:func:`kvchat.kernels.cpu_int8.small_rows_kernel`, which imports torch and may build the kernel).
+    ``compiled_layers``: short chunks run the compiled decoder layers (:attr:`kvchat.engine.runner.Engine.compiled_decode`).
     """
     if weight_format == "int8":
         from kvchat.model.int8_scheme import int8_compute_scheme
@@ -81,7 +82,7 @@ def weight_scheme(weight_format: str, int8_kernel: str | None = None) -> str:
             from kvchat.kernels.cpu_int8 import small_rows_kernel
 
             int8_kernel = small_rows_kernel()
-        return int8_compute_scheme(int8_kernel)
+        return int8_compute_scheme(int8_kernel, compiled_layers)
     return "" if weight_format == "fp32" else weight_format
 
 
@@ -129,11 +130,11 @@ def fp8_scheme_name(k_centring: bool, exact_sink: bool) -> str:
 
 def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: str | None, exact_sink: bool,
                     block_size: int, weight_format: str = "fp32", *, compute: str | None = None,
-                    int8_kernel: str | None = None) -> tuple[str, str]:
+                    int8_kernel: str | None = None, compiled_layers: bool = False) -> tuple[str, str]:
     """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only;
     ``compute``: an overridden compute dtype's name (None: the one ``auto`` picks); ``weight_format``: a
-    :data:`WEIGHT_FORMATS` name; ``int8_kernel``: the int8 layers' kernel (see :func:`weight_scheme`)."""
-    weights = weight_scheme(weight_format, int8_kernel)
+    :data:`WEIGHT_FORMATS` name; ``int8_kernel``, ``compiled_layers``: see :func:`weight_scheme`."""
+    weights = weight_scheme(weight_format, int8_kernel, compiled_layers)
     if kv_dtype != "fp8":
         return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=compute or "",
                                          weights=weights)
@@ -152,8 +153,9 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
     every one the format allows, :func:`compute_keys`)."""
     from kvchat.model.int8_scheme import SMALL_ROWS_KERNELS
 
-    pairs = [(weight_scheme(w, kernel), c or "") for w in weight_formats
+    pairs = [(weight_scheme(w, kernel, layers), c or "") for w in weight_formats
              for kernel in ((int8_kernels or SMALL_ROWS_KERNELS) if w == "int8" else (None,))
+             for layers in ((False, True) if kernel == "avx2" else (False,))
              for c in (compute_keys(w) if computes is None else computes)]
     if kv_dtype != "fp8":
         return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=c, weights=w)
@@ -172,7 +174,9 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=Non
     ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8``
     (None: ``KVCHAT_WEIGHTS``); the compute dtype is ``KVCHAT_DTYPE``'s (which ``--dtype`` sets). For fp8: K centring when the model's
     calibration is stored, and the exact sink, which every attention backend reads (PyTorch and Triton,
-    CPU and GPU alike).
+    CPU and GPU alike). int8 on a CPU: the compiled decoder layers where they build and ``KVCHAT_ATTENTION``
+    is unset (as the engine's :func:`kvchat.model.compiled_decode.compiled_decode`; a model they refuse, with
+    per-head q/k norms, is named as if they ran: its chats are then reported with no chain).
 
     Raises:
         kvchat.settings.SettingError: ``device`` is None and ``KVCHAT_DEVICE`` is bad, or (``weights`` None)
@@ -188,8 +192,13 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=Non
     dtype = settings.compute_dtype()
     fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype)
     compute = compute_key(fmt, dtype)
+    layers = False
+    if fmt == "int8" and dev.type == "cpu" and not settings.attention():
+        from kvchat.kernels import cpu_decode
+
+        layers = cpu_decode.available()
     if kv_dtype != "fp8":
         return engine_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE, weight_format=fmt,
-                               compute=compute)[1]
+                               compute=compute, compiled_layers=layers)[1]
     return engine_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), True, BLOCK_SIZE,
-                           weight_format=fmt, compute=compute)[1]
+                           weight_format=fmt, compute=compute, compiled_layers=layers)[1]

@@ -1,4 +1,4 @@
-"""A contiguous, dequantized copy of one sequence's K/V: the CPU attention read path of prefill and extend.
+"""A contiguous, dequantized copy of one sequence's K/V: the CPU attention read path of the torch layers' chunks.
 
 The paged reference kernels gather a sequence's blocks and dequantize them at
 every forward, so a CPU chunk over 4,096 cached tokens would pay two full gathers per
@@ -6,9 +6,11 @@ layer. This copy holds, per layer, float32 K/V ``[num_kv_heads, capacity,
 head_dim]`` of exactly the values the pool stores: new tokens are read back
 from the pool after :func:`kvchat.kernels.write_kv` (never taken from the
 pre-quantization K/V), so attention sees the same numbers as through the
-block table. Decode steps read the pool itself where the compiled CPU kernels
-run (:mod:`kvchat.kernels.cpu_attention`: a quarter of this copy's bytes for fp8, half for 16-bit pools) and
-leave the copy as it was; elsewhere they read it too, and append their token.
+block table. Decode steps and chunks of up to
+:data:`kvchat.model.int8_scheme.COMPILED_LAYER_MAX_TOKENS` tokens read the pool itself where the compiled CPU
+kernels run (:mod:`kvchat.kernels.cpu_attention`: a quarter of this copy's bytes for fp8, half for 16-bit pools)
+and leave the copy as it was (its staleness check sees their writes); elsewhere decode steps read it too, and
+append their token.
 
 Staleness: :attr:`KVPool.block_writes` counts writes per block. The copy
 records each block's id and count when it reads it and trusts a token only
@@ -132,7 +134,8 @@ class DenseKV:
         self.length = start
 
     def fill(self, start: int, data: ChunkData, offset: int, n: int) -> None:
-        """During a restore, after :meth:`sync` reserved the tokens: dequantize chunk rows ``offset ..
+        """During a restore (one the next torch-layer chunk reads: see
+        :meth:`kvchat.engine.persistence.KVPersist.restore`), after :meth:`sync` reserved the tokens: dequantize chunk rows ``offset ..
         offset + n`` (all layers) straight into positions ``start .. start + n - 1``.
 
         The restore writes the same rows into the pool, so these are exactly

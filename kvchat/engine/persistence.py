@@ -33,6 +33,7 @@ from kvchat.engine.disk_budget import enforce as enforce_budget
 from kvchat.engine.runner import Engine
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.timing import DeviceTimer
+from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
 from kvchat.index import get_db
 from kvchat.store import chunk_refs
 from kvchat.store.chunk_index import ChunkRow, add_chunk, delete_chunk, get_chunk, list_tails, read_row, touch
@@ -42,7 +43,7 @@ from kvchat.store.snapshot import ChunkData, ChunkLayout
 
 CHUNK_TOKENS = 256
 DEFAULT_READ_BYTES_PER_S = 500e6
-# chunk files read at once by a restore: one per torch thread (the cores kvchat was given), at most this many.
+# chunk files read at once by a restore: one per torch thread (the cores kvchat was given), 2 to this many.
 # Measured, a 4,096-token restore (16 files) warm in fresh processes on 2 cores: 4 readers 44-71 ms, 2 readers
 # 29-31 ms, 1 reader 46-49 ms; with the page cache dropped 2 and 4 readers alike (118-148 ms, disk-bound here)
 READ_THREADS = 4
@@ -164,11 +165,12 @@ class KVPersist:
         recomputed for logits), all of them with ``whole`` (a prefix held for
         later turns, no logits wanted: an opened chat's history). Blocks for
         the whole chain are reserved first
-        (``PoolFullError`` before any read); one worker per torch thread (at most :data:`READ_THREADS`) then
+        (``PoolFullError`` before any read); one worker per torch thread (2 to :data:`READ_THREADS`) then
         each read, verify and copy one file at a time into those blocks (and,
-        on a CPU without the compiled decoder layers, dequantized into the
-        engine's dense copy, so the first forward after a resume reads nothing
-        back from the pool; with them a question reads the pool itself) through
+        on a CPU, dequantized into the engine's dense copy, so the first
+        forward after a resume reads nothing back from the pool; not where a
+        question of up to :data:`COMPILED_LAYER_MAX_TOKENS` tokens follows on
+        the compiled decoder layers, which read the pool itself) through
         one reused staging buffer (a fresh buffer per file paid a first-touch
         page fault per 4 KiB: about 40 ms per 100 MB here); on CUDA that buffer
         is pinned and the copy runs non-blocking on the thread's side stream
@@ -198,9 +200,13 @@ class KVPersist:
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
         pool, blocks = self.engine.pool, self.engine.blocks
-        # the dense copy is the read path of torch-layer chunks; where short chunks (a question) read the pool
-        # (Engine.runs_compiled) it is left to catch up from the pool when a longer chunk needs it
-        dense = self.engine.dense if self.engine.compiled_decode is None else None
+        # the dense copy is the read path of torch-layer chunks: filled here unless what follows is at most a short
+        # chunk that reads the pool (Engine.runs_compiled: a question) or unknown yet (``whole``); a longer chunk
+        # later makes it catch up from the pool (DenseKV.sync)
+        tail = len(token_ids) - end
+        dense = self.engine.dense
+        if self.engine.compiled_decode is not None and (whole or tail <= COMPILED_LAYER_MAX_TOKENS):
+            dense = None
         sink = self.engine.sink_kv(token_ids[0]) if dense is not None and self.engine.exact_sink else None
         self.engine.prepare_write(seq, first, end, dense, sink)
         staging = threading.local()
@@ -227,7 +233,7 @@ class KVPersist:
             # several files in flight: reads overlap checksums and faults. Each reader runs its copies on one
             # thread: the readers already fill the cores, and a pool of OpenMP workers per reader would oversubscribe
             # them (kvchat.cpu_threads.on_own_thread); measured, 4,096 tokens warm: 58-64 ms median vs 67-77 ms
-            readers = max(1, min(READ_THREADS, threads))
+            readers = max(2, min(READ_THREADS, threads))  # two even on one thread: reads overlap checksums
             with ThreadPoolExecutor(readers, initializer=torch.set_num_threads, initargs=(1,)) as ex:
                 futures = [ex.submit(load, *item) for item in todo]
                 for k, ((_, b, row), fut) in enumerate(zip(todo, futures)):

@@ -180,20 +180,22 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.compute_key = compute_key(self.weight_format, dtype_name)  # the fingerprint's compute: None = implied
-        self.scale_scheme, self.cache_fingerprint = engine_identity(
-            model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.spec.block_size, self.weight_format, compute=self.compute_key, int8_kernel=self.int8_kernel)
-        self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         backend = kernels.backend_for(self.pool.k)  # on a CPU builds or loads the compiled kernels: any notice now
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and backend != "triton"
-        self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
         # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
-        self.decode_on_pool = self.dense is None or (backend == "compiled"
-                                                     and kernels.cpu_attention.takes_pool(*self.pool.layer(0)))
-        # a CPU decode step's layers in one compiled call each, where the model and pool qualify (else None)
+        self.decode_on_pool = not dense_kv or (backend == "compiled"
+                                               and kernels.cpu_attention.takes_pool(*self.pool.layer(0)))
+        # a CPU decode step's or short chunk's layers in one compiled call each, where the model and pool qualify
+        # (else None); chunks on them store other bits than the torch layers': part of the fingerprint
         self.compiled_decode = compiled_decode(model, self.pool) if backend == "compiled" and self.decode_on_pool else None
+        self.compute_key = compute_key(self.weight_format, dtype_name)  # the fingerprint's compute: None = implied
+        self.scale_scheme, self.cache_fingerprint = engine_identity(
+            model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
+            self.spec.block_size, self.weight_format, compute=self.compute_key, int8_kernel=self.int8_kernel,
+            compiled_layers=self.compiled_decode is not None)
+        self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
+        self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
         max_blocks = -(-self.max_context // self.spec.block_size)
         sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
@@ -291,7 +293,7 @@ class Engine:
         """:meth:`_forward`'s body, run with the engine's device current."""
         dev = self.device
         ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
-        if not capture_sink and self.runs_compiled(start, end):
+        if self.runs_compiled(start, end):  # never the sink's own forward: that is position 0
             self.prepare_write(seq, start, end)
             slots = torch.tensor(self.blocks.slots(seq, start, end), dtype=torch.long)
             table = torch.tensor([seq.block_table], dtype=torch.int32)

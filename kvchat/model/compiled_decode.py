@@ -2,7 +2,9 @@
 compiled decoder layers (:class:`kvchat.kernels.cpu_decode.DecodeLayers`): the embedding, RoPE angles, final
 norm and LM head in torch, every decoder layer in one C call.
 
-It runs where the model computes in float32 with int8 group weights in every layer
+The engine runs every chunk of up to :data:`kvchat.model.int8_scheme.COMPILED_LAYER_MAX_TOKENS` tokens after
+position 0 here (:meth:`kvchat.engine.runner.Engine.runs_compiled`), cold or resumed alike, and names that in
+its cache fingerprint. It runs where the model computes in float32 with int8 group weights in every layer
 (:class:`kvchat.model.quant.Int8GroupLinear`, the CPU's default ``--weights auto``), has no per-head q/k norm
 (Qwen3), and the pool is one the compiled attention reads; :func:`compiled_decode` returns None otherwise
 and the engine keeps the torch layers. Measured in the README (session 12).
@@ -26,7 +28,8 @@ def _weight(layer) -> cpu_decode.Int8Weight | None:
 
 
 class CompiledDecode:
-    """``model``'s decode step with its layers compiled (see the module doc); call it.
+    """``model``'s decode step with its layers compiled (see the module doc): call it; :meth:`chunk` runs a short
+    chunk of one sequence on the same layers.
 
     Args:
         model: the loaded model (its embedding, RoPE, final norm and LM head run in torch).

@@ -139,7 +139,7 @@ def _chunk_once(engine: Engine, ids: list[int], start: int, compiled: bool) -> t
 @needs_kernel
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
-@pytest.mark.parametrize("start, tokens", [(1, 2), (17, 5), (130, 32), (300, 16)])
+@pytest.mark.parametrize("start, tokens", [(1, 2), (17, 5), (120, 16), (130, 32), (300, 16)])  # 120: across a range
 def test_a_compiled_chunk_is_the_torch_layers_chunk_to_fp32_rounding(kind, kv_dtype, start, tokens):
     """A short chunk (a question after a resume) on the compiled layers: each token attends causally to the
     cached tokens and to the chunk's tokens up to itself, read from the pool once for all of them."""
@@ -177,17 +177,18 @@ def test_a_chunk_runs_compiled_by_its_bounds_alone():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
-def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dtype, monkeypatch):
+@pytest.mark.parametrize("kv_dtype, question", [("fp8", 9), ("bf16", 9), ("fp8", 40)])
+def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dtype, question, monkeypatch):
     """With the compiled layers a restore leaves the dense copy alone (no dequantized float32 copy of the
     chat), and the question, a short chunk, reads the restored pool: the same logits and K/V bits as a cold
-    prefill of the whole token list (same chunk plan)."""
+    prefill of the whole token list (same chunk plan). A longer question (torch layers) gets the copy filled."""
     from kvchat.engine import dense_kv
     from kvchat.engine.persistence import CHUNK_TOKENS, KVPersist
 
     model = _model()
-    ids = torch.randint(0, 97, (CHUNK_TOKENS + 37 + 9,), generator=torch.Generator().manual_seed(5)).tolist()
-    history, cut = ids[:-9], CHUNK_TOKENS + 37
+    ids = torch.randint(0, 97, (CHUNK_TOKENS + 37 + question,), generator=torch.Generator().manual_seed(5)).tolist()
+    history, cut = ids[:-question], CHUNK_TOKENS + 37
+    short = question <= COMPILED_LAYER_MAX_TOKENS
     saver = _engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
     persist, seq = KVPersist(saver), SeqBlocks()
     saver.prefill(seq, history, boundaries=[cut])
@@ -205,10 +206,13 @@ def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dt
     monkeypatch.setattr(dense_kv.kernels, "read_slots", lambda *a, **k: (read.append(1), real(*a, **k))[1])
     persist, resumed = KVPersist(engine), SeqBlocks()
     assert persist.restore(resumed, ids).from_disk == cut
-    assert engine.dense.length == 0  # nothing dequantized into the copy
+    assert engine.dense.length == (0 if short else cut)  # nothing dequantized into the copy for a short question
     got = engine.prefill(resumed, ids, boundaries=[cut]).logits
     persist.close()
-    assert counted.chunks == [(cut, len(ids))] and read == []  # the question on the compiled layers, off the pool
+    if short:  # the question on the compiled layers, off the pool
+        assert counted.chunks == [(cut, len(ids))] and read == []
+    else:  # on the torch layers over the filled copy: only its new tokens read back, layer by layer
+        assert counted.chunks == [] and len(read) == 2 * model[0].num_layers
     assert torch.equal(got, want)
     pos = torch.arange(len(ids))
     slots_got = torch.tensor(resumed.block_table)[pos // 16] * 16 + pos % 16
@@ -218,6 +222,24 @@ def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dt
         if a is not None:
             assert torch.equal(a.flatten(1, 2)[:, slots_got].view(torch.uint8),
                                b.flatten(1, 2)[:, slots_want].view(torch.uint8)), name
+
+
+@needs_kernel
+def test_the_cache_fingerprint_says_whether_chunks_ran_on_the_compiled_layers(monkeypatch):
+    """Short chunks' K/V differ between the compiled and the torch layers, so engines that run them on either
+    never share cached chunks; the fingerprint predicted without a model agrees with the engine's."""
+    from kvchat.engine.cache_identity import expected_cache_fingerprint
+
+    model = _model()
+    compiled = _engine(model)
+    assert compiled.compiled_decode is not None
+    monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
+    reference = _engine(model)
+    assert reference.compiled_decode is None and reference.int8_kernel == compiled.int8_kernel == "avx2"
+    assert reference.cache_fingerprint != compiled.cache_fingerprint
+    assert expected_cache_fingerprint("tiny", "fp8", "cpu", "int8") == reference.cache_fingerprint
+    monkeypatch.delenv("KVCHAT_ATTENTION")
+    assert expected_cache_fingerprint("tiny", "fp8", "cpu", "int8") == compiled.cache_fingerprint
 
 
 @needs_kernel
@@ -310,6 +332,9 @@ def test_a_length_past_the_table_or_a_slot_outside_the_pool_is_refused():
     with pytest.raises(ValueError, match="under 3 new tokens"):  # 2 tokens in all cannot hold 3 new ones
         layers.run(x3, cos3, cos3, slots3, table, torch.tensor([2], dtype=torch.int32), None, tokens=3)
     layers.run(x3, cos3, cos3, slots3, table, torch.tensor([3], dtype=torch.int32), None, tokens=3)
+    x4, cos4, table2 = torch.zeros(4, cfg.hidden_size), torch.zeros(4, 1, cfg.head_dim), torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="not what it takes"):  # chunks of several sequences at once: not a mix it runs
+        layers.run(x4, cos4, cos4, torch.arange(4), table2, torch.tensor([2, 2], dtype=torch.int32), None, tokens=2)
 
 
 @needs_kernel

@@ -76,12 +76,15 @@ def test_layouts_it_does_not_take_are_refused():
 
 
 def test_each_kernel_has_its_own_cache_fingerprint():
-    names = {int8_compute_scheme(k) for k in ("int8mm", "avx2")}
-    assert len(names) == 2
+    names = {int8_compute_scheme(k) for k in ("int8mm", "avx2")} | {int8_compute_scheme("avx2", layers=True)}
+    assert len(names) == 3
     assert int8_compute_scheme("int8mm") == "int8-v1-per-channel-down_proj256-mm256"  # the name before this kernel
-    assert int8_compute_scheme("avx2").startswith("int8-affine-g32-v1")
-    variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of either kernel
-    assert len(variants) == 2 and engine_identity("m", "bf16", None, False, 16, "int8")[1] in variants
+    # the name before the compiled decoder layers ran short chunks, and where they do not
+    assert int8_compute_scheme("avx2") == "int8-affine-g32-v1-avx2f32x32-mm256"
+    assert int8_compute_scheme("avx2", layers=True) == "int8-affine-g32-v1-avx2f32x32-mm256-layer32"
+    variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of either kind
+    assert len(variants) == 3 and engine_identity("m", "bf16", None, False, 16, "int8")[1] in variants
+    assert engine_identity("m", "bf16", None, False, 16, "int8", int8_kernel="avx2", compiled_layers=True)[1] in variants
     with pytest.raises(ValueError, match="unknown int8 kernel"):
         int8_compute_scheme("avx512")
 
