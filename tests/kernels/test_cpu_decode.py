@@ -65,6 +65,16 @@ class _Counted:
         return self.step.chunk(input_ids, start, *args)
 
 
+def _stored_k(engine: Engine, seq: SeqBlocks, start: int, end: int) -> torch.Tensor:
+    """Tokens ``[start, end)`` of ``seq`` as layer 1 of the pool stores their K, dequantized: ``[end - start,
+    kv_heads, head_dim]`` float32."""
+    slots = torch.tensor(engine.blocks.slots(seq, start, end))
+    k_cache, _, k_scale, _ = engine.pool.layer(1)
+    bs = k_cache.shape[1]
+    k = k_cache[slots // bs, slots % bs].float()
+    return k if k_scale is None else k * k_scale[slots // bs, slots % bs][..., None]
+
+
 def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``ids[:-1]`` on a fresh sequence, decode ``ids[-1]``: (logits, the stored K of that token in
     layer 1, dequantized); the decode on the compiled layers (checked) or on the torch layers."""
@@ -75,12 +85,7 @@ def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.
         seq = SeqBlocks()
         engine.prefill(seq, ids[:-1])
         logits = engine.decode(seq, ids)
-        slot = engine.blocks.slots(seq, len(ids) - 1, len(ids))[0]
-        k_cache, _, k_scale, _ = engine.pool.layer(1)
-        bs = k_cache.shape[1]
-        k = k_cache[slot // bs, slot % bs].float()
-        if k_scale is not None:
-            k = k * k_scale[slot // bs, slot % bs][:, None]
+        k = _stored_k(engine, seq, len(ids) - 1, len(ids))[0]
         engine.release(seq)
         assert counted.calls == (1 if compiled else 0)
         return logits, k
@@ -123,12 +128,7 @@ def _chunk_once(engine: Engine, ids: list[int], start: int, compiled: bool) -> t
         engine.prefill(seq, ids[:start])
         with torch.inference_mode():  # as Engine.prefill runs its chunks
             hidden = engine._forward(seq, ids, start, len(ids))
-        slots = torch.tensor(engine.blocks.slots(seq, start, len(ids)))
-        k_cache, _, k_scale, _ = engine.pool.layer(1)
-        bs = k_cache.shape[1]
-        k = k_cache[slots // bs, slots % bs].float()
-        if k_scale is not None:
-            k = k * k_scale[slots // bs, slots % bs][..., None]
+        k = _stored_k(engine, seq, start, len(ids))
         engine.release(seq)
         assert counted.chunks == ([(start, len(ids))] if compiled else [])
         return hidden, k
