@@ -135,7 +135,10 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     assert quant.load_int8(path, "other", {"x.q": (1,)}) is None and path.stat().st_mtime_ns != stamp
     # the engine's layers and its fingerprint name the same kernel (chosen once, Engine.int8_kernel)
     assert first.int8_kernel == kernel
-    assert first.cache_fingerprint == engine_identity("tiny", "bf16", None, False, 16, "int8", int8_kernel=kernel)[1]
+    layers = first.compiled_decode is not None  # short chunks on the compiled decoder layers: named too
+    assert layers == (kernel == "avx2")
+    assert first.cache_fingerprint == engine_identity("tiny", "bf16", None, False, 16, "int8", int8_kernel=kernel,
+                                                      compiled_layers=layers)[1]
     assert first.cache_fingerprint != engine_identity("tiny", "bf16", None, False, 16, "int8",
                                                       int8_kernel="int8mm" if kernel == "avx2" else "avx2")[1]
     if kernel == "avx2":  # the per-channel scheme has a file of its own: the groups file is left alone
