@@ -1,4 +1,4 @@
-/* Decode attention and the K/V cache write for the CPU (AVX2, FMA, F16C), straight on the paged pool.
+/* Decode attention and the K/V cache write for the CPU (AVX2, FMA, F16C; or AVX-512), straight on the paged pool.
 
    Pool layout (kvchat.kernels.reference): per layer K and V [num_blocks, BS, H, D] in float8_e4m3fn (KIND_FP8,
    then one float32 scale per token and KV head, [num_blocks, BS, H]), bfloat16 (KIND_BF16) or float16
@@ -33,7 +33,12 @@
    loops over the tile. Every table row must hold ceil(L_r / BS) valid blocks (the wrapper checks the width). The values pass sums
    each range's partial output into `work`, then adds the ranges in order: a query's bits depend on L_r, T and
    its index alone, never on the thread count or on the other rows (split-K as in FlashDecoding, Dao et al. 2023, without its
-   rescaling since the softmax is done first). */
+   rescaling since the softmax is done first).
+
+   Built with KVCHAT_AVX512 (cpu_build.py's avx512 variant): the scores pass runs two queries per 16-lane register,
+   each half doing the 8-lane loop's operations in its order; the values pass two queries at a time, 16 output values
+   per register, each lane its own sum over the tokens in order; fp8 converts 32 values a step (an exact conversion). The bits equal
+   the AVX2 build's. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -62,6 +67,18 @@ static inline int64_t elem_bytes(int kind) { return kind == KIND_FP8 ? 1 : 2; }
 /* One token's D values of one head into dst (float32); fp8 without its scale (the byte as float16 bits:
    value * 2**-8 / scale). */
 static inline void load_row(const uint8_t *src, int kind, int64_t D, float *dst) {
+#ifdef KVCHAT_AVX512
+  if (kind == KIND_FP8 && D % 32 == 0) { /* the same bit trick, 32 values a step */
+    const __m512i clear = _mm512_set1_epi16((short)~0x4000);
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(src + d)));
+      w = _mm512_and_si512(_mm512_slli_epi16(w, 7), clear);
+      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm512_castsi512_si256(w)));
+      _mm512_storeu_ps(dst + d + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)));
+    }
+    return;
+  }
+#endif
   if (kind == KIND_FP8) {
     /* e4m3 byte, sign-extended to 16 bits, shifted left 7, bit 14 cleared: float16 bits */
     const __m256i clear = _mm256_set1_epi16((short)~0x4000);
@@ -134,7 +151,42 @@ static inline __attribute__((always_inline)) void scores_tile(const float *qh, c
                                                              int64_t Lmax, int64_t t0, int64_t n, float sm_scale,
                                                              const int NV) {
   const __m256 sm = _mm256_set1_ps(sm_scale);
-  for (int64_t g = 0; g < G; ++g) {
+  int64_t g = 0;
+#ifdef KVCHAT_AVX512
+  /* queries g and g + 1 in the low and high halves of 16-lane registers, each half doing the 8-lane loop below
+     in the same order (same bits), every K vector loaded once for both */
+  for (; g + 2 <= G; g += 2) {
+    const float *qg = qh + g * NV * 8;
+    __m512 qv[MAX_VEC];
+    for (int j = 0; j < NV; ++j)
+      qv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qg + 8 * j)), _mm256_loadu_ps(qg + NV * 8 + 8 * j), 1);
+    float *out = sh + g * Lmax + t0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const float *kt = tile + i * NV * 8;
+      __m512 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(kt + u * NV * 8)), qv[0]);
+      for (int j = 1; j < NV; ++j)
+        for (int u = 0; u < 8; ++u)
+          a[u] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(kt + u * NV * 8 + 8 * j)), qv[j], a[u]);
+      const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(factor + i), sm);
+#define LO(u) _mm512_castps512_ps256(a[u])
+#define HI(u) _mm512_extractf32x8_ps(a[u], 1)
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8x8(LO(0), LO(1), LO(2), LO(3), LO(4), LO(5), LO(6), LO(7)), f));
+      _mm256_storeu_ps(out + Lmax + i, _mm256_mul_ps(hsum8x8(HI(0), HI(1), HI(2), HI(3), HI(4), HI(5), HI(6), HI(7)), f));
+#undef LO
+#undef HI
+    }
+    for (; i < n; ++i) {
+      const float *kt = tile + i * NV * 8;
+      __m512 a = _mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(kt)), qv[0]);
+      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(kt + 8 * j)), qv[j], a);
+      out[i] = hsum8(_mm512_castps512_ps256(a)) * (factor[i] * sm_scale);
+      out[Lmax + i] = hsum8(_mm512_extractf32x8_ps(a, 1)) * (factor[i] * sm_scale);
+    }
+  }
+#endif
+  for (; g < G; ++g) {
     const float *qg = qh + g * NV * 8;
     float *out = sh + g * Lmax + t0;
     int64_t i = 0;
@@ -162,7 +214,31 @@ static inline __attribute__((always_inline)) void scores_tile(const float *qh, c
 static inline __attribute__((always_inline)) void values_tile(const float *ph, const float *tile,
                                                              const float *factor, float *out, int64_t G,
                                                              int64_t Lmax, int64_t t0, int64_t n, const int NV) {
-  for (int64_t g = 0; g < G; ++g) {
+  int64_t g = 0;
+#ifdef KVCHAT_AVX512
+  /* two queries at a time, 16 output values per register: each lane sums its own value over the tokens in order,
+     as the 8-lane loop below does (same bits); each V vector is loaded once for both queries, and the two
+     queries' accumulators make enough independent FMA chains to hide the FMA's latency */
+  for (; g + 2 <= G; g += 2) {
+    const float *p0 = ph + g * Lmax + t0, *p1 = p0 + Lmax;
+    __m512 a0[MAX_VEC / 2], a1[MAX_VEC / 2];
+    for (int j = 0; j < NV / 2; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const float *vt = tile + i * NV * 8;
+      const __m512 w0 = _mm512_set1_ps(p0[i] * factor[i]), w1 = _mm512_set1_ps(p1[i] * factor[i]);
+      for (int j = 0; j < NV / 2; ++j) {
+        const __m512 v = _mm512_loadu_ps(vt + 16 * j);
+        a0[j] = _mm512_fmadd_ps(w0, v, a0[j]);
+        a1[j] = _mm512_fmadd_ps(w1, v, a1[j]);
+      }
+    }
+    for (int j = 0; j < NV / 2; ++j) {
+      _mm512_storeu_ps(out + g * NV * 8 + 16 * j, a0[j]);
+      _mm512_storeu_ps(out + (g + 1) * NV * 8 + 16 * j, a1[j]);
+    }
+  }
+#endif
+  for (; g < G; ++g) {
     const float *pg = ph + g * Lmax + t0;
     __m256 acc[MAX_VEC];
     for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();

@@ -9,10 +9,16 @@ process loads the library built, with no compiler needed. The kernels use
 OpenMP, and ``libgomp.so.1`` resolves to torch's own copy, already loaded, so
 their threads are torch's pool (a second pool would fight it for the cores).
 
+Two builds of each (:data:`VARIANTS`): ``avx2``, and ``avx512`` (the same sources with ``KVCHAT_AVX512``
+defined: the hot loops put two 8-lane computations, or 16 independent lanes, in each 16-lane register,
+so their bits equal the ``avx2`` build's; each source says how). A process loads ``avx512`` where the
+CPU has its flags and ``KVCHAT_CPU_KERNEL`` is not ``avx2`` (:func:`chosen_variant`), else ``avx2``.
+
 Where a library cannot be built or loaded (no compiler, no AVX2/FMA/F16C, no
 writable cache dir, no platformdirs) or ``KVCHAT_CPU_KERNEL=0``, :func:`load`
 returns None after one logged notice per library and the callers keep their
-torch code. A build removes the libraries of earlier versions of its source.
+torch code (an ``avx512`` build that fails falls back to ``avx2`` first). A build removes the libraries of
+earlier versions of its source.
 """
 
 from __future__ import annotations
@@ -27,12 +33,28 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat import settings
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One build of the kernels: compiler flags beyond :data:`FLAGS`, and the ``/proc/cpuinfo`` flags it needs."""
+
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+
+
+_BASE_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+VARIANTS = {
+    "avx2": Variant((), _BASE_CPU_FLAGS),
+    "avx512": Variant(("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-DKVCHAT_AVX512"),
+                      _BASE_CPU_FLAGS | {"avx512f", "avx512vl", "avx512bw", "avx512dq"}),
+}
 _log = logging.getLogger(__name__)
 
 
@@ -43,6 +65,23 @@ def _cpu_flags() -> set[str]:
         return set()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     return set(line.partition(":")[2].split())
+
+
+def supported(variant: str) -> bool:
+    """Whether this CPU has the flags the :data:`VARIANTS` build ``variant`` needs."""
+    return VARIANTS[variant].cpu_flags <= _cpu_flags()
+
+
+def chosen_variant() -> str:
+    """The :data:`VARIANTS` name this process loads: ``avx512`` where the CPU has its flags, unless
+    ``KVCHAT_CPU_KERNEL=avx2`` asks for the ``avx2`` build; else ``avx2``.
+
+    Raises:
+        kvchat.settings.SettingError: a bad ``KVCHAT_CPU_KERNEL``.
+    """
+    if settings.cpu_kernel_isa() == "avx2" or not supported("avx512"):
+        return "avx2"
+    return "avx512"
 
 
 def _cache_dir() -> Path:
@@ -61,12 +100,16 @@ def _cache_dir() -> Path:
 HEADER = Path(__file__).with_name("cpu_kernels.h")  # the entry points every source includes
 
 
-def library_path(source: Path, *also: Path) -> Path:
-    """Where the library built from ``source`` (and the sources ``also``, linked in) with :data:`FLAGS` lives
-    (built or not): named by ``source``, versioned by the digest of every source, :data:`HEADER` and the flags."""
-    text = "".join(p.read_text() for p in (source, *also, HEADER)) + " ".join(FLAGS)
+def library_path(source: Path, *also: Path, variant: str = "avx2") -> Path:
+    """Where the ``variant`` library built from ``source`` (and the sources ``also``, linked in) lives (built or
+    not): named by ``source`` and the variant, versioned by the digest of every source, :data:`HEADER` and the flags."""
+    text = "".join(p.read_text() for p in (source, *also, HEADER)) + " ".join(_flags(variant))
     digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    return _cache_dir() / f"{source.stem}-{digest}.so"
+    return _cache_dir() / f"{source.stem}-{variant}-{digest}.so"
+
+
+def _flags(variant: str) -> tuple[str, ...]:
+    return FLAGS + VARIANTS[variant].flags
 
 
 def _compiler() -> list[str]:
@@ -87,52 +130,69 @@ def _compiler() -> list[str]:
     return [found]
 
 
-def _build(sources: tuple[Path, ...], target: Path) -> None:
-    """Compile ``sources`` into the one library ``target`` (atomically: a concurrent build of the same digest writes the same bytes).
+def _build(sources: tuple[Path, ...], variant: str) -> Path:
+    """Compile ``sources`` into their one ``variant`` library (atomically: a concurrent build of the same digest
+    writes the same bytes); return its path.
 
     Raises:
         FileNotFoundError: no compiler (:func:`_compiler`).
         OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired: the build failed.
     """
     compiler = _compiler()
+    target = library_path(*sources, variant=variant)
     target.parent.mkdir(parents=True, exist_ok=True)
     stem = sources[0].stem
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{stem}-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([*compiler, *FLAGS, "-o", tmp, *map(str, sources)], check=True, capture_output=True, timeout=120)
+        subprocess.run([*compiler, *_flags(variant), "-o", tmp, *map(str, sources)], check=True, capture_output=True,
+                       timeout=120)
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
+    current = {library_path(*sources, variant=v) for v in VARIANTS}
     for old in target.parent.glob(f"{stem}-*.so"):  # earlier sources' builds: never loaded again
-        if old != target:
+        if old not in current:
             old.unlink(missing_ok=True)
+    return target
 
 
 _build_lock = threading.Lock()  # one build per source even when two threads ask first
 
 
-def load(source: Path, *also: Path) -> ctypes.CDLL | None:
+def load(source: Path, *also: Path, variant: str | None = None) -> ctypes.CDLL | None:
     """The loaded library of ``source`` with the sources ``also`` linked in (built first if absent), or None
-    where it cannot be (see the module doc)."""
+    where it cannot be (see the module doc). ``variant``: a :data:`VARIANTS` name (None: :func:`chosen_variant`)."""
     with _build_lock:
-        return _load(source, *also)
+        return _load(source, *also, variant=variant or chosen_variant())
 
 
 @functools.cache
-def _load(source: Path, *also: Path) -> ctypes.CDLL | None:
+def _load(source: Path, *also: Path, variant: str) -> ctypes.CDLL | None:
     if not settings.cpu_kernel_enabled():
         return None
-    missing = REQUIRED_CPU_FLAGS - _cpu_flags()
-    try:
-        if missing:
-            raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
-        target = library_path(source, *also)
-        if not target.exists():
-            _build((source, *also), target)
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = (getattr(exc, "stderr", None) or b"").decode(errors="replace").strip().splitlines()[:1]
-        _log.warning("kvchat: compiled CPU kernel %s unavailable (%s%s); torch's code runs instead",
-                     source.stem, exc, f": {detail[0]}" if detail else "")
-        return None
+    failed = None
+    for name in dict.fromkeys((variant, "avx2")):  # an avx512 build that fails falls back to avx2
+        try:
+            lib = _load_variant(source, also, name)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = (getattr(exc, "stderr", None) or b"").decode(errors="replace").strip().splitlines()[:1]
+            failed = failed or f"{exc}{f': {detail[0]}' if detail else ''}"
+            continue
+        if name != variant:
+            _log.warning("kvchat: compiled CPU kernel %s: its %s build is unavailable (%s); its %s build runs",
+                         source.stem, variant, failed, name)
+        return lib
+    _log.warning("kvchat: compiled CPU kernel %s unavailable (%s); torch's code runs instead", source.stem, failed)
+    return None
+
+
+def _load_variant(source: Path, also: tuple[Path, ...], variant: str) -> ctypes.CDLL:
+    """Build (if absent) and load one variant. Raises: OSError, subprocess.SubprocessError (see :func:`_build`)."""
+    missing = VARIANTS[variant].cpu_flags - _cpu_flags()
+    if missing:
+        raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
+    target = library_path(source, *also, variant=variant)
+    if not target.exists():
+        _build((source, *also), variant)
+    return ctypes.CDLL(str(target))

@@ -10,7 +10,8 @@
 - ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
 - ``KVCHAT_WEIGHTS``: the weight format the model computes with.
 - ``KVCHAT_CUDA_GRAPHS``: ``0`` turns off the CUDA graphs of decode.
-- ``KVCHAT_CPU_KERNEL``: ``0`` turns off the compiled CPU kernels (int8 matmul, decode attention).
+- ``KVCHAT_CPU_KERNEL``: ``0`` turns off the compiled CPU kernels (int8 matmul, decode attention); ``avx2``
+  keeps their AVX2 build where the CPU has AVX-512.
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 - ``KVCHAT_API_KEY``: the key ``kvchat serve`` requires when ``--api-key`` is not given.
@@ -57,7 +58,7 @@ ATTENTION_CHOICES = ("torch", "triton")
 CUDA_GRAPHS = "KVCHAT_CUDA_GRAPHS"
 CUDA_GRAPHS_CHOICES = ("1", "0")
 CPU_KERNEL = "KVCHAT_CPU_KERNEL"
-CPU_KERNEL_CHOICES = ("1", "0")
+CPU_KERNEL_CHOICES = ("1", "0", "avx2")
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -272,12 +273,23 @@ def cuda_graphs() -> bool:
 def cpu_kernel_enabled() -> bool:
     """``KVCHAT_CPU_KERNEL``: ``1`` (default) runs kvchat's compiled CPU kernels where they build
     (:mod:`kvchat.kernels.cpu_build`: the int8 groups scheme's matmul, a decode step's attention on the paged pool, the cache write, a decode step's whole layers), ``0``
-    keeps torch's code (int8 weights per channel on torch's kernel: another cache fingerprint).
+    keeps torch's code (int8 weights per channel on torch's kernel: another cache fingerprint), ``avx2`` runs
+    them as ``1`` does but from their AVX2 build even where the CPU has AVX-512 (:func:`cpu_kernel_isa`).
 
     Raises:
         SettingError: any other value.
     """
-    return _choice(CPU_KERNEL, CPU_KERNEL_CHOICES) == "1"
+    return _choice(CPU_KERNEL, CPU_KERNEL_CHOICES) != "0"
+
+
+def cpu_kernel_isa() -> str:
+    """``auto`` (the default: the kernels' AVX-512 build where the CPU has it, :func:`kvchat.kernels.cpu_build.chosen_variant`)
+    or ``avx2`` (``KVCHAT_CPU_KERNEL=avx2``: their AVX2 build; the bits are the same, so a side-by-side needs no new cache).
+
+    Raises:
+        SettingError: a ``KVCHAT_CPU_KERNEL`` outside ``1``, ``0``, ``avx2``.
+    """
+    return "avx2" if _choice(CPU_KERNEL, CPU_KERNEL_CHOICES) == "avx2" else "auto"
 
 
 def phase_trace() -> Path | None:

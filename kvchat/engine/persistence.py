@@ -147,6 +147,13 @@ class KVPersist:
         self.errors: list[str] = []
         self.evicted = Eviction()  # summed over the budget enforcements after each save (writer thread)
         self._queue: queue.Queue = queue.Queue()
+        # a CPU restore's staging buffers, one per reader, allocated and touched now: the first write into fresh
+        # pages costs a page fault per 4 KiB, measured at 11-14 ms for a reader's first 3.1 MB file against
+        # 0.5-0.9 ms into used pages (2 cores, in a fresh process); CUDA restores pin a buffer per reader instead
+        self._cpu_staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        if engine.pool.k.device.type == "cpu":
+            for _ in range(READ_THREADS):
+                self._cpu_staging.put(torch.empty(self.layout.data_bytes(CHUNK_TOKENS), dtype=torch.uint8).fill_(0))
         # the index is opened by its first use (~25 ms): a resuming front-end has already looked the chat
         # up on this thread, and bad input refused before any turn leaves no database behind
         self._thread = threading.Thread(target=self._writer, name="kvchat-snapshot-writer", daemon=True)
@@ -171,8 +178,8 @@ class KVPersist:
         forward after a resume reads nothing back from the pool; not where a
         question of up to :data:`COMPILED_LAYER_MAX_TOKENS` tokens follows on
         the compiled decoder layers, which read the pool itself) through
-        one reused staging buffer (a fresh buffer per file paid a first-touch
-        page fault per 4 KiB: about 40 ms per 100 MB here); on CUDA that buffer
+        one staging buffer per reader, on a CPU allocated and touched when this object was made (a fresh
+        buffer per file paid a first-touch page fault per 4 KiB: about 40 ms per 100 MB here); on CUDA that buffer
         is pinned and the copy runs non-blocking on the thread's side stream
         (:mod:`kvchat.engine.device_copies`), joined before the pool is read. A corrupt or missing
         chunk ends the chain there: it and the chain's later chunks (recomputed, so
@@ -212,11 +219,16 @@ class KVPersist:
         staging = threading.local()
         capacity = self.layout.data_bytes(max(r.token_count for _, _, r in todo))  # read_chunk checks the counts
         copies = DeviceCopies(pool.k.device)
+        taken: list[torch.Tensor] = []  # the CPU staging buffers this restore's readers hold, given back at its end
 
         @torch.inference_mode()  # per thread: the dense copy may be an inference tensor, updated in place here
         def load(a: int, b: int, row: ChunkRow) -> None:
             if not hasattr(staging, "buf"):
-                staging.buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=copies.cuda)
+                if copies.cuda:
+                    staging.buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+                else:
+                    staging.buf = self._cpu_staging.get_nowait()  # one per reader: never empty here
+                    taken.append(staging.buf)
                 staging.lane = copies.lane()
             lo = max(a, first)
             staging.lane.wait_buffer_free()  # the previous chunk's copy out of this buffer is done
@@ -252,6 +264,8 @@ class KVPersist:
                     res.bytes_read += row.bytes
                     res.keys.append(row.key)
         finally:
+            for buf in taken:
+                self._cpu_staging.put(buf)
             torch.set_num_threads(threads)
             _READERS.release()
         copies.join()  # the main stream waits for every side stream's copies before the pool is read
