@@ -219,7 +219,7 @@ static inline __attribute__((always_inline)) void values_tile(const float *ph, c
   /* two queries at a time, 16 output values per register: each lane sums its own value over the tokens in order,
      as the 8-lane loop below does (same bits); each V vector is loaded once for both queries, and the two
      queries' accumulators make enough independent FMA chains to hide the FMA's latency */
-  for (; g + 2 <= G; g += 2) {
+  for (; NV % 2 == 0 && g + 2 <= G; g += 2) { /* 16-lane vectors: an even NV (the wrapper's D % 16 == 0) */
     const float *p0 = ph + g * Lmax + t0, *p1 = p0 + Lmax;
     __m512 a0[MAX_VEC / 2], a1[MAX_VEC / 2];
     for (int j = 0; j < NV / 2; ++j) a0[j] = a1[j] = _mm512_setzero_ps();

@@ -17,7 +17,8 @@ CPU has its flags and ``KVCHAT_CPU_KERNEL`` is not ``avx2`` (:func:`chosen_varia
 Where a library cannot be built or loaded (no compiler, no AVX2/FMA/F16C, no
 writable cache dir, no platformdirs) or ``KVCHAT_CPU_KERNEL=0``, :func:`load`
 returns None after one logged notice per library and the callers keep their
-torch code (an ``avx512`` build that fails falls back to ``avx2`` first). A build removes the libraries of
+torch code (an ``avx512`` build that fails falls back to ``avx2`` first, with one notice per library; a
+failed build is tried again by the next process). A build removes the libraries of
 earlier versions of its source.
 """
 
@@ -171,19 +172,20 @@ def load(source: Path, *also: Path, variant: str | None = None) -> ctypes.CDLL |
 def _load(source: Path, *also: Path, variant: str) -> ctypes.CDLL | None:
     if not settings.cpu_kernel_enabled():
         return None
-    failed = None
+    failed: list[str] = []  # each variant tried: why it did not load
     for name in dict.fromkeys((variant, "avx2")):  # an avx512 build that fails falls back to avx2
         try:
             lib = _load_variant(source, also, name)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = (getattr(exc, "stderr", None) or b"").decode(errors="replace").strip().splitlines()[:1]
-            failed = failed or f"{exc}{f': {detail[0]}' if detail else ''}"
+            failed.append(f"{name}: {exc}{f': {detail[0]}' if detail else ''}")
             continue
-        if name != variant:
+        if failed:
             _log.warning("kvchat: compiled CPU kernel %s: its %s build is unavailable (%s); its %s build runs",
-                         source.stem, variant, failed, name)
+                         source.stem, variant, failed[0], name)
         return lib
-    _log.warning("kvchat: compiled CPU kernel %s unavailable (%s); torch's code runs instead", source.stem, failed)
+    _log.warning("kvchat: compiled CPU kernel %s unavailable (%s); torch's code runs instead", source.stem,
+                 "; ".join(failed))
     return None
 
 

@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void channel2(const float *x, const
 }
 #endif
 
-/* Output channel n (and n + 1 too where built with KVCHAT_AVX512, for 4 or 8 rows, when n + 1 < n1) for ROWS rows
+/* Output channel n (and n + 1 too where built with KVCHAT_AVX512, for 4 to 8 rows, when n + 1 < n1) for ROWS rows
    from m; returns the channels done. */
 static inline __attribute__((always_inline)) int64_t channels(const float *x, const int8_t *q, const float *scale,
                                                              const float *offset, const float *xsum, float *y,
@@ -138,6 +138,8 @@ static inline __attribute__((always_inline)) int64_t channels(const float *x, co
     channel2(x, q, scale, offset, xsum, y, N, G, n, m, ROWS);
     return 2;
   }
+#else
+  (void)n1;
 #endif
   channel(x, q, scale, offset, xsum, y, N, G, n, m, ROWS);
   return 1;

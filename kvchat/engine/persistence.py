@@ -50,6 +50,12 @@ READ_THREADS = 4
 _READERS = threading.Lock()  # one restore's readers at a time: they set torch's thread count (see restore)
 
 
+def _reader_count() -> int:
+    """Reader threads of a restore: one per torch thread, 2 to :data:`READ_THREADS` (two even on one thread:
+    reads overlap checksums)."""
+    return max(2, min(READ_THREADS, torch.get_num_threads()))
+
+
 @dataclass(slots=True)
 class Link:
     """One chunk of a chain: tokens ``[start, end)`` under ``key``."""
@@ -147,12 +153,13 @@ class KVPersist:
         self.errors: list[str] = []
         self.evicted = Eviction()  # summed over the budget enforcements after each save (writer thread)
         self._queue: queue.Queue = queue.Queue()
-        # a CPU restore's staging buffers, one per reader, allocated and touched now: the first write into fresh
-        # pages costs a page fault per 4 KiB, measured at 11-14 ms for a reader's first 3.1 MB file against
-        # 0.5-0.9 ms into used pages (2 cores, in a fresh process); CUDA restores pin a buffer per reader instead
+        # a CPU restore's staging buffers, one per reader (_reader_count), allocated and touched now: the first
+        # write into fresh pages costs a page fault per 4 KiB, measured at 11-14 ms for a reader's first 3.1 MB
+        # file against 0.5-0.9 ms into used pages (2 cores, in a fresh process); CUDA restores pin a buffer per
+        # reader instead. A restore with more readers than buffers (more threads since) allocates the others.
         self._cpu_staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         if engine.pool.k.device.type == "cpu":
-            for _ in range(READ_THREADS):
+            for _ in range(_reader_count()):
                 self._cpu_staging.put(torch.empty(self.layout.data_bytes(CHUNK_TOKENS), dtype=torch.uint8).fill_(0))
         # the index is opened by its first use (~25 ms): a resuming front-end has already looked the chat
         # up on this thread, and bad input refused before any turn leaves no database behind
@@ -227,7 +234,10 @@ class KVPersist:
                 if copies.cuda:
                     staging.buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
                 else:
-                    staging.buf = self._cpu_staging.get_nowait()  # one per reader: never empty here
+                    try:
+                        staging.buf = self._cpu_staging.get_nowait()
+                    except queue.Empty:  # more readers than when this object was made
+                        staging.buf = torch.empty(self.layout.data_bytes(CHUNK_TOKENS), dtype=torch.uint8)  # kept: any chunk fits
                     taken.append(staging.buf)
                 staging.lane = copies.lane()
             lo = max(a, first)
@@ -245,7 +255,7 @@ class KVPersist:
             # several files in flight: reads overlap checksums and faults. Each reader runs its copies on one
             # thread: the readers already fill the cores, and a pool of OpenMP workers per reader would oversubscribe
             # them (kvchat.cpu_threads.on_own_thread); measured, 4,096 tokens warm: 58-64 ms median vs 67-77 ms
-            readers = max(2, min(READ_THREADS, threads))  # two even on one thread: reads overlap checksums
+            readers = _reader_count()
             with ThreadPoolExecutor(readers, initializer=torch.set_num_threads, initargs=(1,)) as ex:
                 futures = [ex.submit(load, *item) for item in todo]
                 for k, ((_, b, row), fut) in enumerate(zip(todo, futures)):

@@ -17,6 +17,7 @@ import transformers
 from kvchat import kernels
 from kvchat.engine import dense_kv
 from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine import persistence
 from kvchat.engine.persistence import CHUNK_TOKENS, KVPersist
 from kvchat.model.config import ModelConfig
 from kvchat.engine.runner import Engine
@@ -278,3 +279,43 @@ def test_the_engines_copy_is_allocated_for_its_context_at_load(monkeypatch):
     monkeypatch.setattr(dense_kv, "PREALLOCATE_BYTES", small)
     capped = dense_kv.DenseKV(engine.pool, engine.blocks)
     assert capped.preallocate(engine.max_context) == dense_kv.MIN_CAPACITY < engine.max_context
+
+
+def _drain(q) -> list[torch.Tensor]:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def test_a_cpu_restore_reads_through_the_staging_buffers_made_with_the_store(monkeypatch):
+    """The buffers are made (and touched) with the store, one per reader, lent to the readers and given back; a
+    restore with more readers than buffers makes the others, big enough for any chunk, and keeps them."""
+    _saved("fp8")
+    seen: list[int] = []
+    real = persistence.read_row
+    monkeypatch.setattr(persistence, "read_row", lambda row, layout, out=None: (
+        seen.append(out.data_ptr()), real(row, layout, out=out))[1])
+    full = CHUNK_TOKENS
+    engine = _engine("fp8", pool_bytes=8 * 2**20)
+    persist = KVPersist(engine)
+    made = _drain(persist._cpu_staging)
+    assert len(made) == persistence._reader_count()
+    assert all(b.numel() == persist.layout.data_bytes(full) and not b.any() for b in made)
+    for b in made:
+        persist._cpu_staging.put(b)
+    ids = _restore_ids() + QUESTION
+    assert persist.restore(SeqBlocks(), ids).from_disk == RESTORE_TOKENS
+    assert len(seen) == 2 and set(seen) <= {b.data_ptr() for b in made}
+    assert sorted(b.data_ptr() for b in _drain(persist._cpu_staging)) == sorted(b.data_ptr() for b in made)
+    persist.close()
+
+    seen.clear()
+    other = KVPersist(_engine("fp8", pool_bytes=8 * 2**20))
+    drained = _drain(other._cpu_staging)  # none left: as if more readers ran than were made (kept alive: new
+    gone = {b.data_ptr() for b in drained}  # buffers cannot take their addresses)
+    assert other.restore(SeqBlocks(), ids).from_disk == RESTORE_TOKENS
+    kept = _drain(other._cpu_staging)
+    assert 1 <= len(kept) <= 2 and {b.data_ptr() for b in kept} == set(seen) and not set(seen) & gone
+    assert all(b.numel() == other.layout.data_bytes(full) for b in kept)
+    other.close()

@@ -5,19 +5,20 @@ Covers the int8 matmul (row counts 1-17, channel counts with odd tails), the pag
 (fp8, bf16, fp16 pools; head dims 16, 32, 64, 128; odd and even query heads per KV head; lengths around the
 128-token ranges; with and without the exact sink) and a random-weight engine's compiled chunk and decode
 step (fp8 and bf16 pools, 3 query heads per KV head): their hidden states, logits and every pool byte.
-The build that ran is saved under ``"variant"``.
+The libraries that ran are saved by file name under ``"libraries"`` (their names say the build).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import transformers
 
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.runner import Engine
-from kvchat.kernels import cpu_attention, cpu_build, cpu_int8
+from kvchat.kernels import cpu_attention, cpu_decode, cpu_int8
 from kvchat.kernels import reference as ref
 from kvchat.model.config import ModelConfig
 
@@ -84,10 +85,11 @@ def _engine(out: dict) -> None:
 
 
 def main(path: str) -> None:
-    out: dict = {"variant": cpu_build.chosen_variant()}
+    out: dict = {}
     _int8(out)
     _attention(out)
     _engine(out)
+    out["libraries"] = sorted(Path(m._library()._name).name for m in (cpu_int8, cpu_attention, cpu_decode))
     torch.save(out, path)
 
 
