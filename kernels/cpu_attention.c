@@ -8,35 +8,38 @@
                         does (same bits: per token and KV head absmax / 448, x / scale clamped to +-448, round
                         to nearest even, NaN and inf as torch's ops give them; 16-bit pools a
                         round-to-nearest-even cast). Slots must lie in the pool (the Python wrapper checks).
-   kvchat_paged_scores: s[r, h, g, t] = sm_scale * (q[r, h, g] . k[r, h, t]) for t < L_rg, -inf up to Lmax
-   kvchat_paged_values: o[r, h, g]    = sum_t p[r, h, g, t] * v[r, h, t]
-   The softmax between the two passes is the caller's, with p = 0 past L_rg (the values pass still multiplies
-   those zeros by the V of the later tokens up to L_r: a NaN or inf there reaches the earlier tokens' output,
-   as in a masked matmul).
+   kvchat_paged_attention: o[r, h, g] = softmax_t(sm_scale * q[r, h, g] . k[r, h, t]) v[r, h, t] over t < L_rg
 
    q      float32 [R, H, G, D] contiguous (R sequences, H KV heads, G queries per KV head). The G queries of a
           KV head are T consecutive tokens of G / T query heads each (GQA), token-major: query g is token
           g / (G / T) of the T newest and sees L_rg = L_r - T + 1 + g / (G / T) tokens (causal). A decode step
           has T = 1; a short chunk of one sequence (T > 1) reads each K/V range once for all its tokens.
-   s, p   float32 [R, H, G, Lmax] contiguous
-   o      float32 [R, H, G, D] contiguous
+   o      float32 [R, H, G, D] contiguous; zeros for a query that sees no token (L_rg <= 0)
    table  int32, row r at table + r * table_stride; lens int32 [R] (L_r, the T new tokens included)
    sink   float32 exact position-0 K (or V) of row r at sink + r * sink_stride, [H, D] contiguous; NULL: none
-   tile   float32 scratch of threads * H * SPLIT * (D + 1): per thread H * SPLIT * D values, then H * SPLIT factors; work float32 [R * ceil(Lmax / SPLIT), H, G, D] scratch
+   tile   float32 scratch, kvchat_attention_tile_floats of it: per thread H * SPLIT * D values, H * SPLIT factors, then
+          H * G * SPLIT scores
+   work   float32 scratch, kvchat_attention_work_floats of it: per range [H, G, D] partial outputs, then per range
+          [H, G, 2] the scores' max and the sum of their exps
 
-   D is a multiple of 16 and at most 8 * MAX_VEC (kvchat_decode_limits says both).
+   D is a multiple of 16 and at most 8 * MAX_VEC (kvchat_attention_max_head_dim).
 
-   Both passes split each row's tokens into fixed SPLIT-token ranges, all KV heads in one task, shared by an
-   OpenMP team of `threads` (so the two cores stay busy for 3 KV heads). A task first converts its range to
-   float32 in a tile (fp8: the byte as float16 bits, i.e. value * 2**-8 / scale; the factor 2**8 * scale is
-   applied after the dot product in the scores pass and folded into p in the values pass), then runs 8-lane
-   loops over the tile. Every table row must hold ceil(L_r / BS) valid blocks (the wrapper checks the width). The values pass sums
-   each range's partial output into `work`, then adds the ranges in order: a query's bits depend on L_r, T and
-   its index alone, never on the thread count or on the other rows (split-K as in FlashDecoding, Dao et al. 2023, without its
-   rescaling since the softmax is done first).
+   Each row's tokens split into fixed SPLIT-token ranges, one task per range with all KV heads, shared by an
+   OpenMP team of `threads` (so the two cores stay busy for 3 KV heads). A task converts its range's K to float32
+   in a tile (fp8: the byte as float16 bits, i.e. value * 2**-8 / scale; the factor 2**8 * scale is applied after
+   the dot product), scores every query against it (8-lane loops), takes each query's max m over the range and
+   p = exp(s - m) in place (zero past L_rg), converts the range's V into the same tile (the factor folded into p)
+   and sums p * v into the range's partial output, beside m and the sum l of p. Then each query's ranges merge in
+   order: out = sum_i e_i o_i / sum_i e_i l_i with e_i = exp(m_i - max_i m_i). This is split-K attention with
+   the online softmax's rescaling (FlashDecoding: Dao, Haziza, Massa, Sizov 2023; the rescaling from Milakov and
+   Gimelshein 2018): the scores never leave the thread's cache (at a 15-token question over 4,096 tokens they
+   were 2.2 MB a layer, written, normalised and read back by three passes). A query's bits depend on L_r, T and
+   its index alone, never on the thread count or on the other rows. A NaN or inf in a V row the query does not
+   see but its range holds reaches its output (0 * inf), as in a masked matmul. Every table row must hold
+   ceil(L_r / BS) valid blocks (the wrapper checks the width).
 
-   Built with KVCHAT_AVX512 (cpu_build.py's avx512 variant): the scores pass runs two queries per 16-lane register,
-   each half doing the 8-lane loop's operations in its order; the values pass two queries at a time, 16 output values
+   Built with KVCHAT_AVX512 (cpu_build.py's avx512 variant): the scores run two queries per 16-lane register,
+   each half doing the 8-lane loop's operations in its order; the values two queries at a time, 16 output values
    per register, each lane its own sum over the tokens in order; fp8 converts 32 values a step (an exact conversion). The bits equal
    the AVX2 build's. */
 
@@ -55,10 +58,17 @@
 #define FP8_MAX 448.0f
 #define FP8_EPS 1e-6f
 
-/* SPLIT and the largest D, for the caller's scratch sizes and checks. */
-void kvchat_decode_limits(int64_t *split, int64_t *max_head_dim) {
-  *split = SPLIT;
-  *max_head_dim = 8 * MAX_VEC;
+/* The largest D, for the caller's checks. */
+int64_t kvchat_attention_max_head_dim(void) { return 8 * MAX_VEC; }
+
+/* Floats of kvchat_paged_attention's tile scratch (H KV heads of G queries, head_dim D, on `threads` threads) and
+   work scratch (R rows of at most Lmax tokens). */
+int64_t kvchat_attention_tile_floats(int64_t H, int64_t G, int64_t D, int threads) {
+  return (int64_t)threads * SPLIT * (H * (D + 1 + G) + D);
+}
+
+int64_t kvchat_attention_work_floats(int64_t R, int64_t H, int64_t G, int64_t D, int64_t Lmax) {
+  return R * ((Lmax + SPLIT - 1) / SPLIT) * H * G * (D + 2);
 }
 
 
@@ -136,201 +146,238 @@ static void load_tile(const uint8_t *cache, const float *scale, const int32_t *t
   }
 }
 
-/* The 8 lane sums of a0..a7, in order. */
-static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
-                             __m256 a7) {
-  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-}
-
-/* Scores of G query rows over n tile tokens, 8 tokens at a time (one lane reduction per 8), then the
-   rest one at a time. NV = D / 8 is a compile-time constant in the specialised copies below. */
-static inline __attribute__((always_inline)) void scores_tile(const float *qh, const float *tile,
-                                                             const float *factor, float *sh, int64_t G,
-                                                             int64_t Lmax, int64_t t0, int64_t n, float sm_scale,
-                                                             const int NV) {
-  const __m256 sm = _mm256_set1_ps(sm_scale);
-  int64_t g = 0;
+/* The scores and values loops on W-lane vectors: 8 (AVX2) or 16 (the avx512 build). Every lane does the same
+   operations in the same order in both, so the bits do not depend on the build. */
 #ifdef KVCHAT_AVX512
-  /* queries g and g + 1 in the low and high halves of 16-lane registers, each half doing the 8-lane loop below
-     in the same order (same bits), every K vector loaded once for both */
-  for (; g + 2 <= G; g += 2) {
-    const float *qg = qh + g * NV * 8;
-    __m512 qv[MAX_VEC];
-    for (int j = 0; j < NV; ++j)
-      qv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qg + 8 * j)), _mm256_loadu_ps(qg + NV * 8 + 8 * j), 1);
-    float *out = sh + g * Lmax + t0;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const float *kt = tile + i * NV * 8;
-      __m512 a[8];
-      for (int u = 0; u < 8; ++u) a[u] = _mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(kt + u * NV * 8)), qv[0]);
-      for (int j = 1; j < NV; ++j)
-        for (int u = 0; u < 8; ++u)
-          a[u] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(kt + u * NV * 8 + 8 * j)), qv[j], a[u]);
-      const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(factor + i), sm);
-#define LO(u) _mm512_castps512_ps256(a[u])
-#define HI(u) _mm512_extractf32x8_ps(a[u], 1)
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8x8(LO(0), LO(1), LO(2), LO(3), LO(4), LO(5), LO(6), LO(7)), f));
-      _mm256_storeu_ps(out + Lmax + i, _mm256_mul_ps(hsum8x8(HI(0), HI(1), HI(2), HI(3), HI(4), HI(5), HI(6), HI(7)), f));
-#undef LO
-#undef HI
-    }
-    for (; i < n; ++i) {
-      const float *kt = tile + i * NV * 8;
-      __m512 a = _mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(kt)), qv[0]);
-      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(kt + 8 * j)), qv[j], a);
-      out[i] = hsum8(_mm512_castps512_ps256(a)) * (factor[i] * sm_scale);
-      out[Lmax + i] = hsum8(_mm512_extractf32x8_ps(a, 1)) * (factor[i] * sm_scale);
-    }
-  }
+#define W 16
+typedef __m512 vec;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vzero _mm512_setzero_ps
+#else
+#define W 8
+typedef __m256 vec;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vzero _mm256_setzero_ps
 #endif
-  for (; g < G; ++g) {
-    const float *qg = qh + g * NV * 8;
-    float *out = sh + g * Lmax + t0;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const float *kt = tile + i * NV * 8;
-      __m256 a[8];
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(kt + u * NV * 8), _mm256_loadu_ps(qg));
-      for (int j = 1; j < NV; ++j) {
-        const __m256 qj = _mm256_loadu_ps(qg + 8 * j);
-        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kt + u * NV * 8 + 8 * j), qj, a[u]);
-      }
-      const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(factor + i), sm);
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), f));
-    }
-    for (; i < n; ++i) {
-      const float *kt = tile + i * NV * 8;
-      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(kt), _mm256_loadu_ps(qg));
-      for (int j = 1; j < NV; ++j) a = _mm256_fmadd_ps(_mm256_loadu_ps(kt + 8 * j), _mm256_loadu_ps(qg + 8 * j), a);
-      out[i] = hsum8(a) * (factor[i] * sm_scale);
-    }
-  }
-}
+#define BLOCK 32 /* tokens per scores block, values per values block (a multiple of 16; SPLIT a multiple of it) */
+#define QB 3     /* queries per block: 3 * BLOCK / 8 = 12 of AVX2's 16 registers accumulate */
 
-/* The unnormalised partial output of G query rows over n tile tokens into out [G, D]. */
-static inline __attribute__((always_inline)) void values_tile(const float *ph, const float *tile,
-                                                             const float *factor, float *out, int64_t G,
-                                                             int64_t Lmax, int64_t t0, int64_t n, const int NV) {
-  int64_t g = 0;
-#ifdef KVCHAT_AVX512
-  /* two queries at a time, 16 output values per register: each lane sums its own value over the tokens in order,
-     as the 8-lane loop below does (same bits); each V vector is loaded once for both queries, and the two
-     queries' accumulators make enough independent FMA chains to hide the FMA's latency */
-  for (; NV % 2 == 0 && g + 2 <= G; g += 2) { /* 16-lane vectors: an even NV (the wrapper's D % 16 == 0) */
-    const float *p0 = ph + g * Lmax + t0, *p1 = p0 + Lmax;
-    __m512 a0[MAX_VEC / 2], a1[MAX_VEC / 2];
-    for (int j = 0; j < NV / 2; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const float *vt = tile + i * NV * 8;
-      const __m512 w0 = _mm512_set1_ps(p0[i] * factor[i]), w1 = _mm512_set1_ps(p1[i] * factor[i]);
-      for (int j = 0; j < NV / 2; ++j) {
-        const __m512 v = _mm512_loadu_ps(vt + 16 * j);
-        a0[j] = _mm512_fmadd_ps(w0, v, a0[j]);
-        a1[j] = _mm512_fmadd_ps(w1, v, a1[j]);
+/* Rows [0, n) of one head's tile [SPLIT, D] transposed into kt [D, SPLIT], 8 x 8 at a time (n a multiple of 8). */
+static void transpose_tile(const float *tile, float *kt, int64_t D, int64_t n) {
+  for (int64_t t = 0; t < n; t += 8)
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 r[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(tile + (t + i) * D + d);
+      for (int i = 0; i < 8; i += 2) {
+        u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
+      }
+      /* r[0..3]: columns 0, 1, 2, 3 of rows 0-3 (low) and 4-7 of the same rows (high); r[4..7] of rows 4-7 */
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(kt + (d + i) * SPLIT + t, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(kt + (d + i + 4) * SPLIT + t, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
       }
     }
-    for (int j = 0; j < NV / 2; ++j) {
-      _mm512_storeu_ps(out + g * NV * 8 + 16 * j, a0[j]);
-      _mm512_storeu_ps(out + (g + 1) * NV * 8 + 16 * j, a1[j]);
+}
+
+/* Scores of NQ queries qh [NQ, D] over BLOCK tokens of kt [D, SPLIT] into sh [NQ, SPLIT]: each token a lane, its
+   sum over d in order (d = 0 first), times factor * sm_scale. */
+static inline __attribute__((always_inline)) void scores_block(const float *qh, const float *kt, const float *factor,
+                                                              float *sh, int64_t D, float sm_scale, const int NQ) {
+  vec a[QB][BLOCK / W];
+  for (int g = 0; g < NQ; ++g)
+    for (int j = 0; j < BLOCK / W; ++j) a[g][j] = vzero();
+  for (int64_t d = 0; d < D; ++d) {
+    vec k[BLOCK / W];
+    for (int j = 0; j < BLOCK / W; ++j) k[j] = vload(kt + d * SPLIT + j * W);
+    for (int g = 0; g < NQ; ++g) {
+      const vec b = vset1(qh[g * D + d]);
+      for (int j = 0; j < BLOCK / W; ++j) a[g][j] = vfma(b, k[j], a[g][j]);
     }
   }
-#endif
-  for (; g < G; ++g) {
-    const float *pg = ph + g * Lmax + t0;
-    __m256 acc[MAX_VEC];
-    for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const float *vt = tile + i * NV * 8;
-      const __m256 w = _mm256_set1_ps(pg[i] * factor[i]);
-      for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), acc[j]);
-    }
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + g * NV * 8 + 8 * j, acc[j]);
+  for (int j = 0; j < BLOCK / W; ++j) {
+    const vec f = vmul(vload(factor + j * W), vset1(sm_scale));
+    for (int g = 0; g < NQ; ++g) vstore(sh + g * SPLIT + j * W, vmul(a[g][j], f));
   }
 }
 
-#define BY_NV(call_with_nv)           \
-  switch (nv) {                       \
-    case 8: call_with_nv(8); break;   \
-    case 16: call_with_nv(16); break; \
-    default: call_with_nv(nv);        \
+/* One head's scores: G queries qh [G, D] over the range's tokens [0, n) (up to a multiple of BLOCK: the extra
+   entries are never read) of kt [D, SPLIT] into sh [G, SPLIT]. */
+static void scores_head(const float *qh, const float *kt, const float *factor, float *sh, int64_t G, int64_t D,
+                        int64_t n, float sm_scale) {
+  for (int64_t t = 0; t < n; t += BLOCK) {
+    int64_t g = 0;
+    for (; g + QB <= G; g += QB) scores_block(qh + g * D, kt + t, factor + t, sh + g * SPLIT + t, D, sm_scale, QB);
+    for (; g < G; ++g) scores_block(qh + g * D, kt + t, factor + t, sh + g * SPLIT + t, D, sm_scale, 1);
   }
+}
 
-/* One task of either pass: row r, tokens [t0, t1) of that row (t1 clipped to L_r, so t1 <= t0 for a range
-   past the row's end), with the row's block table and sink and the calling thread's tile. */
+/* Values [d0, d0 + NV * W) of NQ queries' outputs out [NQ, D]: sum over tokens t < n in order of ph [NQ, SPLIT]
+   (p times the token's factor) * tile [SPLIT, D]. */
+static inline __attribute__((always_inline)) void values_block(const float *ph, const float *tile, float *out,
+                                                              int64_t D, int64_t n, const int NQ, const int NV) {
+  vec a[QB][BLOCK / W];
+  for (int g = 0; g < NQ; ++g)
+    for (int j = 0; j < NV; ++j) a[g][j] = vzero();
+  for (int64_t t = 0; t < n; ++t) {
+    vec v[BLOCK / W];
+    for (int j = 0; j < NV; ++j) v[j] = vload(tile + t * D + j * W);
+    for (int g = 0; g < NQ; ++g) {
+      const vec b = vset1(ph[g * SPLIT + t]);
+      for (int j = 0; j < NV; ++j) a[g][j] = vfma(b, v[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < NQ; ++g)
+    for (int j = 0; j < NV; ++j) vstore(out + g * D + j * W, a[g][j]);
+}
+
+/* One head's partial outputs out [G, D] over the range's n tokens: weights ph [G, SPLIT], V rows tile [SPLIT, D]
+   (D a multiple of 16: BLOCK values at a time, then 16). */
+static void values_head(const float *ph, const float *tile, float *out, int64_t G, int64_t D, int64_t n) {
+  for (int64_t d = 0; d < D; d += BLOCK) {
+    const int full = d + BLOCK <= D;
+    int64_t g = 0;
+    for (; g + QB <= G; g += QB)
+      full ? values_block(ph + g * SPLIT, tile + d, out + g * D + d, D, n, QB, BLOCK / W)
+           : values_block(ph + g * SPLIT, tile + d, out + g * D + d, D, n, QB, 16 / W);
+    for (; g < G; ++g)
+      full ? values_block(ph + g * SPLIT, tile + d, out + g * D + d, D, n, 1, BLOCK / W)
+           : values_block(ph + g * SPLIT, tile + d, out + g * D + d, D, n, 1, 16 / W);
+  }
+}
+
+/* One task: row r, tokens [t0, t1) of that row (t1 clipped to L_r, so t1 <= t0 for a range past the row's end),
+   with the row's block table and the calling thread's tile, factors and scores. */
 typedef struct {
   int64_t r, t0, t1;
   const int32_t *table;
-  const float *sink;
-  float *tile, *factor;
+  float *tile, *factor, *p, *kt;
 } Task;
 
-static inline Task task_at(int64_t task, int64_t ranges, int64_t H, int64_t D, const int32_t *lens,
-                           const int32_t *table, int64_t table_stride, const float *sink, int64_t sink_stride,
-                           float *tile) {
+static inline Task task_at(int64_t task, int64_t ranges, int64_t H, int64_t G, int64_t D, const int32_t *lens,
+                           const int32_t *table, int64_t table_stride, float *tile) {
   Task k;
   k.r = task / ranges;
   k.t0 = (task % ranges) * SPLIT;
   k.t1 = k.t0 + SPLIT < lens[k.r] ? k.t0 + SPLIT : lens[k.r];
   k.table = table + k.r * table_stride;
-  k.sink = sink == NULL ? NULL : sink + k.r * sink_stride;
-  k.tile = tile + (int64_t)omp_get_thread_num() * H * SPLIT * (D + 1);
+  k.tile = tile + (int64_t)omp_get_thread_num() * SPLIT * (H * (D + 1 + G) + D);
   k.factor = k.tile + H * SPLIT * D;
+  k.p = k.factor + H * SPLIT;
+  k.kt = k.p + H * G * SPLIT;
   return k;
 }
 
-#define SCORES(NV) scores_tile(q + (k.r * H + h) * G * D, k.tile + h * SPLIT * D, k.factor + h * SPLIT, sh, G, Lmax, k.t0, k.t1 - k.t0, \
-                               sm_scale, NV)
-#define VALUES(NV) values_tile(p + (k.r * H + h) * G * Lmax, k.tile + h * SPLIT * D, k.factor + h * SPLIT, work + (task * H + h) * G * D, \
-                               G, Lmax, k.t0, k.t1 - k.t0, NV)
-/* SCORES and VALUES are used by the two passes below. */
-
-void kvchat_paged_scores(const float *q, const uint8_t *k_cache, const float *k_scale, const int32_t *table,
-                         int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
-                         float *s, float *tile, int64_t R, int64_t H, int64_t G, int64_t T, int64_t D,
-                         int64_t BS, int64_t Lmax, float sm_scale, int kind, int threads) {
-  const int64_t ranges = (Lmax + SPLIT - 1) / SPLIT, per_token = G / T;
-  const int nv = (int)(D / 8);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t task = 0; task < R * ranges; ++task) {
-    const Task k = task_at(task, ranges, H, D, lens, table, table_stride, sink, sink_stride, tile);
-    if (k.t0 < k.t1) load_tile(k_cache, k_scale, k.table, k.sink, BS, H, D, kind, k.t0, k.t1, lens[k.r], k.tile, k.factor);
-    for (int64_t h = 0; h < H; ++h) {
-      float *sh = s + (k.r * H + h) * G * Lmax;
-      if (k.t0 < k.t1) BY_NV(SCORES)
-      for (int64_t g = 0; g < G; ++g) { /* past the query's own length: nothing to attend to */
-        const int64_t seen = lens[k.r] - T + 1 + g / per_token, from = k.t0 > seen ? k.t0 : seen;
-        for (int64_t t = from; t < k.t0 + SPLIT && t < Lmax; ++t) sh[g * Lmax + t] = -INFINITY;
-      }
-    }
+/* One query's n scores x of a range in place: p = exp(x - m) for the first `seen` (m their max), 0 after;
+   stat = (m, sum of p), (-inf, 0) when seen <= 0. */
+static void range_softmax(float *x, int64_t n, int64_t seen, float *stat) {
+  if (seen > n) seen = n;
+  if (seen <= 0) {
+    for (int64_t i = 0; i < n; ++i) x[i] = 0.0f;
+    stat[0] = -INFINITY;
+    stat[1] = 0.0f;
+    return;
   }
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < seen; i += 8) m = _mm256_max_ps(m, load_part(x, i, seen, -INFINITY));
+  float mx = -INFINITY, t[8];
+  _mm256_storeu_ps(t, m);
+  for (int j = 0; j < 8; ++j) mx = t[j] > mx ? t[j] : mx;
+  const __m256 vm = _mm256_set1_ps(mx);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(load_part(x, i, n, mx), vm));
+    if (i + 8 > seen) /* lanes past `seen` (or padding past n): zero */
+      e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(seen - i)), lane)));
+    sum = _mm256_add_ps(sum, e);
+    store_part(x, i, n, e);
+  }
+  stat[0] = mx;
+  stat[1] = hsum8(sum);
 }
 
-void kvchat_paged_values(const float *p, const uint8_t *v_cache, const float *v_scale, const int32_t *table,
-                         int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
-                         float *o, float *work, float *tile, int64_t R, int64_t H, int64_t G, int64_t D,
-                         int64_t BS, int64_t Lmax, int kind, int threads) {
-  const int64_t ranges = (Lmax + SPLIT - 1) / SPLIT;
-  const int nv = (int)(D / 8);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t task = 0; task < R * ranges; ++task) {
-    const Task k = task_at(task, ranges, H, D, lens, table, table_stride, sink, sink_stride, tile);
-    if (k.t0 >= k.t1) continue;
-    load_tile(v_cache, v_scale, k.table, k.sink, BS, H, D, kind, k.t0, k.t1, lens[k.r], k.tile, k.factor);
-    for (int64_t h = 0; h < H; ++h) BY_NV(VALUES)
-  }
-  for (int64_t r = 0; r < R; ++r) { /* each range's partial output, added in order */
-    const int64_t used = (lens[r] + SPLIT - 1) / SPLIT;
-    for (int64_t hg = 0; hg < H * G; ++hg) {
-      float *out = o + (r * H * G + hg) * D;
-      const float *part = work + (r * ranges * H * G + hg) * D;
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 sum = used > 0 ? _mm256_loadu_ps(part + d) : _mm256_setzero_ps();
-        for (int64_t i = 1; i < used; ++i) sum = _mm256_add_ps(sum, _mm256_loadu_ps(part + i * H * G * D + d));
-        _mm256_storeu_ps(out + d, sum);
+/* x[i] *= factor[i] for i < n: a query's p times the V tile's factors. */
+static void scale_by(float *x, const float *factor, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) store_part(x, i, n, _mm256_mul_ps(load_part(x, i, n, 0.0f), load_part(factor, i, n, 0.0f)));
+}
+
+/* Query (r, hg)'s output from its `used` ranges' partials (stride HG * D floats) and stats (stride HG * 2), as the
+   module comment says; zeros when no range saw a token. */
+static void merge_ranges(const float *part, const float *stat, int64_t used, int64_t HG, int64_t D, float *out) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < used; ++i) mx = stat[i * HG * 2] > mx ? stat[i * HG * 2] : mx;
+  __m256 acc[MAX_VEC];
+  for (int64_t j = 0; j < D / 8; ++j) acc[j] = _mm256_setzero_ps();
+  float total = 0.0f;
+  if (mx != -INFINITY)
+    for (int64_t i0 = 0; i0 < used; i0 += 8) { /* the ranges' weights e_i, 8 at a time */
+      float m[8], e[8];
+      for (int j = 0; j < 8; ++j) m[j] = i0 + j < used ? stat[(i0 + j) * HG * 2] - mx : -INFINITY;
+      _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(m)));
+      for (int j = 0; j < 8 && i0 + j < used; ++j) {
+        if (stat[(i0 + j) * HG * 2] == -INFINITY) continue; /* a range the query does not see */
+        const float *pi = part + (i0 + j) * HG * D;
+        const __m256 w = _mm256_set1_ps(e[j]);
+        for (int64_t d = 0; d < D / 8; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(pi + 8 * d), acc[d]);
+        total += e[j] * stat[(i0 + j) * HG * 2 + 1];
       }
+    }
+  const __m256 inv = _mm256_set1_ps(mx == -INFINITY ? 0.0f : 1.0f / total);
+  for (int64_t d = 0; d < D / 8; ++d) _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], inv));
+}
+
+void kvchat_paged_attention(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const float *k_scale,
+                            const float *v_scale, const int32_t *table, int64_t table_stride, const int32_t *lens,
+                            const float *sink_k, const float *sink_v, int64_t sink_stride, float *o, float *work,
+                            float *tile, int64_t R, int64_t H, int64_t G, int64_t T, int64_t D, int64_t BS,
+                            int64_t Lmax, float sm_scale, int kind, int threads) {
+  const int64_t ranges = (Lmax + SPLIT - 1) / SPLIT, per_token = G / T, HG = H * G;
+  float *part = work, *stats = work + R * ranges * HG * D;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < R * ranges; ++task) {
+      const Task k = task_at(task, ranges, H, G, D, lens, table, table_stride, tile);
+      if (k.t0 >= k.t1) continue;
+      const int64_t n = k.t1 - k.t0, L = lens[k.r];
+      load_tile(k_cache, k_scale, k.table, sink_k == NULL ? NULL : sink_k + k.r * sink_stride, BS, H, D, kind, k.t0,
+                k.t1, L, k.tile, k.factor);
+      const int64_t blocks = (n + BLOCK - 1) / BLOCK * BLOCK; /* the scores' tokens: whole blocks */
+      for (int64_t h = 0; h < H; ++h) {
+        float *ph = k.p + h * G * SPLIT;
+        transpose_tile(k.tile + h * SPLIT * D, k.kt, D, blocks);
+        scores_head(q + (k.r * H + h) * G * D, k.kt, k.factor + h * SPLIT, ph, G, D, n, sm_scale);
+        for (int64_t g = 0; g < G; ++g)
+          range_softmax(ph + g * SPLIT, n, L - T + 1 + g / per_token - k.t0, stats + (task * HG + h * G + g) * 2);
+      }
+      load_tile(v_cache, v_scale, k.table, sink_v == NULL ? NULL : sink_v + k.r * sink_stride, BS, H, D, kind, k.t0,
+                k.t1, L, k.tile, k.factor);
+      for (int64_t h = 0; h < H; ++h) {
+        float *ph = k.p + h * G * SPLIT;
+        for (int64_t g = 0; g < G; ++g) scale_by(ph + g * SPLIT, k.factor + h * SPLIT, n);
+        values_head(ph, k.tile + h * SPLIT * D, part + (task * H + h) * G * D, G, D, n);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t rhg = 0; rhg < R * HG; ++rhg) {
+      const int64_t r = rhg / HG, hg = rhg % HG;
+      merge_ranges(part + (r * ranges * HG + hg) * D, stats + (r * ranges * HG + hg) * 2, (lens[r] + SPLIT - 1) / SPLIT,
+                   HG, D, o + rhg * D);
     }
   }
 }

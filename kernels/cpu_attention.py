@@ -49,26 +49,22 @@ def _library() -> ctypes.CDLL | None:
     lib = load_library(SOURCE)
     if lib is not None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        for fn in (lib.kvchat_paged_scores, lib.kvchat_paged_values, lib.kvchat_paged_write, lib.kvchat_decode_limits):
+        for fn in (lib.kvchat_paged_attention, lib.kvchat_paged_write):
             fn.restype = None
-        lib.kvchat_paged_scores.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64, ptr, ptr] + [i64] * 7 + [ctypes.c_float, i32, i32]
-        lib.kvchat_paged_values.argtypes = [ptr] * 4 + [i64, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 6 + [i32, i32]
+        lib.kvchat_paged_attention.argtypes = [ptr] * 6 + [i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 7 + [
+            ctypes.c_float, i32, i32]
         lib.kvchat_paged_write.argtypes = [ptr] * 7 + [i64] * 3 + [i32]
-        lib.kvchat_decode_limits.argtypes = [ctypes.POINTER(i64)] * 2
+        lib.kvchat_attention_max_head_dim.restype = lib.kvchat_attention_tile_floats.restype = i64
+        lib.kvchat_attention_work_floats.restype = i64
+        lib.kvchat_attention_max_head_dim.argtypes = []
+        lib.kvchat_attention_tile_floats.argtypes = [i64, i64, i64, i32]
+        lib.kvchat_attention_work_floats.argtypes = [i64] * 5
     return lib
 
 
 def available() -> bool:
     """Whether the compiled kernels are usable in this process (built or found on first call)."""
     return _library() is not None
-
-
-@functools.cache
-def _limits() -> tuple[int, int]:
-    """``(tokens per task, largest head_dim)`` as the C source defines them."""
-    split, dim = ctypes.c_int64(), ctypes.c_int64()
-    _library().kvchat_decode_limits(ctypes.byref(split), ctypes.byref(dim))
-    return split.value, dim.value
 
 
 def takes_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
@@ -81,7 +77,7 @@ def takes_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tens
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return False
     d = k_cache.shape[3]
-    if d % 16 or _library() is None or d > _limits()[1]:
+    if d % 16 or _library() is None or d > _library().kvchat_attention_max_head_dim():
         return False
     if k_cache.dtype != FP8_DTYPE:
         return True
@@ -123,8 +119,9 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     exact position-0 ``sink``); ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (float32 math), zeros
     for a sequence of length 0.
 
-    The softmax runs over each row's own ``L_r`` scores, so a row's bits depend on its length alone
-    (torch's softmax takes another path for rows under 16 elements, and the padding would pick it).
+    One pass over the pool: each 128-token range's scores, softmax and values in the thread's cache, the ranges
+    merged with the online softmax's rescaling (``cpu_attention.c`` says how), so a row's bits depend on its length
+    alone.
 
     Raises:
         ValueError: inputs :func:`takes_decode` refuses, or a length the block table cannot cover
@@ -134,7 +131,6 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"cpu decode attention: query {tuple(query.shape)} {query.dtype}, pool "
                          f"{tuple(k_cache.shape)} {k_cache.dtype}: not what the kernel takes (or it is not built)")
     lib = _library()
-    split = _limits()[0]
     r, heads, d = query.shape
     _, bs, hkv, _ = k_cache.shape
     group, threads = heads // hkv, torch.get_num_threads()
@@ -144,26 +140,17 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"cpu decode attention: lengths {lengths} outside a block table of {block_table.shape[1]} "
                          f"blocks of {bs} tokens")
     q = query.float().contiguous()
-    scores = torch.empty(r, hkv, group, lmax)
-    tile = torch.empty(threads, hkv, split, d + 1)
+    tile = torch.empty(lib.kvchat_attention_tile_floats(hkv, group, d, threads))
+    work = torch.empty(lib.kvchat_attention_work_floats(r, hkv, group, d, lmax))
+    out = torch.empty(r, heads, d)
     sink_k, sink_v, sink_stride = (None, None, 0) if sink is None else (sink[0].data_ptr(), sink[1].data_ptr(),
                                                                         sink[0].stride(0))
     fp8 = k_cache.dtype == FP8_DTYPE
-    kind = KINDS[k_cache.dtype]
-    lib.kvchat_paged_scores(q.data_ptr(), k_cache.data_ptr(), k_scale.data_ptr() if fp8 else None,
-                            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), sink_k, sink_stride,
-                            scores.data_ptr(), tile.data_ptr(), r, hkv, group, 1, d, bs, lmax, sm_scale, kind, threads)
-    if r == 1:
-        probs = torch.softmax(scores, dim=-1)
-    else:  # past a row's length nothing is read (its scores there are -inf)
-        probs = torch.empty_like(scores)
-        for i, n in enumerate(lengths):
-            probs[i, ..., :n] = torch.softmax(scores[i, ..., :n], dim=-1)
-    out = torch.empty(r, heads, d)
-    work = torch.empty(r * -(-lmax // split), hkv, group, d)
-    lib.kvchat_paged_values(probs.data_ptr(), v_cache.data_ptr(), v_scale.data_ptr() if fp8 else None,
-                            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), sink_v, sink_stride,
-                            out.data_ptr(), work.data_ptr(), tile.data_ptr(), r, hkv, group, d, bs, lmax, kind, threads)
+    lib.kvchat_paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                               k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
+                               block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), sink_k, sink_v,
+                               sink_stride, out.data_ptr(), work.data_ptr(), tile.data_ptr(), r, hkv, group, 1, d, bs,
+                               lmax, sm_scale, KINDS[k_cache.dtype], threads)
     return out.to(query.dtype)
 
 

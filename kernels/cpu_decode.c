@@ -10,7 +10,7 @@
      qkv   = int8_matmul(h, qkv) (+ bias)          [R, (H + 2 Hkv) D], q heads, then k heads, then v heads
      q, k  = RoPE (rotate-half, sin carrying its sign: kvchat.model.transformer.apply_rope), k -= k_shift
      pool  <- k, v at slots (kvchat_paged_write)
-     a     = softmax(q . K^T * sm_scale) V over the token's own L_s - T + 1 + t tokens (kvchat_paged_scores/values)
+     a     = softmax(q . K^T * sm_scale) V over the token's own L_s - T + 1 + t tokens (kvchat_paged_attention)
      x    += int8_matmul(a, o)
      gu    = int8_matmul(rms_norm(x) * mlp_norm, gate_up)   [R, 2 I], gate then up
      x    += int8_matmul(silu(gate) * up, down)
@@ -64,7 +64,7 @@ typedef struct DecodeStep {
 } DecodeStep;
 
 typedef struct {
-  float *h, *qkv, *q, *k, *v, *attn, *proj, *gu, *act, *xsum, *scores, *tile, *work;
+  float *h, *qkv, *q, *k, *v, *attn, *proj, *gu, *act, *xsum, *tile, *work;
 } Scratch;
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -77,18 +77,17 @@ static int64_t longest(const DecodeStep *s) {
 
 /* The scratch of a step of s->rows rows and at most lmax tokens, at base (NULL: sizes only); returns floats used. */
 static int64_t carve(const DecodeStep *s, int64_t lmax, float *base, Scratch *b) {
-  int64_t split, max_dim;
-  kvchat_decode_limits(&split, &max_dim);
-  const int64_t R = s->rows, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->inter;
+  const int64_t R = s->rows, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->inter, TG = s->tokens * H / Hkv;
   const int64_t widest = max64(max64(s->hidden, H * D), I);
-  const int64_t sizes[13] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
+  const int64_t sizes[12] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
                              R * Hkv * D,         R * H * D,             R * s->hidden, R * 2 * I,
-                             R * I,               R * (widest / GROUP), R * H * lmax,
-                             (int64_t)s->threads * Hkv * split * (D + 1), R * ((lmax + split - 1) / split) * H * D};
-  float **slot[13] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
-                      &b->scores, &b->tile, &b->work};
+                             R * I,               R * (widest / GROUP),
+                             kvchat_attention_tile_floats(Hkv, TG, D, s->threads),
+                             kvchat_attention_work_floats(R / s->tokens, Hkv, TG, D, lmax)};
+  float **slot[12] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
+                      &b->tile, &b->work};
   int64_t used = 0;
-  for (int i = 0; i < 13; ++i) {
+  for (int i = 0; i < 12; ++i) {
     if (base != NULL) *slot[i] = base + used;
     used += (sizes[i] + 15) / 16 * 16; /* each part on a 64-byte boundary of the base */
   }
@@ -98,44 +97,6 @@ static int64_t carve(const DecodeStep *s, int64_t lmax, float *base, Scratch *b)
 /* Floats of scratch a step of s->rows rows over at most lmax tokens needs (s->scratch unused): the parts, and
    16 more for aligning the base to 64 bytes. */
 int64_t kvchat_decode_scratch_floats(const DecodeStep *s, int64_t lmax) { return carve(s, lmax, NULL, NULL) + 16; }
-
-/* exp(x) in 8 lanes: Cephes' expf (S. Moshier): x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts),
-   exp(r) by its degree-7 polynomial, times 2**n. Inputs are clamped to [-87.3, 88.3] (normal results); a NaN
-   stays NaN (min/max return their second operand when one is NaN). */
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-87.3365447505531f), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-/* The 8 floats at x[i..i+8) where i + 8 <= n, else the n - i left, padded with pad. */
-static inline __m256 load_part(const float *x, int64_t i, int64_t n, float pad) {
-  if (i + 8 <= n) return _mm256_loadu_ps(x + i);
-  float t[8];
-  for (int j = 0; j < 8; ++j) t[j] = i + j < n ? x[i + j] : pad;
-  return _mm256_loadu_ps(t);
-}
-
-static inline void store_part(float *y, int64_t i, int64_t n, __m256 v) {
-  if (i + 8 <= n) {
-    _mm256_storeu_ps(y + i, v);
-    return;
-  }
-  float t[8];
-  _mm256_storeu_ps(t, v);
-  for (int j = 0; i + j < n; ++j) y[i + j] = t[j];
-}
 
 /* y[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w (Zhang & Sennrich 2019), n a multiple of 8. */
 static void rms_norm(const float *x, const float *w, float *y, int64_t R, int64_t n, float eps) {
@@ -170,37 +131,6 @@ static void rope(const float *src, float *dst, int64_t heads, int64_t D, const f
       if (shift != NULL) v = _mm256_sub_ps(v, _mm256_loadu_ps(shift + h * D + d));
       _mm256_storeu_ps(y + d, v);
     }
-  }
-}
-
-/* Scores [S, Hkv, T, G, lmax] (as cpu_attention.c orders the queries): each row's softmax over the entries its
-   token t sees (lens[s] - T + 1 + t), in place, and zeros after them up to lens[s] (the values pass reads that
-   far). */
-static void softmax_rows(float *s, const int32_t *lens, int64_t S, int64_t Hkv, int64_t T, int64_t G, int64_t lmax,
-                         int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t rh = 0; rh < S * Hkv * T * G; ++rh) {
-    float *x = s + rh * lmax;
-    const int64_t full = lens[rh / (Hkv * T * G)], n = full - T + 1 + rh % (T * G) / G;
-    for (int64_t i = n > 0 ? n : 0; i < full; ++i) x[i] = 0.0f;
-    if (n <= 0) continue;
-    __m256 m = _mm256_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, load_part(x, i, n, -INFINITY));
-    float mx = -INFINITY, t[8];
-    _mm256_storeu_ps(t, m);
-    for (int j = 0; j < 8; ++j) mx = t[j] > mx ? t[j] : mx;
-    const __m256 vm = _mm256_set1_ps(mx);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
-      __m256 e = exp8(_mm256_sub_ps(load_part(x, i, n, mx), vm));
-      if (i + 8 > n) /* padded lanes hold exp(0): leave them out of the sum */
-        e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)),
-                                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
-      sum = _mm256_add_ps(sum, e);
-      store_part(x, i, n, e);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
-    for (int64_t i = 0; i < n; i += 8) store_part(x, i, n, _mm256_mul_ps(load_part(x, i, n, 0.0f), inv));
   }
 }
 
@@ -241,11 +171,9 @@ void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
   const int64_t sink_off = w->index * Hkv * D, sink_stride = s->num_layers * Hkv * D;
   const float *sink_k = s->sink_k == NULL ? NULL : s->sink_k + sink_off;
   const float *sink_v = s->sink_v == NULL ? NULL : s->sink_v + sink_off;
-  kvchat_paged_scores(b.q, w->k_cache, w->k_scale, s->table, s->table_stride, s->lens, sink_k, sink_stride, b.scores,
-                      b.tile, S, Hkv, T * G, T, D, s->block_size, lmax, s->sm_scale, s->kind, th);
-  softmax_rows(b.scores, s->lens, S, Hkv, T, G, lmax, th);
-  kvchat_paged_values(b.scores, w->v_cache, w->v_scale, s->table, s->table_stride, s->lens, sink_v, sink_stride,
-                      b.attn, b.work, b.tile, S, Hkv, T * G, D, s->block_size, lmax, s->kind, th);
+  kvchat_paged_attention(b.q, w->k_cache, w->v_cache, w->k_scale, w->v_scale, s->table, s->table_stride, s->lens,
+                         sink_k, sink_v, sink_stride, b.attn, b.work, b.tile, S, Hkv, T * G, T, D, s->block_size, lmax,
+                         s->sm_scale, s->kind, th);
   const float *attn = b.attn; /* [S, Hkv, T, G, D]; with T > 1 reordered to rows [R, H * D] in b.q (free now) */
   if (T > 1) {
     for (int64_t r = 0; r < R; ++r)

@@ -6,6 +6,7 @@
 #define KVCHAT_CPU_KERNELS_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define GROUP 32 /* int8 weights: inputs per scale and offset (kvchat.kernels.cpu_int8.GROUP) */
@@ -18,23 +19,59 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
+/* exp(x) in 8 lanes: Cephes' expf (S. Moshier): x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts),
+   exp(r) by its degree-7 polynomial, times 2**n. Inputs are clamped to [-87.3, 88.3] (normal results); a NaN
+   stays NaN (min/max return their second operand when one is NaN). */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-87.3365447505531f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The 8 floats at x[i..i+8) where i + 8 <= n, else the n - i left, padded with pad. */
+static inline __m256 load_part(const float *x, int64_t i, int64_t n, float pad) {
+  if (i + 8 <= n) return _mm256_loadu_ps(x + i);
+  float t[8];
+  for (int j = 0; j < 8; ++j) t[j] = i + j < n ? x[i + j] : pad;
+  return _mm256_loadu_ps(t);
+}
+
+static inline void store_part(float *y, int64_t i, int64_t n, __m256 v) {
+  if (i + 8 <= n) {
+    _mm256_storeu_ps(y + i, v);
+    return;
+  }
+  float t[8];
+  _mm256_storeu_ps(t, v);
+  for (int j = 0; i + j < n; ++j) y[i + j] = t[j];
+}
+
 void kvchat_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, float *xsum, float *y,
                         int64_t M, int64_t N, int64_t G, int threads);
 
-void kvchat_paged_scores(const float *q, const uint8_t *k_cache, const float *k_scale, const int32_t *table,
-                         int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
-                         float *s, float *tile, int64_t R, int64_t H, int64_t G, int64_t T, int64_t D,
-                         int64_t BS, int64_t Lmax, float sm_scale, int kind, int threads);
-
-void kvchat_paged_values(const float *p, const uint8_t *v_cache, const float *v_scale, const int32_t *table,
-                         int64_t table_stride, const int32_t *lens, const float *sink, int64_t sink_stride,
-                         float *o, float *work, float *tile, int64_t R, int64_t H, int64_t G, int64_t D,
-                         int64_t BS, int64_t Lmax, int kind, int threads);
+void kvchat_paged_attention(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const float *k_scale,
+                            const float *v_scale, const int32_t *table, int64_t table_stride, const int32_t *lens,
+                            const float *sink_k, const float *sink_v, int64_t sink_stride, float *o, float *work,
+                            float *tile, int64_t R, int64_t H, int64_t G, int64_t T, int64_t D, int64_t BS,
+                            int64_t Lmax, float sm_scale, int kind, int threads);
 
 void kvchat_paged_write(const float *k, const float *v, uint8_t *k_cache, uint8_t *v_cache, float *k_scale,
                         float *v_scale, const int64_t *slots, int64_t T, int64_t H, int64_t D, int kind);
 
-void kvchat_decode_limits(int64_t *split, int64_t *max_head_dim);
+int64_t kvchat_attention_max_head_dim(void);
+int64_t kvchat_attention_tile_floats(int64_t H, int64_t G, int64_t D, int threads);
+int64_t kvchat_attention_work_floats(int64_t R, int64_t H, int64_t G, int64_t D, int64_t Lmax);
 
 /* cpu_decode.c: x float32 [rows, hidden] updated in place by one decoder layer (DecodeLayer, DecodeStep and the
    scratch are defined there); the scratch floats a step of s->rows rows over at most lmax tokens needs. */

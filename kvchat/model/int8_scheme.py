@@ -16,6 +16,9 @@ GROUPS_KERNEL_MAX_ROWS = 32
 # engine with the layers enters the fingerprint with this number (int8_compute_scheme's ``layers``). No more than
 # GROUPS_KERNEL_MAX_ROWS, for speed: the layers' matmuls are that kernel's, which past it loses to the fp32 GEMM.
 COMPILED_LAYER_MAX_TOKENS = 32
+# the compiled layers' attention rounding, named with them: 2 is one pass per 128-token range with the online
+# softmax's rescaling (kernels/cpu_attention.c); 1 (unnamed) was scores, softmax and values as three passes
+COMPILED_LAYER_VERSION = 2
 assert COMPILED_LAYER_MAX_TOKENS <= GROUPS_KERNEL_MAX_ROWS
 GROUP_SIZES = {"down_proj": 256}  # per-channel scheme: input columns per scale, by layer name; others: the whole row
 # how the weights are quantized (the stored int8 tensors' metadata): per channel for torch's kernel; asymmetric
@@ -29,7 +32,8 @@ SMALL_ROWS_KERNELS = ("int8mm", "avx2")  # torch's bf16-activation int8 kernel; 
 def int8_compute_scheme(small_rows_kernel: str, layers: bool = False) -> str:
     """The name an int8 engine enters the cache fingerprint with: the quantization and the kernel of each row count
     (``avx2``: the groups scheme on the compiled kernel; ``int8mm``: per channel on torch's), and with ``layers``
-    (``avx2`` only) that chunks of up to :data:`COMPILED_LAYER_MAX_TOKENS` tokens run the compiled decoder layers.
+    (``avx2`` only) that chunks of up to :data:`COMPILED_LAYER_MAX_TOKENS` tokens run the compiled decoder layers
+    (their attention's :data:`COMPILED_LAYER_VERSION` named with it).
 
     ``small_rows_kernel``: a :data:`SMALL_ROWS_KERNELS` name. ``int8mm`` gives the name int8 caches had before the
     compiled kernel existed, so they stay valid where it is not built; ``avx2`` without ``layers`` the name of
@@ -43,7 +47,7 @@ def int8_compute_scheme(small_rows_kernel: str, layers: bool = False) -> str:
         raise ValueError(f"unknown int8 kernel {small_rows_kernel!r}; use {', '.join(SMALL_ROWS_KERNELS)}")
     if small_rows_kernel == "avx2":  # a layer whose inputs do not split into 32s keeps torch's kernel: -mm too
         return (f"{INT8_GROUPS_SCHEME}-avx2f32x{GROUPS_KERNEL_MAX_ROWS}-mm{INT8MM_MAX_ROWS}"
-                + (f"-layer{COMPILED_LAYER_MAX_TOKENS}" if layers else ""))
+                + (f"-layer{COMPILED_LAYER_MAX_TOKENS}v{COMPILED_LAYER_VERSION}" if layers else ""))
     return f"{INT8_SCHEME}-mm{INT8MM_MAX_ROWS}"
 
 

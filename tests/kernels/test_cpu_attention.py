@@ -43,7 +43,7 @@ def _tables(lengths: list[int], num_blocks: int, seed: int = 0, block_size: int 
 
 @needs_kernel
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16", "fp16"])
-@pytest.mark.parametrize("heads,hkv,d", [(9, 3, 64), (4, 4, 32), (16, 2, 128)])
+@pytest.mark.parametrize("heads,hkv,d", [(9, 3, 64), (4, 4, 32), (16, 2, 128), (10, 2, 48)])  # 48: a 16-value tail
 @pytest.mark.parametrize("lengths", [[1], [127, 128, 129], [1000, 3, 300]])
 @pytest.mark.parametrize("with_sink", [False, True])
 def test_decode_matches_the_reference_to_fp32_rounding(kv_dtype, heads, hkv, d, lengths, with_sink):

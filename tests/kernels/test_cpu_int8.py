@@ -81,7 +81,7 @@ def test_each_kernel_has_its_own_cache_fingerprint():
     assert int8_compute_scheme("int8mm") == "int8-v1-per-channel-down_proj256-mm256"  # the name before this kernel
     # the name before the compiled decoder layers ran short chunks, and where they do not
     assert int8_compute_scheme("avx2") == "int8-affine-g32-v1-avx2f32x32-mm256"
-    assert int8_compute_scheme("avx2", layers=True) == "int8-affine-g32-v1-avx2f32x32-mm256-layer32"
+    assert int8_compute_scheme("avx2", layers=True) == "int8-affine-g32-v1-avx2f32x32-mm256-layer32v2"
     variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of either kind
     assert len(variants) == 3 and engine_identity("m", "bf16", None, False, 16, "int8")[1] in variants
     assert engine_identity("m", "bf16", None, False, 16, "int8", int8_kernel="avx2", compiled_layers=True)[1] in variants
