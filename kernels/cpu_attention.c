@@ -17,8 +17,8 @@
    o      float32 [R, H, G, D] contiguous; zeros for a query that sees no token (L_rg <= 0)
    table  int32, row r at table + r * table_stride; lens int32 [R] (L_r, the T new tokens included)
    sink   float32 exact position-0 K (or V) of row r at sink + r * sink_stride, [H, D] contiguous; NULL: none
-   tile   float32 scratch, kvchat_attention_tile_floats of it: per thread H * SPLIT * D values, H * SPLIT factors, then
-          H * G * SPLIT scores
+   tile   float32 scratch, kvchat_attention_tile_floats of it: per thread H * SPLIT * D values, H * SPLIT factors,
+          H * G * SPLIT scores, then one head's K transposed (D * SPLIT)
    work   float32 scratch, kvchat_attention_work_floats of it: per range [H, G, D] partial outputs, then per range
           [H, G, 2] the scores' max and the sum of their exps
 
@@ -27,9 +27,12 @@
    Each row's tokens split into fixed SPLIT-token ranges, one task per range with all KV heads, shared by an
    OpenMP team of `threads` (so the two cores stay busy for 3 KV heads). A task converts its range's K to float32
    in a tile (fp8: the byte as float16 bits, i.e. value * 2**-8 / scale; the factor 2**8 * scale is applied after
-   the dot product), scores every query against it (8-lane loops), takes each query's max m over the range and
-   p = exp(s - m) in place (zero past L_rg), converts the range's V into the same tile (the factor folded into p)
-   and sums p * v into the range's partial output, beside m and the sum l of p. Then each query's ranges merge in
+   the dot product), transposes one head's K at a time to [D, SPLIT] and scores its queries against it with the
+   tokens in the vector lanes (each lane a token's dot product summed over d in order; QB queries by BLOCK tokens a
+   step, so each K vector loaded serves QB queries and no lanes need adding up), takes each query's max m over
+   the range and p = exp(s - m) in place (zero past L_rg), converts the range's V into the same tile (its factor
+   folded into p) and sums p * v into the range's partial output (QB queries by BLOCK output values a step, each
+   lane its sum over the tokens in order), beside m and the sum l of the exps. Then each query's ranges merge in
    order: out = sum_i e_i o_i / sum_i e_i l_i with e_i = exp(m_i - max_i m_i). This is split-K attention with
    the online softmax's rescaling (FlashDecoding: Dao, Haziza, Massa, Sizov 2023; the rescaling from Milakov and
    Gimelshein 2018): the scores never leave the thread's cache (at a 15-token question over 4,096 tokens they
@@ -38,10 +41,10 @@
    see but its range holds reaches its output (0 * inf), as in a masked matmul. Every table row must hold
    ceil(L_r / BS) valid blocks (the wrapper checks the width).
 
-   Built with KVCHAT_AVX512 (cpu_build.py's avx512 variant): the scores run two queries per 16-lane register,
-   each half doing the 8-lane loop's operations in its order; the values two queries at a time, 16 output values
-   per register, each lane its own sum over the tokens in order; fp8 converts 32 values a step (an exact conversion). The bits equal
-   the AVX2 build's. */
+   Built with KVCHAT_AVX512 (cpu_build.py's avx512 variant): the scores and values loops run on 16-lane vectors,
+   every lane doing the 8-lane build's operations in its order, and fp8 converts 32 values a step (an exact
+   conversion), so the bits equal the AVX2 build's; the softmax and the merge are the same 8-lane code in both. Figures: the
+   README, "Session 16". */
 
 #include <immintrin.h>
 #include <math.h>
@@ -169,6 +172,8 @@ typedef __m256 vec;
 #endif
 #define BLOCK 32 /* tokens per scores block, values per values block (a multiple of 16; SPLIT a multiple of it) */
 #define QB 3     /* queries per block: 3 * BLOCK / 8 = 12 of AVX2's 16 registers accumulate */
+/* queries per KV head from which the scores transpose K (below: scores_rows); measured, see the README */
+#define TRANSPOSE_MIN_QUERIES 6
 
 /* Rows [0, n) of one head's tile [SPLIT, D] transposed into kt [D, SPLIT], 8 x 8 at a time (n a multiple of 8). */
 static void transpose_tile(const float *tile, float *kt, int64_t D, int64_t n) {
@@ -212,6 +217,37 @@ static inline __attribute__((always_inline)) void scores_block(const float *qh, 
   for (int j = 0; j < BLOCK / W; ++j) {
     const vec f = vmul(vload(factor + j * W), vset1(sm_scale));
     for (int g = 0; g < NQ; ++g) vstore(sh + g * SPLIT + j * W, vmul(a[g][j], f));
+  }
+}
+
+/* The 8 lane sums of a0..a7, in order. */
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                             __m256 a7) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* Scores of few queries (G < TRANSPOSE_MIN_QUERIES: a decode step) straight on the tile's rows [SPLIT, D], with
+   no transpose: each token's dot product in 8 lanes over d, the lanes added up 8 tokens at a time. The same
+   8-lane code in both builds. */
+static void scores_rows(const float *qh, const float *tile, const float *factor, float *sh, int64_t G, int64_t D,
+                        int64_t n, float sm_scale) {
+  const __m256 sm = _mm256_set1_ps(sm_scale);
+  for (int64_t g = 0; g < G; ++g) {
+    const float *qg = qh + g * D;
+    float *out = sh + g * SPLIT;
+    for (int64_t i = 0; i < n; i += 8) { /* up to a multiple of 8: the extra entries are never read */
+      const float *kt = tile + i * D;
+      __m256 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(kt + u * D), _mm256_loadu_ps(qg));
+      for (int64_t j = 8; j < D; j += 8) {
+        const __m256 qj = _mm256_loadu_ps(qg + j);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kt + u * D + j), qj, a[u]);
+      }
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
+                                              _mm256_mul_ps(_mm256_loadu_ps(factor + i), sm)));
+    }
   }
 }
 
@@ -360,8 +396,13 @@ void kvchat_paged_attention(const float *q, const uint8_t *k_cache, const uint8_
       const int64_t blocks = (n + BLOCK - 1) / BLOCK * BLOCK; /* the scores' tokens: whole blocks */
       for (int64_t h = 0; h < H; ++h) {
         float *ph = k.p + h * G * SPLIT;
-        transpose_tile(k.tile + h * SPLIT * D, k.kt, D, blocks);
-        scores_head(q + (k.r * H + h) * G * D, k.kt, k.factor + h * SPLIT, ph, G, D, n, sm_scale);
+        const float *qh = q + (k.r * H + h) * G * D;
+        if (G >= TRANSPOSE_MIN_QUERIES) {
+          transpose_tile(k.tile + h * SPLIT * D, k.kt, D, blocks);
+          scores_head(qh, k.kt, k.factor + h * SPLIT, ph, G, D, n, sm_scale);
+        } else {
+          scores_rows(qh, k.tile + h * SPLIT * D, k.factor + h * SPLIT, ph, G, D, n, sm_scale);
+        }
         for (int64_t g = 0; g < G; ++g)
           range_softmax(ph + g * SPLIT, n, L - T + 1 + g / per_token - k.t0, stats + (task * HG + h * G + g) * 2);
       }
