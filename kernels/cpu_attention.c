@@ -54,7 +54,7 @@
 #include "cpu_kernels.h"
 
 #define SPLIT 128
-#define MAX_VEC 32 /* D / 8: the values pass's accumulators */
+#define MAX_VEC 32 /* the largest D / 8: the merge's accumulators */
 #define KIND_FP8 0
 #define KIND_BF16 1
 #define KIND_FP16 2
