@@ -10,10 +10,10 @@ needed except by section (e), see below), at most ~8 minutes on an H200::
 Sections (issue 14's (a)-(e)):
 
 (a) every Triton kernel against the PyTorch reference at SmolLM2's and a
-    Llama-3.1-8B layer's shape (``bench/kernels.py``'s checks);
+    Llama-3.1-8B layer's shape (``bench/gpu_kernels.py``'s checks);
 (b) device copy bandwidth;
 (c) decode attention 1K..128K tokens x fp8/bf16 x batch 1/16: ms, GB/s, fraction of
-    copy bandwidth; cache-write bandwidth (``bench/kernels.py``'s tables);
+    copy bandwidth; cache-write bandwidth (``bench/gpu_kernels.py``'s tables);
 (d) the real engine end to end at SmolLM2's and Llama-3.1-8B's shape: a random bf16
     checkpoint written to disk, then loaded (time, peak device memory against the bf16
     weight bytes + 10%, peak host RSS), prefill tok/s and decode tok/s at 4K and 32K
@@ -52,8 +52,8 @@ QUESTION_TOKENS = 15
 
 
 def _kernels_bench():
-    """``bench/kernels.py`` as a module (its checks and tables are sections (a)-(c))."""
-    spec = importlib.util.spec_from_file_location("kvchat_bench_kernels", ROOT / "bench" / "kernels.py")
+    """``bench/gpu_kernels.py`` as a module (its checks and tables are sections (a)-(c))."""
+    spec = importlib.util.spec_from_file_location("kvchat_bench_kernels", ROOT / "bench" / "gpu_kernels.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -77,6 +77,10 @@ class Report:
         self.data["sections"][name] = {"status": status, "seconds": round(time.perf_counter() - t0, 2), "result": result}
         self.write()
         return result
+
+    def failed(self) -> list[str]:
+        """The sections whose code raised (their errors are in the JSON)."""
+        return [name for name, s in self.data["sections"].items() if s["status"] == "error"]
 
     def write(self) -> None:
         """Write the JSON (no-op without ``--json``)."""
@@ -280,7 +284,8 @@ def section_restore(device: torch.device, tiny: bool, workdir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run (a)-(e); 1 if a check of (a) failed, 2 without a GPU or the interpreter, else 0."""
+    """Run (a)-(e); 1 if a check of (a) failed or a section raised (after the JSON is written), 2 without
+    a GPU or the interpreter, else 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU run under TRITON_INTERPRET=1)")
     ap.add_argument("--json", type=Path, help="write the results here (after every section)")
@@ -333,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             report.section("d_engine", section_engine, device, args.tiny, Path(tmp))
         if "e" in want:
             report.section("e_restore", section_restore, device, args.tiny, Path(tmp))
-    return 0 if checks_ok else 1
+    if report.failed():
+        print(f"failed sections: {', '.join(report.failed())}", file=sys.stderr)
+    return 0 if checks_ok and not report.failed() else 1
 
 
 if __name__ == "__main__":

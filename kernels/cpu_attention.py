@@ -11,7 +11,7 @@ the fp8 scale applied after the dot product) and attended to there, so DRAM
 sees the pool's bytes once. The write
 quantizes the new token's K/V exactly as :func:`kvchat.kernels.reference.write_kv`
 does (bit for bit, NaN and inf included; tested), without its dozen small torch ops per layer.
-Through :func:`decode_attention` the attention runs for decode steps only (:func:`kvchat.kernels.decode_attention`'s
+Through :func:`decode_attention` the attention runs for decode steps only (:func:`kvchat.kernels.dispatch.decode_attention`'s
 ``provisional``); the compiled decoder layers (:mod:`kvchat.kernels.cpu_decode`) also run it for short chunks
 of one sequence, whose K/V are stored (every chunk of that size runs there, so the bits are the same cold or
 resumed). It needs ``head_dim`` a multiple of 16.

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference for the paged KV cache kernels.
 
 This module is both the CPU backend and the test oracle for the Triton
-kernels (same signatures, see ``kvchat.kernels``). Layout, vLLM style
+kernels (same signatures, see ``kvchat.kernels.dispatch``). Layout, vLLM style
 (Kwon et al., "Efficient Memory Management for Large Language Model Serving
 with PagedAttention", SOSP 2023):
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from kvchat import kernels
+from kvchat.kernels import dispatch
 
 DECODE_BATCHES = (1,)  # decode batch sizes an engine runs (the batching server passes its buckets)
 _log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def warm_up(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.
     on-disk cache. See :func:`plan_warmup` for the arguments.
     """
     k_cache = layer[0]
-    if not k_cache.is_cuda or kernels.backend_for(k_cache) != "triton":
+    if not k_cache.is_cuda or dispatch.backend_for(k_cache) != "triton":
         return []
     from .triton_decode import num_sms
 

@@ -165,7 +165,7 @@ def attention() -> str | None:
     Default (None): Triton for CUDA tensors; for CPU tensors the compiled kernels of
     :mod:`kvchat.kernels.cpu_attention` for decode steps and cache writes where they build
     (:func:`cpu_kernel_enabled`), PyTorch for the rest; ``torch`` runs PyTorch for everything.
-    Whether ``triton`` can run here is checked by :func:`kvchat.kernels.backend_for`.
+    Whether ``triton`` can run here is checked by :func:`kvchat.kernels.dispatch.backend_for`.
 
     Raises:
         SettingError: any other value.

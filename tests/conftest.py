@@ -18,6 +18,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_helpers import ensure_default_model  # noqa: E402
 
 
+RESOLVED = ("torch", "transformers", "tokenizers", "huggingface_hub", "kernels", "textual", "triton", "sqlite-utils")
+
+
+def pytest_sessionstart(session):
+    """One line with the versions pip resolved, before any test (``-q`` included): CI resolves the newest
+    packages every run, so a failure names what moved."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def resolved(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("resolved: " + " ".join(f"{n}=={resolved(n)}" for n in RESOLVED))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tier ``model``: every test whose fixtures reach ``smol_info`` (the real SmolLM2 model).
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat import kernels, settings
+from kvchat import settings
+from kvchat.kernels import dispatch
 from kvchat.engine import disk_budget
 from kvchat.settings import SettingError
 from kvchat.store import chunk_index as ci
@@ -108,9 +109,9 @@ def test_cuda_without_cuda_and_beyond_the_device_count(monkeypatch):
 
 def test_triton_where_it_cannot_run_is_a_setting_error(monkeypatch):
     monkeypatch.setenv(settings.ATTENTION, "triton")
-    monkeypatch.setattr(kernels, "_triton_importable", lambda: False)
+    monkeypatch.setattr(dispatch, "_triton_importable", lambda: False)
     with pytest.raises(SettingError) as exc:
-        kernels.backend_for(torch.empty(0))
+        dispatch.backend_for(torch.empty(0))
     assert str(exc.value) == "KVCHAT_ATTENTION is 'triton' but Triton is not installed; use torch or unset it"
     if importlib.util.find_spec("triton") is None:
         return
@@ -121,7 +122,7 @@ def test_triton_where_it_cannot_run_is_a_setting_error(monkeypatch):
     monkeypatch.setattr(triton_write, "INTERPRETED", False)  # as if Triton was imported without TRITON_INTERPRET=1
     with pytest.raises(SettingError, match=r"^KVCHAT_ATTENTION is 'triton' but Triton cannot run on the CPU without "
                                            r"TRITON_INTERPRET=1 .*; use torch, a CUDA device, or unset it$"):
-        kernels.backend_for(torch.empty(0))
+        dispatch.backend_for(torch.empty(0))
 
 
 def test_disk_budget_reads_the_setting(monkeypatch):

@@ -14,7 +14,7 @@ for all: fp8 values plus fp32 per-token, per-head scales.
   before the cast (vLLM's default when no scales are calibrated; without the
   clamp, values beyond ±448 would become NaN). The only scheme the engine
   cannot run by itself: :meth:`KVScheme.active` swaps the cache-write dispatch
-  (``kvchat.kernels.write_kv``, the one call the model makes to store K/V) for
+  (``kvchat.kernels.dispatch.write_kv``, the one call the model makes to store K/V) for
   the duration of a ``with`` block, so every later read sees the stored values
   exactly as it would see the default scheme's.
 """
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat import kernels
-from kvchat.kernels import FP8_DTYPE, FP8_MAX, SCALE_SCHEME
+from kvchat.kernels import dispatch
+from kvchat.kernels.reference import FP8_DTYPE, FP8_MAX, SCALE_SCHEME
 
 FIXED_SCALE_SCHEME = "fixed-1.0"
 
@@ -62,13 +62,13 @@ class KVScheme:
         if self.fixed_scale is None:
             yield
             return
-        original = kernels.write_kv
+        original = dispatch.write_kv
         scale = self.fixed_scale
-        kernels.write_kv = lambda *args: write_fixed_scale(*args, scale=scale)
+        dispatch.write_kv = lambda *args: write_fixed_scale(*args, scale=scale)
         try:
             yield
         finally:
-            kernels.write_kv = original
+            dispatch.write_kv = original
 
 
 def all_schemes() -> list[KVScheme]:

@@ -4,7 +4,7 @@ The paged reference kernels gather a sequence's blocks and dequantize them at
 every forward, so a CPU chunk over 4,096 cached tokens would pay two full gathers per
 layer. This copy holds, per layer, float32 K/V ``[num_kv_heads, capacity,
 head_dim]`` of exactly the values the pool stores: new tokens are read back
-from the pool after :func:`kvchat.kernels.write_kv` (never taken from the
+from the pool after :func:`kvchat.kernels.dispatch.write_kv` (never taken from the
 pre-quantization K/V), so attention sees the same numbers as through the
 block table. Decode steps and chunks of up to
 :data:`kvchat.model.int8_scheme.COMPILED_LAYER_MAX_TOKENS` tokens read the pool itself where the compiled CPU
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kvchat import kernels
+from kvchat.kernels import dispatch
 from kvchat.engine.block_manager import BlockManager, SeqBlocks
 from kvchat.engine.kv_pool import KVPool
 from kvchat.store.snapshot import ChunkData
@@ -128,7 +128,7 @@ class DenseKV:
             slots = torch.tensor(self.blocks.slots(seq, valid, start), dtype=torch.long, device=self.k.device)
             pool = self.pool
             for dst, cache, scale in ((self.k, pool.k, pool.k_scale), (self.v, pool.v, pool.v_scale)):
-                kernels.read_slots(cache, scale, slots, out=dst[:, :, valid:start].transpose(1, 2))
+                dispatch.read_slots(cache, scale, slots, out=dst[:, :, valid:start].transpose(1, 2))
             if valid == 0 and sink is not None:
                 self.k[:, :, 0], self.v[:, :, 0] = sink
         self.length = start
@@ -139,8 +139,8 @@ class DenseKV:
         offset + n`` (all layers) straight into positions ``start .. start + n - 1``.
 
         The restore writes the same rows into the pool, so these are exactly
-        the values :func:`kvchat.kernels.read_slots` would read back (the same
-        bytes through the same :func:`kvchat.kernels.dequantize_into`), without
+        the values :func:`kvchat.kernels.dispatch.read_slots` would read back (the same
+        bytes through the same :func:`kvchat.kernels.dispatch.dequantize_into`), without
         a second pass over the pool. Several reader threads may fill disjoint
         ranges at once; :meth:`finish` then marks the restored tokens valid.
 
@@ -150,7 +150,7 @@ class DenseKV:
         """
         rows = slice(offset, offset + n)
         for dst, values, scale in ((self.k, data.k, data.k_scale), (self.v, data.v, data.v_scale)):
-            kernels.dequantize_into(values[:, rows], None if scale is None else scale[:, rows],
+            dispatch.dequantize_into(values[:, rows], None if scale is None else scale[:, rows],
                                     out=dst[:, :, start : start + n].transpose(1, 2))
         if start == 0 and self._sink is not None:
             self.k[:, :, 0], self.v[:, :, 0] = self._sink
@@ -164,7 +164,7 @@ class DenseKV:
             ``(k, v)`` float32 ``[num_kv_heads, start + T, head_dim]`` views.
         """
         k_cache, v_cache, k_scale, v_scale = self.pool.layer(layer)
-        return self.put(layer, start, kernels.read_slots(k_cache, k_scale, slots), kernels.read_slots(v_cache, v_scale, slots))
+        return self.put(layer, start, dispatch.read_slots(k_cache, k_scale, slots), dispatch.read_slots(v_cache, v_scale, slots))
 
     def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`append` with the new tokens already read back from the pool: float32 ``k``, ``v``

@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvchat import kernels, settings
+from kvchat import settings
+from kvchat.kernels import dispatch
 from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
 from kvchat.engine.cache_identity import FORMAT_COMPUTE, compute_key, engine_identity
 from kvchat.model.config import ModelConfig
@@ -180,12 +181,12 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        backend = kernels.backend_for(self.pool.k)  # on a CPU builds or loads the compiled kernels: any notice now
+        backend = dispatch.backend_for(self.pool.k)  # on a CPU builds or loads the compiled kernels: any notice now
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and backend != "triton"
         # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
         self.decode_on_pool = not dense_kv or (backend == "compiled"
-                                               and kernels.cpu_attention.takes_pool(*self.pool.layer(0)))
+                                               and dispatch.cpu_attention.takes_pool(*self.pool.layer(0)))
         # a CPU decode step's or short chunk's layers in one compiled call each, where the model and pool qualify
         # (else None); chunks on them store other bits than the torch layers': part of the fingerprint
         self.compiled_decode = compiled_decode(model, self.pool) if backend == "compiled" and self.decode_on_pool else None

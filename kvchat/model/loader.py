@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat import kernels
+from kvchat.kernels import dispatch
 from kvchat.model.chat_format import ChatFormat, ChatTemplateError
 from kvchat.cpu_threads import checked_threads
 from kvchat.engine.runner import Engine
@@ -94,7 +94,7 @@ def load_runtime(
 
     kv_torch_dtype(kv_dtype)
     dev = check_device(device if device is not None else env_device())
-    kernels.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
+    dispatch.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
     weight_format = resolve_weight_format(weights or env_weights(), dev.type, compute_dtype())
     info = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))

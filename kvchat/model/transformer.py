@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat import kernels
+from kvchat.kernels import dispatch
 from kvchat.model.config import ModelConfig
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVPool
@@ -48,7 +48,7 @@ class AttnMetadata:
             dense copy, position of its new token); attention runs per sequence.
         provisional: a decode step (:meth:`kvchat.engine.runner.Engine.decode`), whose K/V are recomputed
             as prefill chunks later: a CPU pool may take the compiled decode attention
-            (:func:`kvchat.kernels.decode_attention`), whose rounding never reaches stored K/V.
+            (:func:`kvchat.kernels.dispatch.decode_attention`), whose rounding never reaches stored K/V.
     """
 
     slot_mapping: torch.Tensor
@@ -170,16 +170,16 @@ class Attention(nn.Module):
         if meta.capture_sink:
             meta.sink[0][self.layer_id], meta.sink[1][self.layer_id] = k[0], v[0]
         k_cache, v_cache, k_scale, v_scale = pool.layer(self.layer_id)
-        kernels.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
+        dispatch.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
         args = (k_cache, v_cache, k_scale, v_scale, meta.block_table, meta.seq_lens)
         if meta.dense is not None:  # the dense copy holds the sink in row 0 already
             key, value = meta.dense.append(self.layer_id, meta.slot_mapping, meta.q_start)
-            out = kernels.dense_attention(q, key, value, meta.q_start, self.sm_scale)
+            out = dispatch.dense_attention(q, key, value, meta.q_start, self.sm_scale)
             return self.o_proj(out.reshape(t, self.q_size))
         if meta.dense_batch is not None:  # one new token per sequence, each over its own dense copy
-            k_new = kernels.read_slots(k_cache, k_scale, meta.slot_mapping)  # every sequence's token in one read
-            v_new = kernels.read_slots(v_cache, v_scale, meta.slot_mapping)
-            outs = [kernels.dense_attention(q[i : i + 1], *dense.put(self.layer_id, pos, k_new[i : i + 1], v_new[i : i + 1]),
+            k_new = dispatch.read_slots(k_cache, k_scale, meta.slot_mapping)  # every sequence's token in one read
+            v_new = dispatch.read_slots(v_cache, v_scale, meta.slot_mapping)
+            outs = [dispatch.dense_attention(q[i : i + 1], *dense.put(self.layer_id, pos, k_new[i : i + 1], v_new[i : i + 1]),
                                             pos, self.sm_scale)
                     for i, (dense, pos) in enumerate(meta.dense_batch)]
             return self.o_proj(torch.cat(outs).reshape(t, self.q_size))
@@ -187,9 +187,9 @@ class Attention(nn.Module):
         if meta.sink is not None:  # [num_layers, ...] for one sequence, [num_seqs, num_layers, ...] batched
             sink = tuple(x.reshape(-1, *x.shape[-3:])[:, self.layer_id] for x in meta.sink)
         if meta.is_decode:
-            out = kernels.decode_attention(q, *args, self.sm_scale, sink, meta.provisional)
+            out = dispatch.decode_attention(q, *args, self.sm_scale, sink, meta.provisional)
         else:
-            out = kernels.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale, sink)
+            out = dispatch.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale, sink)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -13,23 +13,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("platformdirs", "sqlite_utils", "textual", "gguf")
-# runs a script with BLOCKED unimportable: ``sys.modules[name] = None`` makes ``import name`` raise ImportError
-_RUNNER = ("import runpy, sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in BLOCKED)
-           + "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+# runs a script as ``python SCRIPT`` does (its folder first on sys.path, the working directory after it,
+# as ``-c`` puts it) with BLOCKED unimportable: ``sys.modules[name] = None`` makes ``import name`` raise
+# ImportError
+_RUNNER = ("import os, runpy, sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in BLOCKED)
+           + "sys.argv = sys.argv[1:]\nsys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
+           + "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
-def _run(args: list[str], tmp_path: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+def _run(args: list[str], tmp_path: Path, timeout: int = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "KVCHAT_HOME": str(tmp_path / "home"),
            "KVCHAT_MODELS": str(tmp_path / "models"), "OPENBLAS_NUM_THREADS": "1"}
     env.pop("KVCHAT_ATTENTION", None)
     return subprocess.run([sys.executable, "-c", _RUNNER, *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=tmp_path)
+                          timeout=timeout, cwd=cwd or tmp_path)
 
 
 @pytest.mark.timeout(900)
 def test_gpu_script_tiny_runs_every_section_without_the_app_only_packages(tmp_path):
+    """Run from the checkout root, where ``bench/`` and the root both sit on ``sys.path``: section (d)
+    imports transformers' model code, which imports Hugging Face's ``kernels``; neither
+    ``bench/gpu_kernels.py`` nor the root's ``kernels/`` folder may pose as it."""
     out = tmp_path / "gpu.json"
-    proc = _run([str(ROOT / "bench" / "gpu.py"), "--tiny", "--json", str(out)], tmp_path)
+    proc = _run([str(ROOT / "bench" / "gpu.py"), "--tiny", "--json", str(out)], tmp_path, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sections = json.loads(out.read_text())["sections"]
     assert list(sections) == ["a_checks", "b_copy", "c_attention", "d_engine", "e_restore"]
@@ -51,11 +57,11 @@ def test_gpu_script_tiny_runs_every_section_without_the_app_only_packages(tmp_pa
 
 
 def test_kernel_bench_engine_step_runs_without_platformdirs(tmp_path):
-    """bench/kernels.py's step (d) imports the engine; it used to need platformdirs (settings at import)."""
+    """bench/gpu_kernels.py's step (d) imports the engine; it used to need platformdirs (settings at import)."""
     script = tmp_path / "step_d.py"
     script.write_text(
         "import importlib.util, sys, torch\n"
-        f"spec = importlib.util.spec_from_file_location('kvchat_bench_kernels', {str(ROOT / 'bench' / 'kernels.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('kvchat_bench_kernels', {str(ROOT / 'bench' / 'gpu_kernels.py')!r})\n"
         "bench = importlib.util.module_from_spec(spec); sys.modules[spec.name] = bench; spec.loader.exec_module(bench)\n"
         "tps, steps = bench.engine_decode_tokens_per_s(torch.device('cpu'), tiny=True, kv_dtype='fp8')\n"
         "assert tps > 0 and steps == 3\n"
@@ -63,3 +69,21 @@ def test_kernel_bench_engine_step_runs_without_platformdirs(tmp_path):
         "print('ok')\n")
     proc = _run([str(script)], tmp_path, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_gpu_script_exits_nonzero_after_writing_a_failed_section(tmp_path):
+    """A section that raises is recorded in the JSON, the next sections still run, and the exit status says so."""
+    script = tmp_path / "failing_d.py"
+    script.write_text(
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('kvchat_gpu_bench', {str(ROOT / 'bench' / 'gpu.py')!r})\n"
+        "gpu = importlib.util.module_from_spec(spec); sys.modules[spec.name] = gpu; spec.loader.exec_module(gpu)\n"
+        "def broken(*args): raise RuntimeError('injected failure')\n"
+        "gpu.section_engine = broken\n"
+        f"sys.exit(gpu.main(['--tiny', '--only', 'b', '--only', 'd', '--json', {str(tmp_path / 'out.json')!r}]))\n")
+    proc = _run([str(script)], tmp_path, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    sections = json.loads((tmp_path / "out.json").read_text())["sections"]
+    assert sections["b_copy"]["status"] == "ok"
+    assert sections["d_engine"]["status"] == "error" and "injected failure" in sections["d_engine"]["result"]["error"]
+    assert "failed sections: d_engine" in proc.stderr

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from kvchat import kernels
+from kvchat.kernels import dispatch
 from kvchat.engine import dense_kv
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine import persistence
@@ -62,7 +62,7 @@ def test_copy_equals_pool_through_prefill_decode_and_rollback(on_pool):
     """Decode over the dense copy appends to it; decode on the pool (the compiled kernels) leaves it at the
     prefill's tokens, and the next prefill reads back the blocks decode wrote."""
     engine = _engine()
-    assert engine.decode_on_pool == (kernels.backend_for(engine.pool.k) == "compiled")
+    assert engine.decode_on_pool == (dispatch.backend_for(engine.pool.k) == "compiled")
     engine.decode_on_pool = on_pool
     ids = torch.randint(0, 97, (70,)).tolist()
     seq = SeqBlocks()
@@ -249,11 +249,11 @@ def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens
         _assert_copy_matches_pool(engine, seq, ids[0])
 
         read = []
-        real = dense_kv.kernels.read_slots
-        monkeypatch.setattr(dense_kv.kernels, "read_slots", lambda c, s, slots, out=None: (
+        real = dense_kv.dispatch.read_slots
+        monkeypatch.setattr(dense_kv.dispatch, "read_slots", lambda c, s, slots, out=None: (
             read.append(slots.numel()), real(c, s, slots, out=out))[1])
         logits = engine.prefill(seq, ids, boundaries=[RESTORE_TOKENS]).logits
-        monkeypatch.setattr(dense_kv.kernels, "read_slots", real)
+        monkeypatch.setattr(dense_kv.dispatch, "read_slots", real)
         assert read and max(read) == len(QUESTION)  # only the question's new tokens, layer by layer
         persist.close()
         # the paged path (attention through the block table) over the same restored chunks agrees bit for bit

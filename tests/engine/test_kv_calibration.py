@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from kvchat import kernels
+from kvchat.kernels import dispatch
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.model.config import ModelConfig
 from kvchat.engine.runner import Engine
@@ -111,9 +111,9 @@ def test_triton_engines_read_the_exact_sink_under_the_torch_fingerprint(tiny, mo
     """Both backends run ``pth1+sink`` under one fingerprint (a chat made on one restores on the other),
     agree on the logits, and the Triton kernels read the sink, not the pool's position 0."""
     ids = torch.randint(0, 97, (40,)).tolist()
-    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
     torch_engine = _engine(tiny)
-    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     triton_engine = _engine(tiny)
     assert triton_engine.exact_sink and triton_engine.dense is None
     assert (triton_engine.scale_scheme, triton_engine.cache_fingerprint) == (
@@ -121,7 +121,7 @@ def test_triton_engines_read_the_exact_sink_under_the_torch_fingerprint(tiny, mo
     assert triton_engine.scale_scheme == "pth1+sink"
     logits = []
     for backend, engine in (("torch", torch_engine), ("triton", triton_engine)):
-        monkeypatch.setenv(kernels.ENV_VAR, backend)
+        monkeypatch.setenv(dispatch.ENV_VAR, backend)
         logits.append(engine.prefill(SeqBlocks(), ids).logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4 * logits[0].abs().max().item())
     seq = SeqBlocks()

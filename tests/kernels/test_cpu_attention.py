@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat import kernels
+from kvchat.kernels import dispatch
 from kvchat.kernels import cpu_attention
 from kvchat.kernels import reference as ref
 
@@ -200,16 +200,16 @@ def test_dispatch_runs_the_compiled_kernels_on_a_cpu_pool_unless_asked_for_torch
     reference = ref.decode_attention(*args)
     monkeypatch.delenv("KVCHAT_ATTENTION", raising=False)
     compiled = cpu_attention._library() is not None
-    assert kernels.backend_for(k_cache) == ("compiled" if compiled else "torch")
-    step = kernels.decode_attention(*args, provisional=True)  # a decode step
+    assert dispatch.backend_for(k_cache) == ("compiled" if compiled else "torch")
+    step = dispatch.decode_attention(*args, provisional=True)  # a decode step
     if compiled:
         assert torch.equal(step, cpu_attention.decode_attention(*args))
         assert not torch.equal(step, reference)  # another summation order: it ran
     torch.testing.assert_close(step, reference, rtol=1e-5, atol=1e-6)
-    assert torch.equal(kernels.decode_attention(*args), reference)  # a one-token prefill chunk: stored K/V
+    assert torch.equal(dispatch.decode_attention(*args), reference)  # a one-token prefill chunk: stored K/V
     monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
-    assert kernels.backend_for(k_cache) == "torch"
-    assert torch.equal(kernels.decode_attention(*args, provisional=True), reference)
+    assert dispatch.backend_for(k_cache) == "torch"
+    assert torch.equal(dispatch.decode_attention(*args, provisional=True), reference)
 
 
 @needs_kernel

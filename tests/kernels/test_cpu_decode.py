@@ -202,8 +202,8 @@ def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dt
     engine = _engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
     engine.compiled_decode = counted = _Counted(engine.compiled_decode)
     read = []
-    real = dense_kv.kernels.read_slots
-    monkeypatch.setattr(dense_kv.kernels, "read_slots", lambda *a, **k: (read.append(1), real(*a, **k))[1])
+    real = dense_kv.dispatch.read_slots
+    monkeypatch.setattr(dense_kv.dispatch, "read_slots", lambda *a, **k: (read.append(1), real(*a, **k))[1])
     persist, resumed = KVPersist(engine), SeqBlocks()
     assert persist.restore(resumed, ids).from_disk == cut
     assert engine.dense.length == (0 if short else cut)  # nothing dequantized into the copy for a short question

@@ -36,7 +36,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import kvchat.kernels as kernels  # noqa: E402
+from kvchat.kernels import dispatch  # noqa: E402
 from kvchat.kernels import reference, triton_decode, triton_extend, triton_write  # noqa: E402
 from kvchat.settings import SettingError  # noqa: E402
 
@@ -357,7 +357,7 @@ def test_dispatch_passes_the_sink_to_triton(monkeypatch):
     pool, sink = shared_prefix_pool(FP8)
     query = torch.randn(3, 6, 64, device=DEVICE)
     monkeypatch.setenv("KVCHAT_ATTENTION", "triton")
-    out = kernels.decode_attention(query, *pool, 0.125, _on(sink, DEVICE))
+    out = dispatch.decode_attention(query, *pool, 0.125, _on(sink, DEVICE))
     assert torch.equal(out, triton_decode.decode_attention(query, *pool, 0.125, _on(sink, DEVICE)))
     assert not torch.equal(out, triton_decode.decode_attention(query, *pool, 0.125))
 
@@ -426,12 +426,12 @@ def test_dispatch_default_uses_the_cpu_kernels_or_reference_on_cpu_and_triton_on
     query = torch.randn(1, 3, 64, device=DEVICE)
     monkeypatch.delenv("KVCHAT_ATTENTION", raising=False)
     cpu_default = "compiled" if cpu_attention.available() else "torch"
-    assert kernels.backend_for(pool[0]) == ("triton" if DEVICE.type == "cuda" else cpu_default)
+    assert dispatch.backend_for(pool[0]) == ("triton" if DEVICE.type == "cuda" else cpu_default)
     monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
-    assert kernels.backend_for(pool[0]) == "torch"
+    assert dispatch.backend_for(pool[0]) == "torch"
     monkeypatch.setenv("KVCHAT_ATTENTION", "triton")
-    assert kernels.backend_for(pool[0]) == "triton"
-    out = kernels.decode_attention(query, *pool, 0.125)
+    assert dispatch.backend_for(pool[0]) == "triton"
+    out = dispatch.decode_attention(query, *pool, 0.125)
     assert torch.equal(out, triton_decode.decode_attention(query, *pool, 0.125))
 
 
@@ -439,12 +439,12 @@ def test_dispatch_errors(monkeypatch):
     pool = make_pool([4], 1, 64, POOLS[0])
     monkeypatch.setenv("KVCHAT_ATTENTION", "cuda")
     with pytest.raises(SettingError, match="^KVCHAT_ATTENTION must be torch or triton .*, got 'cuda'$"):
-        kernels.decode_attention(torch.randn(1, 1, 64, device=DEVICE), *pool, 0.125)
+        dispatch.decode_attention(torch.randn(1, 1, 64, device=DEVICE), *pool, 0.125)
     if DEVICE.type == "cpu":
         monkeypatch.setenv("KVCHAT_ATTENTION", "triton")
         monkeypatch.setattr(triton_decode, "INTERPRETED", False)  # as if imported without TRITON_INTERPRET=1
         with pytest.raises(SettingError, match="TRITON_INTERPRET=1"):
-            kernels.decode_attention(torch.randn(1, 1, 64), *pool, 0.125)
+            dispatch.decode_attention(torch.randn(1, 1, 64), *pool, 0.125)
 
 
 def test_importing_kernels_does_not_import_triton():
@@ -457,8 +457,8 @@ def test_importing_kernels_does_not_import_triton():
 
 
 def test_bench_script_tiny_run(capsys, tmp_path, monkeypatch):
-    """bench/kernels.py --tiny runs its checks, copy bandwidth, decode table, write rows and engine decode."""
-    spec = importlib.util.spec_from_file_location("kvchat_bench_kernels", ROOT / "bench" / "kernels.py")
+    """bench/gpu_kernels.py --tiny runs its checks, copy bandwidth, decode table, write rows and engine decode."""
+    spec = importlib.util.spec_from_file_location("kvchat_bench_kernels", ROOT / "bench" / "gpu_kernels.py")
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up there
     spec.loader.exec_module(bench)
@@ -486,7 +486,7 @@ def test_bench_script_tiny_run(capsys, tmp_path, monkeypatch):
 MODEL_REL_TOL = {"fp8": 5e-3, "fp16": 5e-5}
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="tolerances measured for fp32 CPU compute; GPUs: bench/kernels.py")
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="tolerances measured for fp32 CPU compute; GPUs: bench/gpu_kernels.py")
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
 def test_smollm2_decode_step_triton_matches_reference(smol_info, monkeypatch, kv_dtype):
     """One decode step of SmolLM2-135M (fp32 on CPU) through the Triton path vs the torch path.

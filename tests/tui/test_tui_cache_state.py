@@ -39,7 +39,7 @@ def add_chunk_row(db, key: str, fingerprint: str, owner: str, nbytes: int = 100)
 
 def test_why_not_restored_names_the_cause():
     db = get_db()
-    from kvchat.kernels import SCALE_SCHEME
+    from kvchat.kernels.reference import SCALE_SCHEME
 
     fp8 = cache_fingerprint(MODEL_FP, "fp8", SCALE_SCHEME, 16)
     bf16 = cache_fingerprint(MODEL_FP, "bf16", "none", 16)

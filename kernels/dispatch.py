@@ -128,7 +128,7 @@ def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
     """
     if not _triton_importable():
         raise SettingError(f"{ENV_VAR} is 'triton' but Triton is not installed; use torch or unset it")
-    module = importlib.import_module(f"{__name__}.{name}")
+    module = importlib.import_module(f"{__package__}.{name}")
     if not cache.is_cuda and not module.INTERPRETED:
         raise SettingError(f"{ENV_VAR} is 'triton' but Triton cannot run on the CPU without TRITON_INTERPRET=1"
                            " set before Triton is first imported; use torch, a CUDA device, or unset it")

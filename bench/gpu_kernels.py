@@ -2,8 +2,8 @@
 
 Run from a checkout, nothing installed, no network, under 5 minutes::
 
-    python bench/kernels.py [--json out.json]
-    TRITON_INTERPRET=1 python bench/kernels.py --tiny     # CPU smoke run of the same logic
+    python bench/gpu_kernels.py [--json out.json]
+    TRITON_INTERPRET=1 python bench/gpu_kernels.py --tiny     # CPU smoke run of the same logic
 
 It prints:
 (a) each kernel against the PyTorch reference at SmolLM2-135M sizes (9 query
@@ -64,33 +64,24 @@ def kv_dtypes(device: torch.device, names: bool = False) -> list:
     return [{FP8: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16"}[d] for d in dtypes] if names else dtypes
 
 
-def _checkout_package(name: str, folder: Path) -> ModuleType:
-    """``sys.modules[name]``, or the package in ``folder`` loaded under that name.
-
-    Loading by path keeps the checkout root off ``sys.path``, where its
-    ``kernels/`` folder would pose as an unrelated top-level ``kernels`` package.
-    """
-    package = sys.modules.get(name)
-    if package is not None and Path(package.__file__).resolve().parent == folder:
-        return package
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[name] = package
-    spec.loader.exec_module(package)
-    return package
-
-
 def load_kernels() -> Kernels:
     """Import this checkout's ``kernels/`` as ``kvchat.kernels`` without installing anything.
 
-    An already imported ``kvchat.kernels`` is reused when it comes from this
-    checkout (an editable install, or a test importing this script).
+    The checkout's ``kvchat`` package is loaded by path (unless an imported ``kvchat`` already
+    comes from this checkout: an editable install, or a test importing this script); its
+    ``__init__`` finds the kernels beside it. Loading by path keeps the checkout root off
+    ``sys.path``.
     """
-    _checkout_package("kvchat", ROOT / "kvchat")  # the parent first: a package being loaded looks it up
-    package = _checkout_package("kvchat.kernels", ROOT / "kernels")
+    package = sys.modules.get("kvchat")
+    folder = ROOT / "kvchat"
+    if package is None or Path(package.__file__).resolve().parent != folder:
+        spec = importlib.util.spec_from_file_location("kvchat", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["kvchat"] = package
+        spec.loader.exec_module(package)
     names = ("reference", "triton_write", "triton_decode", "triton_extend")
-    return Kernels(*(importlib.import_module(f"{package.__name__}.{name}") for name in names))
+    return Kernels(*(importlib.import_module(f"kvchat.kernels.{name}") for name in names))
 
 
 @dataclass(slots=True)
