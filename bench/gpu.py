@@ -7,7 +7,7 @@ needed except by section (e), see below), at most ~8 minutes on an H200::
     python bench/gpu.py --json gpu.json [--wheels DIR]
     TRITON_INTERPRET=1 python bench/gpu.py --tiny --json out.json   # CPU: the same code paths, tiny sizes
 
-Sections (issue 14's (a)-(e)):
+Sections (a)-(e):
 
 (a) every Triton kernel against the PyTorch reference at SmolLM2's and a
     Llama-3.1-8B layer's shape (``bench/gpu_kernels.py``'s checks);

@@ -16,7 +16,7 @@ It prints:
 (d) end-to-end engine decode tokens/s with random SmolLM2-shaped weights
     (kvchat's own engine, imported from the checkout).
 
-Targets (issue 3): decode >= 80% of copy bandwidth at >= 32K context, fp8
+Targets: decode >= 80% of copy bandwidth at >= 32K context, fp8
 >= 1.7x faster than bf16 there, cache write >= 70% of copy bandwidth.
 Exit status 1 when a correctness check fails.
 """

@@ -43,8 +43,8 @@
 
    Built with KVCHAT_AVX512 (cpu_build.py's avx512 variant): the scores and values loops run on 16-lane vectors,
    every lane doing the 8-lane build's operations in its order, and fp8 converts 32 values a step (an exact
-   conversion), so the bits equal the AVX2 build's; the softmax and the merge are the same 8-lane code in both. Figures: the
-   README, "Session 16". */
+   conversion), so the bits equal the AVX2 build's; the softmax and the merge are the same 8-lane code in both. Figures:
+   docs/performance.md, "the CPU attention in one pass". */
 
 #include <immintrin.h>
 #include <math.h>

@@ -1,4 +1,4 @@
-"""A data dir written before the layout change (commit eaf15e7) still resumes from disk (issue 13's constraint).
+"""A data dir written before the layout change (commit eaf15e7) still resumes from disk: users' caches survive upgrades.
 
 ``tests/data/datadir-eaf15e7.tgz``: ``kvchat ask "Name a fruit." --system "Be brief." --max-tokens 3``
 run by kvchat at eaf15e7 on SmolLM2-135M-Instruct (fp8 pool): its kvchat.db and its two chunk files, and
@@ -42,7 +42,7 @@ def test_a_data_dir_from_before_the_refactor_resumes_from_disk(smol_info, kvchat
     monkeypatch.setenv("KVCHAT_MODELS", str(models))
     [chat] = list_conversations(get_db())
     stored = len(get_conversation(get_db(), chat.id).token_ids)
-    # pinned to fp32 weights: the fixture was computed with them, and since issue 15 the default (auto) is int8
+    # pinned to fp32 weights: the fixture was computed with them, and the default (auto) is int8
     # on a CPU, whose K/V differ and so live under another cache fingerprint; fp32's fingerprint is unchanged
     proc = subprocess.run([sys.executable, "-m", "kvchat.cli", "ask", "And a colour?", "--chat", chat.id, "--json",
                            "--max-tokens", "3", "--threads", "1", "--weights", "fp32"], capture_output=True, text=True,

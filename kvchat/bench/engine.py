@@ -52,7 +52,7 @@ LLAMA_CPP_REFERENCE = {
             "development machine; not measured in this run",
 }
 TARGET_VS_TRANSFORMERS = 1.5
-TARGET_BEST_DECODE_VS_TRANSFORMERS = 2.0  # issue 15: the best kvchat decode at 512 tokens
+TARGET_BEST_DECODE_VS_TRANSFORMERS = 2.0  # the best kvchat decode at 512 tokens
 TARGET_FP8_VS_BF16_DECODE = 0.8
 TARGET_LOAD_S = 3.0
 WARMUP_TOKENS = 64

@@ -5,8 +5,8 @@ default the ~0.84B-parameter shape, 1.67 GB in bf16) unless ``--dir`` names
 one, then in a fresh process runs :func:`kvchat.model.loader.load_runtime` on it
 (``KVCHAT_DTYPE`` = ``--dtype``, ``--kv-dtype`` pool of ``--pool-mb``) and
 reports the process's peak resident set (``ru_maxrss``) against the target
-``1.3 x weight file bytes + 1.5 GB`` (issue 14; the same load took 6.1 GB for
-a 1.64 GB file before it). The fingerprint is computed before the measured
+``1.3 x weight file bytes + 1.5 GB`` (a load that builds the model in fp32 first
+took 6.1 GB for a 1.64 GB file). The fingerprint is computed before the measured
 load (and cached), then the weight bytes are read and hashed once more per
 hash (page cache warm): sequential read GB/s, blake2b-256 (fingerprint
 version 1) and xxh3-128 (version 2) GB/s.

@@ -22,7 +22,7 @@ For each N (default 256, 512, 2048, 4096, 8000 tokens) on the default model:
    same disk, measured in this run on a 256 MiB file (cache dropped), and
    ÷ page-cache read bandwidth (same file, hot) for the warm case.
 
-Figures are median (min-max) over repeats. Targets (issue 4, 2-core CPU,
+Figures are median (min-max) over repeats. Targets (2-core CPU,
 4096 tokens): restore ≤ 100 ms warm; TTFT ≤ 300 ms and ≥ 50× faster than the
 cold prefill; snapshot ≤ 0.55× an f16 cache's bytes. llama.cpp figures are
 external references measured earlier on the development machine, not here.

@@ -15,7 +15,7 @@ Events parsed here), greedy:
   the last stream's end (and, "all streams decoding", the deltas between the
   last stream's first token and the first stream's end ÷ that time); and p50/p99 of the time between consecutive deltas
   of a stream (one delta per token, a piece that ends inside a character
-  excepted). Target (issue 16): ≥ 2.5× one stream's aggregate at 4 streams.
+  excepted). Target: ≥ 2.5× one stream's aggregate at 4 streams.
   The stream counts run ``--repeats`` rounds in one server; each round's ratios are taken against that
   round's one stream (side by side), and the table gives medians with the rounds' range.
 """

@@ -3,7 +3,7 @@
 Each run spawns ``python -c CHILD`` with a temporary data dir; the child runs
 the app headless (Textual's compositor renders, nothing is written to a
 terminal) and reports wall-clock marks; times are measured from just before
-the spawn, so they include interpreter start-up and imports. Target (issue 5):
+the spawn, so they include interpreter start-up and imports. Target: the
 first frame < 1 s. Prints a table, then one JSON object.
 
 Usage (wired by the CLI as ``kvchat bench startup``)::

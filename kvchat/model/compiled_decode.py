@@ -7,7 +7,7 @@ position 0 here (:meth:`kvchat.engine.runner.Engine.runs_compiled`), cold or res
 its cache fingerprint. It runs where the model computes in float32 with int8 group weights in every layer
 (:class:`kvchat.model.quant.Int8GroupLinear`, the CPU's default ``--weights auto``), has no per-head q/k norm
 (Qwen3), and the pool is one the compiled attention reads; :func:`compiled_decode` returns None otherwise
-and the engine keeps the torch layers. Measured in the README (session 12).
+and the engine keeps the torch layers. Measured in docs/performance.md ("a decode layer in one compiled call").
 """
 
 from __future__ import annotations

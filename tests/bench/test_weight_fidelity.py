@@ -1,4 +1,4 @@
-"""int8 weights, teacher-forced against fp32 weights on a real seed article (issue 15, "Fidelity"):
+"""int8 weights, teacher-forced against fp32 weights on a real seed article:
 the protocol of ``kvchat bench fidelity``, the default fp8 pool, every int8 kernel."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pasted documents in the conversation layer (issue 16 review): only a new chat's first user message, a document
+"""Pasted documents in the conversation layer: only a new chat's first user message, a document
 then a question, gets a ``documents`` row; its chunks are written once (the chat's save), referenced by both
 owners; a later turn's long message keeps its chunk edge in the chat's own snapshot but gets no row; the edge
 is rebuilt when the chat is reopened and trimmed with the turn; deleting the last chat containing a pasted

@@ -1,5 +1,5 @@
 """A turn commits only onto the stored history it was computed on, and a turn that is not stored
-leaves nothing behind in the session (issue 12 §2, §3). Real SmolLM2, real SQLite, real processes."""
+leaves nothing behind in the session. Real SmolLM2, real SQLite, real processes."""
 
 from __future__ import annotations
 

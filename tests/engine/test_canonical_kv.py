@@ -84,7 +84,7 @@ def test_the_answer_is_settled_in_steps_after_its_text(cold_rt):
     """The recompute comes as ``PrefillChunk(settle=True)`` steps after the last text piece (a scheduler runs
     other streams between them), and a progress callback sees only the prompt's prefill."""
     # its own runtime: after another chat in the same pool, a prefix reused from memory is not yet bit-equal to a
-    # cold run (found here; noted on issue 15)
+    # cold run
     rt = load_runtime(None, cold_rt.engine.spec.kv_dtype)
     session = Session.new(rt.engine, rt.chat_format(new_settings([])), DEFAULT_SYSTEM_PROMPT, [])
     forward = rt.engine._forward

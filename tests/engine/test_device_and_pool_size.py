@@ -1,4 +1,4 @@
-"""The engine's device check and guard, its synced timer, and the default pool's size (issue 14)."""
+"""The engine's device check and guard, its synced timer, and the default pool's size."""
 
 from __future__ import annotations
 

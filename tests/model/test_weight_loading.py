@@ -1,4 +1,4 @@
-"""Loading without a blow-up (issue 14): weights streamed from safetensors into a meta-built model in the
+"""Loading without a blow-up: weights streamed from safetensors into a meta-built model in the
 compute dtype, ``--dtype``/``KVCHAT_DTYPE``, calibration on the engine being built."""
 
 from __future__ import annotations

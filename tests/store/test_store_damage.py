@@ -1,4 +1,4 @@
-"""Damage found before the work, not after it (issue 12 §5): a database with garbage in its middle, a
+"""Damage found before the work, not after it: a database with garbage in its middle, a
 full disk, a read-only data dir. Each is one line naming the cause, exit 2, and nothing the user had changes."""
 
 from __future__ import annotations

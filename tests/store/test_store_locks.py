@@ -1,4 +1,4 @@
-"""SQLite's POSIX locks survive a second connection in one process (issue 12 §1).
+"""SQLite's POSIX locks survive a second connection in one process.
 
 On POSIX, closing *any* descriptor of a file drops *all* of the process's
 advisory locks on it (SQLite, "How To Corrupt An SQLite Database File",

@@ -1,4 +1,4 @@
-"""The TUI and CLI processes on one data dir (issue 12 §1, the fresh-user trial that lost a chat).
+"""The TUI and CLI processes on one data dir: a chat must never be lost to another process's writes.
 
 TUI sends → ``kvchat cache stats`` → TUI sends → ``kvchat ask`` → quit: the
 database passes ``integrity_check`` and holds both chats, every message.
