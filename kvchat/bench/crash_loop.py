@@ -106,7 +106,7 @@ class LoopReport:
     reference: Reference | None = None
 
     def summary(self) -> dict:
-        """Counts for the README: kills per phase and mode, checks run and passed."""
+        """Counts for docs/reliability.md: kills per phase and mode, checks run and passed."""
         return {
             "kills": len(self.kills),
             "kills_by_phase": dict(Counter(PHASES[k.phase] for k in self.kills)),

@@ -148,7 +148,7 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
                     yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done)))
                     if req.include_usage:
                         yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
-                                              kvchat=_kvchat(done)))  # the README: stats on the last chunk too
+                                              kvchat=_kvchat(done)))  # docs/server.md: stats on the last chunk too
                 yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # the client went away (or the stream ended): stop generating

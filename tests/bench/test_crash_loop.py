@@ -1,7 +1,7 @@
 """Random kill -9 of `kvchat ask` during a scripted chat: nothing lost, nothing wrong restored.
 
 A small count of the loop that ``python -m kvchat.bench.crash_loop --kills 50``
-runs (README, RELIABILITY): real processes, the real model, greedy answers.
+runs (docs/reliability.md): real processes, the real model, greedy answers.
 The checker itself is shown to catch a damaged answer and a damaged chunk.
 """
 

@@ -1,4 +1,4 @@
-"""A server turn on a chat that another kvchat process changes meanwhile is kept, in a new chat (README:
+"""A server turn on a chat that another kvchat process changes meanwhile is kept, in a new chat (docs/server.md:
 a resent history branches), never a 500 that throws the finished answer away."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``kvchat serve --no-store`` writes nothing (README): a resume from disk does not even stamp the chunks'
+"""``kvchat serve --no-store`` writes nothing (docs/server.md): a resume from disk does not even stamp the chunks'
 LRU time; and with ``stream_options.include_usage`` the last chunk carries the ``kvchat`` stats too."""
 
 from __future__ import annotations
