@@ -92,9 +92,7 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
         if conv is not None:  # restored in the turn, so its stats say what was reused and why not more
             service.open_chat(conv.id, restore=False)
             if args.new_chat is not None:
-                view = _continue(service, args.new_chat, args.prompt, args.max_tokens)
-                print(f"kvchat: note: chat {conv.id} goes on in new chat {view.id} with {len(view.messages) // 2} "
-                      f"of its turns{' and its documents' if view.documents else ''}", file=sys.stderr)
+                _continue(service, args.new_chat, args.prompt, args.max_tokens)
         else:  # the documents' prefix is prefilled with the first message
             service.start_chat(args.system, docs, emit, prefill_now=False)
         mark("loaded")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
@@ -138,8 +136,9 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     return 0
 
 
-def _continue(service, way: str, prompt: str, max_tokens: int):
-    """Open a new chat that goes on from the open one by ``way`` (the prompt is asked there).
+def _continue(service, way: str, prompt: str, max_tokens: int) -> None:
+    """Open a new chat that goes on from the open one by ``way`` (the prompt is asked there) and say so on
+    stderr. It is restored in the turn, so the turn's stats say what came from disk.
 
     Raises:
         ContextFullError: ``way`` does not fit (the line names the ways that do, as ``--new-chat`` values).
@@ -147,7 +146,9 @@ def _continue(service, way: str, prompt: str, max_tokens: int):
     plan = service.continuation(prompt, max_tokens)
     if not plan.fits(way):
         raise plan.error(way, NEW_CHAT)
-    return service.continue_in_new_chat(way, prompt, max_tokens)
+    view = service.continue_in_new_chat(way, prompt, max_tokens, restore=False)
+    print(f"kvchat: note: chat {plan.chat_id} goes on in new chat {view.id} with {plan.describe(way)}",
+          file=sys.stderr)
 
 
 def _find_chat(chat_id: str):

@@ -111,7 +111,8 @@ class Continuation:
         if self.prefix + self.room > self.limit:
             return f"{line}: no {self.room_text()} even without the turns"
         last = self.turns[-1] if self.turns else 0
-        return f"{line}: the last turn ({last:,} tokens) does not fit beside them with {self.room_text()}"
+        them = "them" if self.documents else "it"
+        return f"{line}: the last turn ({last:,} tokens) does not fit beside {them} with {self.room_text()}"
 
     def choice_text(self, way: CarryWay) -> str:
         """A way as offered: what it carries and its length, e.g. ``the last turn, without the documents:

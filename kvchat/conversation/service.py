@@ -481,9 +481,11 @@ class ChatService:
         return Continuation(chat.chat_id, self.rt.engine.max_context, prefix, bare, len(documents), turns, pending,
                             answer_room(max_tokens))
 
-    def continue_in_new_chat(self, way: CarryWay, message: str = "", max_tokens: int = ANSWER_ROOM_TOKENS) -> ChatView:
+    def continue_in_new_chat(self, way: CarryWay, message: str = "", max_tokens: int = ANSWER_ROOM_TOKENS,
+                             restore: bool = True) -> ChatView:
         """Store and open a new chat that goes on from the open one by ``way`` (:func:`continuation` with
-        ``message`` and ``max_tokens`` decides what it carries); the old chat stays as it is.
+        ``message`` and ``max_tokens`` decides what it carries); the old chat stays as it is. ``restore``: as
+        :meth:`open_chat`'s.
 
         Raises:
             LookupError: no stored chat is open. ContextFullError: ``way`` does not fit (the line says why
@@ -502,4 +504,4 @@ class ChatService:
         self._stored = True
         self.chat = None  # close the old session first: its blocks stay cached for the new chat's shared prefix
         chat.session.close()
-        return self.open_chat(new_id)
+        return self.open_chat(new_id, restore)

@@ -55,8 +55,11 @@ def test_a_full_chat_names_the_ways_on_and_each_one_answers(tmp_path, smol_info,
     assert "--new-chat all" not in line
     assert [c.id for c in list_conversations(db)] == [full_id], "the error stored nothing"
 
-    turns = answer(ask(kvchat_home, models, LONG, "--chat", full_id, "--new-chat", "turns", "--json"))
+    r = ask(kvchat_home, models, LONG, "--chat", full_id, "--new-chat", "turns", "--json")
+    turns = answer(r)
     assert turns["continued_from"] == full_id and turns["chat_id"] != full_id
+    assert (f"kvchat: note: chat {full_id} goes on in new chat {turns['chat_id']} with the last turn, without the "
+            "documents") in r.stderr
     new = get_conversation(db, turns["chat_id"])
     assert new.settings["documents"] == [] and new.segments[0][1] < prefix
     assert [m.text for m in new.messages] == [m.text for m in full.messages] + [LONG, turns["text"]]
@@ -66,7 +69,7 @@ def test_a_full_chat_names_the_ways_on_and_each_one_answers(tmp_path, smol_info,
     new = get_conversation(db, docs["chat_id"])
     assert docs["chat_id"] not in (full_id, turns["chat_id"]) and new.settings["documents"] == ["mill.txt"]
     assert [m.text for m in new.messages] == [LONG, docs["text"]] and new.token_ids[:prefix] == full.token_ids[:prefix]
-    assert docs["reused_tokens"] >= prefix - 16, "the documents' prefix comes back from its snapshot"
+    assert docs["from_disk"] >= prefix - 16, "the documents' prefix comes back from its snapshot"
 
     more = answer(ask(kvchat_home, models, "Anything else?", "--chat", full_id, "--new-chat", "all", "--json"))
     new = get_conversation(db, more["chat_id"])

@@ -58,7 +58,7 @@ async def test_a_full_chat_goes_on_with_as_many_last_turns_as_fit():
         assert [m.text for m in new.messages] == ["second", old.messages[3].text, "third", old.messages[5].text,
                                                   MORE, "You said: more?"]
         assert new.num_tokens <= 310 and h.screen.query_one(ChatInput).text == ""
-        assert any("continued in a new chat with 2 turns" in n for n in h.notes)
+        assert "continued in a new chat with 2 turns" in h.notes
         assert [m.text for m in h.backend.chats[old.id].messages] == [m.text for m in old.messages]
 
 
@@ -146,3 +146,29 @@ async def test_real_model_a_full_document_chat_goes_on_on_the_documents_alone(sm
         stats = backend._chats.last
         assert stats.reused_tokens >= prefix - 16 and stats.new_tokens >= 1  # on the cached document
         assert h.blocks("assistant")[-1].text == new.messages[1].text
+
+
+async def test_an_answer_cut_at_the_context_limit_offers_the_ways_that_fit(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("word " * 200)  # prefix 214 fake tokens; the second answer runs into the 600-token limit
+    h = Harness(FakeBackend(answers=["word " * 10, "word " * 400], context_limit=600))
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        h.screen.run_engine(h.backend.new_chat, None, [str(doc)], h.screen.emit, then=h.screen.opened)
+        await until(pilot, lambda: h.backend.current() is not None and h.backend.current().documents)
+        for text in ("first", "second"):
+            await send(pilot, h, text)
+            await answered(pilot, h, text)
+        old = h.backend.current()
+        assert old.num_tokens == 600
+        await until(pilot, lambda: isinstance(h.app.screen, ChoiceScreen))
+        assert question(h).startswith("The answer stopped at the context limit (600/600 tokens).\nThe system prompt "
+                                      "and documents are 214 of 600 tokens: the last turn (367 tokens) does not fit "
+                                      "beside them with room for an answer of 256.")
+        assert [shown(b) for b in h.app.screen.query(".choice")] == ["1. the documents alone: 214 of 600 tokens"]
+        await pilot.press("1")
+        await until(pilot, lambda: h.backend.current().id != old.id)
+        await pilot.pause()
+        new = h.backend.current()
+        assert new.documents == ["doc.txt"] and new.messages == [] and not h.screen.generating
+        assert any(n == "continued in a new chat with doc.txt" for n in h.notes)

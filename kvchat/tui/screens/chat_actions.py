@@ -214,9 +214,10 @@ class ChatActions:
         """The new chat is open: say what it carries, then send the message that did not fit."""
         await self.opened(view)
         turns = len(view.messages) // 2
-        carried = f"{turns} turn{'s' if turns != 1 else ''}" + (f" and {', '.join(view.documents)}" if view.documents
-                                                               else "")
-        self.app.notify(f"continued in a new chat with {carried}", markup=False)
+        carried = ([", ".join(view.documents)] if view.documents else []) + ([f"{turns} turn{'s' * (turns != 1)}"]
+                                                                             if turns else [])
+        self.app.notify(f"continued in a new chat with {' and '.join(carried) or 'the system prompt alone'}",
+                        markup=False)
         if message and not self._busy():
             self.query_one("#input").clear()
             await self.start_turn("send", message)
