@@ -15,6 +15,7 @@ import threading
 from kvchat.progress import print_prefill_progress
 
 PROGRESS_MIN_TOKENS = 1024  # show prefill progress on stderr for prompts at least this long
+NEW_CHAT = "--new-chat "  # the option that takes a continuation's way, as error lines name it
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -52,6 +53,8 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     threads = checked_threads(args.threads)
     if args.chat is not None and (args.doc or args.system is not None):
         raise ValueError("--doc and --system set up a new chat; they cannot be used with --chat")
+    if args.new_chat is not None and args.chat is None:
+        raise ValueError(f"--new-chat {args.new_chat} goes on from a stored chat: give it --chat ID")
     docs = [read_document(p) for p in args.doc]
     conv = _find_chat(args.chat) if args.chat is not None else None
     from kvchat.paths import db_path
@@ -62,6 +65,7 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     from kvchat.cli.cache import say_eviction
     from kvchat.conversation.events import PrefillProgress, TokenBatch
     from kvchat.conversation.service import ChatService
+    from kvchat.conversation.views import ContextFullError
     from kvchat.model.loader import load_runtime, set_threads
 
     set_threads(threads)
@@ -87,6 +91,8 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     try:
         if conv is not None:  # restored in the turn, so its stats say what was reused and why not more
             service.open_chat(conv.id, restore=False)
+            if args.new_chat is not None:
+                _continue(service, args.new_chat, args.prompt, args.max_tokens)
         else:  # the documents' prefix is prefilled with the first message
             service.start_chat(args.system, docs, emit, prefill_now=False)
         mark("loaded")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
@@ -94,6 +100,12 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
             raise KeyboardInterrupt
         try:
             done = service.send(args.prompt, params, cancel, emit)
+        except ContextFullError as exc:
+            if conv is None or args.new_chat is not None:
+                raise
+            plan = service.continuation(args.prompt, args.max_tokens)
+            raise ContextFullError(f"chat {conv.id} is full: {exc}; {plan.full_hint(NEW_CHAT)}", exc.needed,
+                                   exc.limit) from None
         finally:
             if streamed and not args.json:
                 print()  # end the answer's line before any note or error
@@ -114,6 +126,7 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
             "ttft_ms": round(s.ttft_ms, 2), "prefill_ms": round(s.prefill_ms, 2),
             "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
             "context_tokens": done.context_used, "context_limit": done.context_limit,
+            "continued_from": conv.id if conv is not None and args.new_chat is not None else None,
             "compute_dtype": str(rt.engine.dtype).removeprefix("torch."), "kv_pool": rt.engine.pool_plan.text,
         }))
     else:
@@ -121,6 +134,21 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
             print(f"kvchat: note: {s.miss_reason}", file=sys.stderr)
         print(f"[chat {done.chat_id}] continue with: kvchat ask --chat {done.chat_id} \"...\"", file=sys.stderr)
     return 0
+
+
+def _continue(service, way: str, prompt: str, max_tokens: int) -> None:
+    """Open a new chat that goes on from the open one by ``way`` (the prompt is asked there) and say so on
+    stderr. It is restored in the turn, so the turn's stats say what came from disk.
+
+    Raises:
+        ContextFullError: ``way`` does not fit (the line names the ways that do, as ``--new-chat`` values).
+    """
+    plan = service.continuation(prompt, max_tokens)
+    if not plan.fits(way):
+        raise plan.error(way, NEW_CHAT)
+    view = service.continue_in_new_chat(way, prompt, max_tokens, restore=False)
+    print(f"kvchat: note: chat {plan.chat_id} goes on in new chat {view.id} with {plan.describe(way)}",
+          file=sys.stderr)
 
 
 def _find_chat(chat_id: str):

@@ -12,6 +12,7 @@ import os
 import sys
 
 from kvchat import __version__
+from kvchat.conversation.continuation import WAYS
 from kvchat.engine.cache_identity import KV_DTYPE_NAMES
 from kvchat.settings import DTYPE, DTYPE_CHOICES, WEIGHTS, WEIGHTS_CHOICES
 
@@ -69,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--doc", action="append", default=[], metavar="PATH", help="attach a UTF-8 text document (repeatable)")
     ask.add_argument("--system", help="system prompt for a new chat")
     ask.add_argument("--chat", metavar="ID", help="continue a stored conversation")
+    ask.add_argument("--new-chat", choices=WAYS, metavar="WAY",
+                     help="with --chat: ask in a new chat that goes on from it (a full chat names the ways that fit): "
+                          "all = its documents and the last turns that fit; turns = the last turns that fit, without "
+                          "the documents; documents = its documents alone")
     ask.add_argument("--max-tokens", type=int, default=512)
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ask.add_argument("--top-p", type=float, default=1.0)

@@ -8,6 +8,7 @@
   torch, not the model).
 - :mod:`.records`: a session to and from its stored conversation.
 - :mod:`.rewind`: turn spans and carrying turns into a new chat.
+- :mod:`.continuation`: what a full chat can carry into a new one (torch-free arithmetic and its lines).
 - :mod:`.views`, :mod:`.events`, :mod:`.streaming`: the plain, torch-free
   dataclasses and events the front-ends receive.
 

@@ -45,29 +45,36 @@ def turn_spans(segments: list[Segment]) -> list[TurnSpan]:
     return spans
 
 
-def carry_over(db: Database, conv: Conversation, keep_turns: int, max_tokens: int) -> tuple[str, int]:
+def carry_over(db: Database, conv: Conversation, keep_turns: int, max_tokens: int,
+               prefix_ids: list[int] | None = None, settings: dict | None = None) -> tuple[str, int]:
     """Store a new chat = ``conv``'s prefix + its last ``keep_turns`` turns, fewer if they exceed ``max_tokens``.
 
     Ids and message texts are copied (no re-tokenization), so the copied
-    prefix is a prefix hit in the pool. Returns ``(new chat id, turns kept)``.
+    prefix is a prefix hit in the pool. ``prefix_ids`` and ``settings``: the
+    new chat's own prefix (e.g. the system prompt without the documents) and
+    settings, in place of ``conv``'s; a user turn's ids do not depend on the
+    prefix before it (``kvchat.model.chat_format``), so the turns are copied
+    as they are. Returns ``(new chat id, turns kept)``.
 
     Raises:
         ValueError: the prefix alone exceeds ``max_tokens``.
     """
     segments = [Segment(k, s, e) for s, e, k in conv.segments]
     prefix = segments[0] if segments and segments[0].kind == "prefix" else Segment("prefix", 0, 0)
-    if prefix.end > max_tokens:
-        raise ValueError(f"the chat's system prompt and documents are {prefix.end:,} tokens; "
-                         f"a new chat can hold {max_tokens:,}")
+    ids = conv.token_ids
+    new_prefix = ids[prefix.start:prefix.end] if prefix_ids is None else prefix_ids
+    if len(new_prefix) > max_tokens:
+        raise ValueError(f"the chat's system prompt and documents are {len(new_prefix):,} tokens; "
+                         f"a new chat can hold {max_tokens:,} beside the next message and its answer")
     turns = turn_spans(segments)
     kept = turns[max(0, len(turns) - keep_turns):]
-    while kept and prefix.end + sum(t.end - t.start for t in kept) > max_tokens:
+    while kept and len(new_prefix) + sum(t.end - t.start for t in kept) > max_tokens:
         kept = kept[1:]
-    ids = conv.token_ids
     with write_transaction(db):
         new = create_conversation(db, title=f"{conv.title} (continued)", model_fingerprint=conv.model_fingerprint,
-                                  model_name=conv.model_name, system_prompt=conv.system_prompt, settings=conv.settings)
-        append_turn(db, new.id, ids[prefix.start:prefix.end], [], segment_kind="prefix")
+                                  model_name=conv.model_name, system_prompt=conv.system_prompt,
+                                  settings=conv.settings if settings is None else settings)
+        append_turn(db, new.id, new_prefix, [], segment_kind="prefix")
         for turn in kept:
             user, answer = conv.messages[2 * turn.index], conv.messages[2 * turn.index + 1]
             split = answer.token_start

@@ -30,6 +30,7 @@ from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
 from kvchat.conversation.events import Emit, TurnDone
 from kvchat.conversation.listing import register_documents
 from kvchat.conversation.pasted import register_turn_documents
+from kvchat.conversation.continuation import ANSWER_ROOM_TOKENS, CarryWay, Continuation, answer_room
 from kvchat.conversation.rewind import carry_over, turn_spans
 from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
 from kvchat.engine.turn import SamplingParams, TurnStats
@@ -461,11 +462,46 @@ class ChatService:
         session = Session.new(self.rt.engine, chat.session.fmt, text, [], self.persist)
         return self._switch(_Chat(session, None, chat.title, text, chat.settings))
 
-    def continue_in_new_chat(self, keep_turns: int) -> ChatView:
+    def continuation(self, message: str, max_tokens: int) -> Continuation:
+        """How the open stored chat can go on in a new chat (:mod:`kvchat.conversation.continuation`), keeping
+        room for ``message`` (its rendered tokens; "" for none) and an answer of up to ``max_tokens``.
+
+        Raises:
+            LookupError: no chat is open, or it has no stored turns.
+        """
         chat = self._open()
         if chat.chat_id is None:
             raise LookupError("this chat has no stored turns to carry")
-        db = get_db()
-        new_id, _ = carry_over(db, get_conversation(db, chat.chat_id), keep_turns, self.rt.engine.max_context // 2)
+        session, documents = chat.session, chat.settings.get("documents", [])
+        segments = session.segments
+        prefix = segments[0].end if segments and segments[0].kind == "prefix" else 0
+        bare = len(session.fmt.prefix_ids(chat.system, [])) if documents else prefix
+        turns = tuple(t.end - t.start for t in turn_spans(segments))
+        pending = len(session.fmt.user_turn(message).ids) if message.strip() else 0
+        return Continuation(chat.chat_id, self.rt.engine.max_context, prefix, bare, len(documents), turns, pending,
+                            answer_room(max_tokens))
+
+    def continue_in_new_chat(self, way: CarryWay, message: str = "", max_tokens: int = ANSWER_ROOM_TOKENS,
+                             restore: bool = True) -> ChatView:
+        """Store and open a new chat that goes on from the open one by ``way`` (:func:`continuation` with
+        ``message`` and ``max_tokens`` decides what it carries); the old chat stays as it is. ``restore``: as
+        :meth:`open_chat`'s.
+
+        Raises:
+            LookupError: no stored chat is open. ContextFullError: ``way`` does not fit (the line says why
+                and names the ways that do); nothing was stored.
+        """
+        plan = self.continuation(message, max_tokens)
+        if not plan.fits(way):
+            raise plan.error(way)
+        chat, db = self._open(), get_db()
+        conv = get_conversation(db, plan.chat_id)
+        prefix_ids, settings = None, None
+        if way == "turns":  # the system prompt rendered alone, as a chat without documents starts
+            prefix_ids = chat.session.fmt.prefix_ids(chat.system, [])
+            settings = {**conv.settings, "documents": []}
+        new_id, _ = carry_over(db, conv, plan.carried_turns(way), plan.limit - plan.room, prefix_ids, settings)
         self._stored = True
-        return self.open_chat(new_id)
+        self.chat = None  # close the old session first: its blocks stay cached for the new chat's shared prefix
+        chat.session.close()
+        return self.open_chat(new_id, restore)

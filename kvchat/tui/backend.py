@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol, Sequence
 
+from kvchat.conversation.continuation import CarryWay, Continuation
 from kvchat.conversation.events import Emit, TurnDone
 from kvchat.conversation.views import CacheReport, ChatSummary, ChatView, DocumentSummary, Status
 from kvchat.engine.turn import SamplingParams
@@ -80,8 +81,13 @@ class Backend(Protocol):
     def set_system_prompt(self, text: str) -> ChatView:
         """Set the open chat's system prompt; only before its first turn (it starts the cached prefix)."""
 
-    def continue_in_new_chat(self, keep_turns: int) -> ChatView:
-        """Open a new stored chat with the open chat's prefix and its last ``keep_turns`` turns (fewer if too long)."""
+    def continuation(self, message: str, max_tokens: int) -> Continuation:
+        """How the open stored chat can go on in a new chat, keeping room for ``message`` and an answer of up to
+        ``max_tokens`` (:mod:`kvchat.conversation.continuation`); ``LookupError`` if no stored chat is open."""
+
+    def continue_in_new_chat(self, way: CarryWay, message: str, max_tokens: int) -> ChatView:
+        """Store and open a new chat that goes on from the open one by ``way`` (what :meth:`continuation`
+        carries); ``ContextFullError`` (nothing stored) if ``way`` does not fit."""
 
     def rename_chat(self, chat_id: str, title: str) -> None:
         """Set a chat's title."""

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from kvchat.documents import read_document
 from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView, ContextFullError, DocumentSummary, ResumeInfo, Status
+from kvchat.conversation.continuation import CarryWay, Continuation, answer_room
 from kvchat.conversation.events import Emit, LoadProgress, PrefillProgress, TurnDone
 from kvchat.conversation.streaming import TokenBatcher
 from kvchat.engine.turn import SamplingParams, TurnStats
@@ -226,17 +227,25 @@ class FakeBackend:
         chat.system, chat.prefix_tokens = text, count_tokens(text) + TURN_OVERHEAD
         return self.current()
 
-    def continue_in_new_chat(self, keep_turns: int) -> ChatView:
-        old = self._open()
-        if old.id is None:
+    def continuation(self, message: str, max_tokens: int) -> Continuation:
+        chat = self._open()
+        if chat.id is None:
             raise LookupError("this chat has no stored turns to carry")
-        keep = min(keep_turns, len(old.turn_tokens))
-        while keep and old.prefix_tokens + sum(old.turn_tokens[len(old.turn_tokens) - keep:]) > self.context_limit // 2:
-            keep -= 1
+        bare = count_tokens(chat.system) + TURN_OVERHEAD
+        pending = count_tokens(message) + TURN_OVERHEAD if message.strip() else 0
+        return Continuation(chat.id, self.context_limit, chat.prefix_tokens, bare, len(chat.documents),
+                            tuple(chat.turn_tokens), pending, answer_room(max_tokens))
+
+    def continue_in_new_chat(self, way: CarryWay, message: str, max_tokens: int) -> ChatView:
+        plan = self.continuation(message, max_tokens)
+        if not plan.fits(way):
+            raise plan.error(way)
+        old, keep = self._open(), plan.carried_turns(way)
         first = len(old.turn_tokens) - keep
-        new = _Chat(f"c_{next(self._ids):06x}", f"{old.title} (continued)", old.system, list(old.documents),
-                    old.prefix_tokens, old.messages[2 * first:], old.turn_tokens[first:], order=next(self._clock),
-                    updated=time.time())
+        documents = [] if way == "turns" else list(old.documents)
+        prefix = plan.bare_prefix if way == "turns" else old.prefix_tokens
+        new = _Chat(f"c_{next(self._ids):06x}", f"{old.title} (continued)", old.system, documents, prefix,
+                    old.messages[2 * first:], old.turn_tokens[first:], order=next(self._clock), updated=time.time())
         self.chats[new.id] = new
         return self.open_chat(new.id)
 

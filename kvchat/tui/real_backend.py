@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from kvchat.tui.backend import BackendNotReadyError, StoreUnavailableError
 from kvchat.conversation.views import CacheReport, ChatSummary, ChatView, DocumentSummary, Status
+from kvchat.conversation.continuation import CarryWay, Continuation
 from kvchat.conversation.events import Emit, LoadProgress, TurnDone
 from kvchat.engine.turn import SamplingParams
 
@@ -136,8 +137,11 @@ class RealBackend:
     def set_system_prompt(self, text: str) -> ChatView:
         return self._engine_lane.call(lambda: self._require().set_system_prompt(text))
 
-    def continue_in_new_chat(self, keep_turns: int) -> ChatView:
-        return self._engine_lane.call(lambda: self._require().continue_in_new_chat(keep_turns))
+    def continuation(self, message: str, max_tokens: int) -> Continuation:
+        return self._engine_lane.call(lambda: self._require().continuation(message, max_tokens))
+
+    def continue_in_new_chat(self, way: CarryWay, message: str, max_tokens: int) -> ChatView:
+        return self._engine_lane.call(lambda: self._require().continue_in_new_chat(way, message, max_tokens))
 
     def delete_chat(self, chat_id: str) -> None:
         def run() -> None:

@@ -320,23 +320,6 @@ async def test_help_lists_every_binding(harness):
         assert {a.title for a in ACTIONS} <= palette | {"Theme"}
 
 
-async def test_context_limit_offers_a_new_chat_and_keeps_the_message():
-    h = Harness(FakeBackend(answers=["short answer"], context_limit=60))
-    long_message = "word " * 40
-    async with h.app.run_test(size=SIZE) as pilot:
-        await ready(pilot, h)
-        await h.send(pilot, "first question")
-        await pilot.click(ChatInput)
-        h.screen.query_one(ChatInput).text = long_message
-        await pilot.press("enter")
-        await until(pilot, lambda: isinstance(h.app.screen, ConfirmScreen))
-        assert "context limit is 60 tokens" in shown(h.app.screen.query_one(".question"))
-        await pilot.press("y")
-        await until(pilot, lambda: h.backend.current().title == "first question (continued)")
-        assert [b.text for b in h.blocks("user")] == ["first question"]
-        assert h.screen.query_one(ChatInput).text == long_message
-
-
 async def test_bad_document_path_is_a_notice_not_a_crash(harness, tmp_path):
     h = harness
     doc = tmp_path / "notes.txt"

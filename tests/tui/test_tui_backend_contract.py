@@ -198,15 +198,43 @@ def test_turns_are_snapshotted_to_disk_and_purgeable(backend):
     assert backend.cache_report().rows[0].disk_bytes == 0
 
 
-def test_continue_in_new_chat_carries_the_last_turns(backend):
+def test_continue_in_new_chat_carries_the_last_turns_that_fit(backend):
     backend.new_chat(None, [], lambda e: None)
-    run(backend, "Name a fruit.")
+    _, first = run(backend, "Name a fruit.")
     _, last = run(backend, "Name a tree.")
-    view = backend.continue_in_new_chat(1)
+    plan = backend.continuation("Name a bird.", GS.max_tokens)
+    assert plan.limit == backend.status().context_limit and plan.room == plan.message + GS.max_tokens
+    assert plan.offered() == ["all"] and plan.carried_turns("all") == len(plan.turns) == 2
+    with pytest.raises(ContextFullError, match="no documents to leave out"):
+        backend.continue_in_new_chat("turns", "Name a bird.", GS.max_tokens)
+    assert len(backend.list_chats()) == 1, "a way that does not fit stores nothing"
+    view = backend.continue_in_new_chat("all", "Name a bird.", GS.max_tokens)
     assert view.id not in (None, last.chat_id) and view.title.endswith("(continued)")
-    assert [m.text for m in view.messages] == ["Name a tree.", last.text]
+    assert [m.text for m in view.messages] == ["Name a fruit.", first.text, "Name a tree.", last.text]
+    assert view.num_tokens == plan.tokens("all")
     _, done = run(backend, "Name a bird.")
-    assert done.chat_id == view.id and len(backend.current().messages) == 4
+    assert done.chat_id == view.id and len(backend.current().messages) == 6
+
+
+def test_continue_without_the_documents_or_on_the_documents_alone(backend, tmp_path):
+    doc = tmp_path / "notes.txt"
+    doc.write_text(f"Notes {tmp_path.name}. " + "The blue heron nests near the old mill. " * 10)
+    backend.new_chat(None, [str(doc)], lambda e: None)
+    _, first = run(backend, "Where does the heron nest?")
+    plan = backend.continuation("And the mill?", GS.max_tokens)
+    assert plan.documents == 1 and plan.turns == (first.context_used - plan.prefix,)
+    turns = backend.continue_in_new_chat("turns", "And the mill?", GS.max_tokens)
+    assert turns.documents == [] and [m.text for m in turns.messages] == ["Where does the heron nest?", first.text]
+    assert turns.num_tokens == plan.tokens("turns") == plan.bare_prefix + plan.turns[0]
+    _, done = run(backend, "And the mill?")
+    assert done.chat_id == turns.id and len(backend.current().messages) == 4
+    backend.open_chat(first.chat_id)
+    docs = backend.continue_in_new_chat("documents", "And the mill?", GS.max_tokens)
+    assert docs.documents == ["notes.txt"] and docs.messages == [] and docs.num_tokens == plan.prefix
+    _, done = run(backend, "And the mill?")
+    assert done.chat_id == docs.id and [m.text for m in backend.current().messages][0] == "And the mill?"
+    # the prefix without the documents is the one a new chat without documents starts with
+    assert backend.new_chat(None, [], lambda e: None).num_tokens == plan.bare_prefix
 
 
 def test_system_prompt_only_before_the_first_turn(backend):

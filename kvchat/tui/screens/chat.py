@@ -226,7 +226,7 @@ class ChatScreen(ChatActions, Screen):
             else:
                 self.backend.regenerate(self.settings, cancel, self.emit)
         except Exception as exc:  # noqa: BLE001 - shown, the typed text goes back into the input
-            self.post_message(TurnFailed(text if op != "regenerate" else "", exc))
+            self.post_message(TurnFailed(text if op != "regenerate" else "", exc, op))
 
     @on(BackendEvent)
     async def _backend_event(self, message: BackendEvent) -> None:
@@ -266,8 +266,9 @@ class ChatScreen(ChatActions, Screen):
         if message.text and not chat_input.text.strip():
             chat_input.text = message.text
         self.update_status()
-        if isinstance(message.error, ContextFullError) and current is not None and current.messages:
-            self.offer_continue(f"This chat is full: {message.error}.")
+        if (isinstance(message.error, ContextFullError) and message.op == "send" and current is not None
+                and current.id is not None and current.messages):
+            self.offer_continue(f"This chat is full: {message.error}.", message.text)
         else:
             self.notify_error(message.error)
 

@@ -7,9 +7,11 @@ import os
 from textual.timer import Timer
 
 from kvchat.paths import data_dir
+from kvchat.conversation.continuation import Continuation
 from kvchat.conversation.views import SYSTEM_PROMPT_FIXED
 from kvchat.tui.export import export_chat, export_dir
 from kvchat.tui.screens.cache import CacheScreen
+from kvchat.tui.screens.choice import ChoiceScreen
 from kvchat.tui.screens.confirm import ConfirmScreen
 from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.screens.prompt import PromptScreen, split_paths
@@ -17,7 +19,6 @@ from kvchat.tui.screens.settings import SettingsScreen
 from kvchat.tui.screens.system_prompt import SystemPromptScreen
 from kvchat.tui.text import one_line
 
-KEEP_TURNS = 2
 APPLE_TERMINAL = "Apple_Terminal"
 SEARCH_PAUSE_S = 0.15  # a search runs once typing pauses this long: one query per burst of keys
 
@@ -183,15 +184,40 @@ class ChatActions:
             return
         self.app.notify(f"exported to {path}", markup=False)
 
-    def offer_continue(self, reason: str) -> None:
-        """Say the chat is full and offer a new chat carrying its last turns (never a silent truncation)."""
-        def answer(yes: bool | None) -> None:
-            if yes:
-                self.run_engine(self.backend.continue_in_new_chat, KEEP_TURNS, then=self._continued)
+    def offer_continue(self, reason: str, message: str = "") -> None:
+        """Say the chat is full and offer the ways on that exist (never a silent truncation): a new chat with the
+        documents and the last turns that fit, else one with the last turns without the documents or one on the
+        documents alone (:mod:`kvchat.conversation.continuation`). ``message``: the message that did not fit,
+        sent in the new chat."""
+        max_tokens = self.settings.max_tokens
+        self.run_engine(self.backend.continuation, message, max_tokens,
+                        then=lambda plan: self._ask_continue(reason, message, max_tokens, plan))
 
-        question = f"{reason}\nContinue in a new chat that carries the last {KEEP_TURNS} turns?"
-        self.app.push_screen(ConfirmScreen(question, yes="Continue in a new chat", no="Stay"), answer)
+    def _ask_continue(self, reason: str, message: str, max_tokens: int, plan: Continuation) -> None:
+        def answer(way: str | None) -> None:
+            if way:
+                self.run_engine(self.backend.continue_in_new_chat, way, message, max_tokens,
+                                then=lambda view: self._continued(view, message))
 
-    async def _continued(self, view) -> None:
+        ways = plan.offered()
+        if ways == ["all"]:
+            question = f"{reason}\nContinue in a new chat with {plan.choice_text('all')}, leaving {plan.room_text()}?"
+            self.app.push_screen(ConfirmScreen(question, yes="Continue in a new chat", no="Stay"),
+                                 lambda yes: answer("all" if yes else None))
+        elif ways:
+            question = f"{reason}\n{plan.no_room_line().capitalize()}.\nContinue in a new chat with:"
+            self.app.push_screen(ChoiceScreen(question, [(w, plan.choice_text(w)) for w in ways], no="Stay"), answer)
+        else:
+            self.app.notify(f"{reason} {plan.no_room_line().capitalize()}.", severity="error", markup=False, timeout=8)
+
+    async def _continued(self, view, message: str) -> None:
+        """The new chat is open: say what it carries, then send the message that did not fit."""
         await self.opened(view)
-        self.app.notify(f"continued in a new chat with the last {len(view.messages) // 2} turns", markup=False)
+        turns = len(view.messages) // 2
+        carried = ([", ".join(view.documents)] if view.documents else []) + ([f"{turns} turn{'s' * (turns != 1)}"]
+                                                                             if turns else [])
+        self.app.notify(f"continued in a new chat with {' and '.join(carried) or 'the system prompt alone'}",
+                        markup=False)
+        if message and not self._busy():
+            self.query_one("#input").clear()
+            await self.start_turn("send", message)

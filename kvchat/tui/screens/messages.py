@@ -16,11 +16,12 @@ class BackendEvent(Message):
 
 
 class TurnFailed(Message):
-    """A turn raised before or while generating; ``text`` goes back into the input."""
+    """A turn (``op``: send, edit, regenerate) raised before or while generating; ``text`` goes back into the
+    input."""
 
-    def __init__(self, text: str, error: Exception):
+    def __init__(self, text: str, error: Exception, op: str = "send"):
         super().__init__()
-        self.text, self.error = text, error
+        self.text, self.error, self.op = text, error, op
 
 
 class CannotRun(Message):
