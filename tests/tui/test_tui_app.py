@@ -432,10 +432,14 @@ async def test_settings_dialog_validates_and_applies(harness):
         await pilot.press("enter")
         assert "temperature must be a number" in shown(h.app.screen.query_one("#settings-error"))
         h.app.screen.query_one("#temperature", Input).value = "0.7"
+        h.app.screen.query_one("#frequency_penalty", Input).value = "2.5"
+        await pilot.press("enter")
+        assert "frequency_penalty must be in [-2, 2]" in shown(h.app.screen.query_one("#settings-error"))
+        h.app.screen.query_one("#frequency_penalty", Input).value = "0.5"
         h.app.screen.query_one("#max_tokens", Input).value = "1"
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(h.app.screen, ChatScreen))
-        assert h.screen.settings == SamplingParams(temperature=0.7, max_tokens=1)
+        assert h.screen.settings == SamplingParams(temperature=0.7, max_tokens=1, frequency_penalty=0.5)
         await h.send(pilot, "q")
         answer = h.blocks("assistant")[0]
         assert answer.text == "Hello " and "stopped at max tokens" in shown(answer.query_one(".stats"))
