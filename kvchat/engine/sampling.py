@@ -21,11 +21,12 @@ class Sampler:
     """Stateful sampler for one generation (one sequence of a batch): owns the seeded generator and, with a
     presence or frequency penalty, the count of each token id it has picked so far.
 
-    The penalties are the OpenAI API's ("Parameter details", platform.openai.com/docs/advanced-usage/
-    parameter-details; chat completions' ``presence_penalty``/``frequency_penalty``), applied to the logits
-    before temperature, top-k and top-p: ``logits[t] -= count[t] * frequency_penalty + (count[t] > 0) *
-    presence_penalty``, ``count[t]`` = how often token ``t`` was generated in this generation (the prompt
-    is not counted). Positive values make repeats less likely, negative ones more likely.
+    The penalties are the OpenAI API's (API reference, "Parameter details",
+    https://platform.openai.com/docs/api-reference/parameter-details: ``mu[j] -> mu[j] - c[j] *
+    alpha_frequency - float(c[j] > 0) * alpha_presence``, ``c[j]`` how often token ``j`` was sampled before
+    the current position), applied to the logits before temperature, top-k and top-p; the counts are this
+    generation's tokens (the prompt is not counted). Positive values make repeats less likely, negative ones
+    more likely.
     """
 
     def __init__(self, params: SamplingParams):
