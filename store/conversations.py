@@ -27,7 +27,8 @@ from .faults import crash_point
 
 @dataclass(slots=True)
 class NewMessage:
-    """A message to store with a turn. ``token_start``/``token_end`` are offsets into that turn's new token ids."""
+    """A message to store with a turn. ``token_start``/``token_end`` are offsets into that turn's new token ids;
+    ``finish_reason``: how an answer ended (:attr:`kvchat.engine.turn.TurnStats.finish_reason`)."""
 
     role: str
     text: str
@@ -35,11 +36,13 @@ class NewMessage:
     token_end: int
     ttft_ms: float | None = None
     decode_tokens_per_s: float | None = None
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
 class Message:
-    """A stored message; ``token_start``/``token_end`` index the conversation's token ids (half-open)."""
+    """A stored message; ``token_start``/``token_end`` index the conversation's token ids (half-open);
+    ``finish_reason``: how an answer ended (None for a user message or an answer stored before it was kept)."""
 
     id: int
     conversation_id: str
@@ -51,6 +54,7 @@ class Message:
     ttft_ms: float | None
     decode_tokens_per_s: float | None
     created: float
+    finish_reason: str | None
 
 
 @dataclass(slots=True)
@@ -206,9 +210,9 @@ def append_turn(
         for i, m in enumerate(messages):
             db.execute(
                 "INSERT INTO messages (conversation_id, idx, role, text, token_start, token_end, ttft_ms,"
-                " decode_tokens_per_s, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " decode_tokens_per_s, created, finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [conv_id, r["last_idx"] + 1 + i, m.role, m.text, base + m.token_start, base + m.token_end,
-                 m.ttft_ms, m.decode_tokens_per_s, now],
+                 m.ttft_ms, m.decode_tokens_per_s, now, m.finish_reason],
             )
         crash_point("message_insert")
         segments = json.loads(r["segments"])

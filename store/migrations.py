@@ -119,6 +119,13 @@ def m004_chunk_refs(db: Database) -> None:
     db["documents"].add_column("pinned", int, not_null_default=0)
 
 
+@MIGRATIONS(name="m005_message_finish")
+def m005_message_finish(db: Database) -> None:
+    """messages.finish_reason: how an answer ended (``stop``, ``length``, ``context``, ``cancelled``; NULL for
+    user messages and answers stored before it was recorded)."""
+    db["messages"].add_column("finish_reason", str)
+
+
 def schema_names() -> list[str]:
     """Names of all registered migrations, oldest first."""
     return [m.name for m in MIGRATIONS.pending(Database(memory=True))]

@@ -60,8 +60,10 @@ class Server:
     def read_log(self) -> str:
         return (self.home.parent / f"serve-{self.port}.log").read_text()
 
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+    def health(self, key: bool = True) -> dict:
+        """``/health``, with the API key unless ``key`` is False."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if key and self.api_key else {}
+        with urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=headers), timeout=5) as r:
             return json.loads(r.read())
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):

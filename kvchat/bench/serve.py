@@ -94,6 +94,8 @@ class _Server:
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # a failed or cut stream ends so, without [DONE]
+                raise RuntimeError(f"the stream ended with an error: {chunk['error']['message']}")
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                 out["times"].append(time.perf_counter())
                 out["text"] += chunk["choices"][0]["delta"]["content"]

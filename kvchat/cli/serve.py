@@ -90,8 +90,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn_exit = server.handle_exit
 
     def end_turns_then_exit(sig, frame) -> None:
-        """At SIGINT/SIGTERM end the running turns first: each stream gets its finish chunk and [DONE] (the
-        turn is stored as a cancelled one), so uvicorn's graceful shutdown has no stream left to cut."""
+        """At SIGINT/SIGTERM end the running turns first: each stream ends with an error event saying the
+        answer was cut (the turn is stored as a cancelled one), so uvicorn's graceful shutdown has no stream
+        left to cut."""
         for s in made:
             s.request_stop()
         uvicorn_exit(sig, frame)

@@ -119,7 +119,8 @@ def _append_last_turn(db: Database, conv_id: str, session: Session, user_text: s
                           segment_kind="user", expected_version=version)
     return append_turn(
         db, conv_id, session.token_ids[a0:a1],
-        [NewMessage("assistant", turn.text, 0, a1 - a0, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)],
+        [NewMessage("assistant", turn.text, 0, a1 - a0, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s,
+                    turn.stats.finish_reason or None)],
         segment_kind="assistant", expected_version=version,
     )
 

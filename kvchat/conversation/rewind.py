@@ -82,6 +82,6 @@ def carry_over(db: Database, conv: Conversation, keep_turns: int, max_tokens: in
                         segment_kind="user")
             append_turn(db, new.id, ids[split:turn.end],
                         [NewMessage("assistant", answer.text, 0, turn.end - split, answer.ttft_ms,
-                                    answer.decode_tokens_per_s)],
+                                    answer.decode_tokens_per_s, answer.finish_reason)],
                         segment_kind="assistant")
     return new.id, len(kept)

@@ -241,7 +241,8 @@ class ChatService:
         conv = get_conversation(get_db(), chat_id)
         session = session_from_store(self.rt, conv)
         session.persist = self.persist
-        messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s) for m in conv.messages]
+        messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s, m.finish_reason or "")
+                    for m in conv.messages]
         if not restore:
             return self._switch(_Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings,
                                       messages, None, conv.token_ids_version, lazy=True))
@@ -301,9 +302,10 @@ class ChatService:
         keeps the stored turn and goes to ``persist.errors``.
 
         ``answer_text(generated text)``: the answer's text as stored and returned (a server cuts it at a
-        stop string, as its client saw it); the ids stay those generated, so a resent history maps the
-        text back to them (:mod:`kvchat.server.prefix`). ``user``: ``text`` already rendered as the open chat
-        renders it (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`), not tokenized again."""
+        stop string, as its client saw it; a cut answer's ``finish_reason`` is ``stop``); the ids stay those
+        generated, so a resent history maps the text back to them (:mod:`kvchat.server.prefix`). ``user``:
+        ``text`` already rendered as the open chat renders it
+        (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`), not tokenized again."""
         return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text, user=user,
                                 answer_early=True)
 
@@ -351,7 +353,10 @@ class ChatService:
                     reply = yield item
             batcher.flush()
             if answer_text is not None:
-                session.last_turn.text = answer_text(session.last_turn.text)
+                cut = answer_text(session.last_turn.text)
+                if cut != session.last_turn.text:  # the stop string ended it (the cancel that followed only
+                    session.last_turn.stats.finish_reason = "stop"  # stopped the decoding)
+                session.last_turn.text = cut
             mark("generated")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
             if chat.lazy:
                 self._name_shortfall(chat, stored)
@@ -371,7 +376,8 @@ class ChatService:
         turn = session.last_turn
         self.last = turn.stats
         chat.messages += [ChatMessage("user", text),
-                          ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s)]
+                          ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s,
+                                      turn.stats.finish_reason)]
         done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
         if settle is not None:  # answer_early: the turn is stored, answered now; the recompute and snapshot follow
             emit(done)

@@ -120,12 +120,14 @@ class DocumentSummary:
 
 @dataclass(slots=True)
 class ChatMessage:
-    """One displayed message; ``ttft_ms``/``tokens_per_s`` for answers when known."""
+    """One displayed message; ``ttft_ms``/``tokens_per_s``/``finish_reason`` (how it ended:
+    :attr:`kvchat.engine.turn.TurnStats.finish_reason`, "" if not known) for answers when known."""
 
     role: Literal["user", "assistant"]
     text: str
     ttft_ms: float | None = None
     tokens_per_s: float | None = None
+    finish_reason: str = ""
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Next-token sampling on the logits' device: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020).
+"""Next-token sampling on the logits' device: presence and frequency penalties (the OpenAI API's), greedy,
+temperature, top-k, top-p (nucleus, Holtzman et al. 2020).
 
 Every operation runs where the logits are (a GPU's decode never copies its ``[vocab_size]`` row to the
 host); the sampled id is the one value read back, one host sync per step, and one for all rows of a
@@ -17,11 +18,21 @@ from kvchat.engine.turn import SamplingParams
 
 
 class Sampler:
-    """Stateful sampler (owns the seeded generator for one generation)."""
+    """Stateful sampler for one generation (one sequence of a batch): owns the seeded generator and, with a
+    presence or frequency penalty, the count of each token id it has picked so far.
+
+    The penalties are the OpenAI API's (API reference, "Parameter details",
+    https://platform.openai.com/docs/api-reference/parameter-details: ``mu[j] -> mu[j] - c[j] *
+    alpha_frequency - float(c[j] > 0) * alpha_presence``, ``c[j]`` how often token ``j`` was sampled before
+    the current position), applied to the logits before temperature, top-k and top-p; the counts are this
+    generation's tokens (the prompt is not counted). Positive values make repeats less likely, negative ones
+    more likely.
+    """
 
     def __init__(self, params: SamplingParams):
         params.validate()
         self.params = params
+        self._counts: torch.Tensor | None = None  # float32 [vocab_size] on the logits' device, once penalized
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -39,7 +50,19 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The chosen id of float32 ``logits`` ``[vocab_size]`` as an int64 0-d tensor on their device
-        (nothing read back: no host sync)."""
+        (nothing read back: no host sync); with a penalty, the id is counted for the next picks."""
+        p = self.params
+        if not (p.presence_penalty or p.frequency_penalty):
+            return self._choose(logits)
+        if self._counts is None:
+            self._counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+        c = self._counts
+        chosen = self._choose(logits.float() - c * p.frequency_penalty - (c > 0).float() * p.presence_penalty)
+        c.index_add_(0, chosen.view(1), torch.ones(1, dtype=c.dtype, device=c.device))
+        return chosen
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`pick` after the penalties: greedy, or temperature, top-k, top-p and one draw."""
         p = self.params
         if p.temperature == 0:
             return torch.argmax(logits)

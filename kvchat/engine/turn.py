@@ -19,6 +19,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens (0 = all).
         seed: seeds a private ``torch.Generator`` so runs are reproducible.
         max_tokens: new tokens at most.
+        presence_penalty: subtracted once from the logit of every token already generated, in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per time it was generated, in [-2, 2]
+            (both as the OpenAI API's chat completions; see :class:`kvchat.engine.sampling.Sampler`).
     """
 
     temperature: float = 0.0
@@ -26,6 +29,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     max_tokens: int = 512
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` with a one-line message on out-of-range values."""
@@ -37,6 +42,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.max_tokens < 1:
             raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
 

@@ -3,7 +3,9 @@
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions`` (streaming as Server-Sent Events, ``data: {chunk}``
 lines ending with ``data: [DONE]``, as the OpenAI API). Every error is an
-OpenAI-style error object (:class:`kvchat.server.protocol.ApiError`).
+OpenAI-style error object (:class:`kvchat.server.protocol.ApiError`); a stream
+that fails or is cut (shutdown) ends with ``data: {"error": ...}`` and no
+``[DONE]``, as OpenAI's streaming errors do, so no client takes it as complete.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def _error(err: ApiError) -> JSONResponse:
 
 def create_app(scheduler_factory, model_name: str, api_key: str | None = None, host: str = "127.0.0.1") -> Starlette:
     """The ASGI app. ``scheduler_factory()`` builds the :class:`Scheduler` at startup (stopped at shutdown);
-    ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
+    ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``, and ``/health`` answers a
+    request without it only its ``status`` (the counters and the model name are for key holders).
 
     Without ``api_key`` (loopback only, see :mod:`kvchat.cli.serve`) a web page the user opens must not be
     able to drive the server: a POST needs ``Content-Type: application/json`` (415 otherwise; a browser
@@ -56,12 +59,14 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
         finally:
             await asyncio.to_thread(state["scheduler"].stop)
 
-    def check_auth(request: Request) -> None:
+    def authorized(request: Request) -> bool:
         if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+    def check_auth(request: Request) -> None:
+        if not authorized(request):
             raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error",
                            code="invalid_api_key")
 
@@ -70,7 +75,10 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
 
     async def health(request: Request) -> Response:
         scheduler = state["scheduler"]
-        return JSONResponse(scheduler.health(), status_code=200 if scheduler.alive else 503)
+        body = scheduler.health()
+        if not authorized(request):
+            body = {"status": body["status"]}
+        return JSONResponse(body, status_code=200 if scheduler.alive else 503)
 
     async def list_models(request: Request) -> Response:
         check_auth(request)
@@ -143,12 +151,12 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
                     item = await events.get()
                 if item[0] == "error":
                     yield _sse(item[1].body())
-                else:
-                    done: Finished = item[1]
-                    yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done)))
-                    if req.include_usage:
-                        yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
-                                              kvchat=_kvchat(done)))  # docs/server.md: stats on the last chunk too
+                    return  # no [DONE]: the answer is not complete
+                done: Finished = item[1]
+                yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done)))
+                if req.include_usage:
+                    yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
+                                          kvchat=_kvchat(done)))  # docs/server.md: stats on the last chunk too
                 yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # the client went away (or the stream ended): stop generating

@@ -19,6 +19,15 @@ from kvchat.utf8 import NotUtf8Error, require_utf8
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4  # stop sequences at most (as the OpenAI API)
 MAX_STOP_CHARS = 256  # characters per stop sequence at most: holding back a partial match costs O(length^2) a token
+# the request's fields kvchat uses (README's server section says what each does)
+USED_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+               "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "response_format", "logprobs")
+# OpenAI fields that leave the answer as it is: accepted and not used
+NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                    "parallel_tool_calls")
+# OpenAI fields that would change the answer and that kvchat does not implement: refused unless null or empty
+REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "top_logprobs", "audio",
+                  "modalities", "prediction", "reasoning_effort", "verbosity", "web_search_options")
 
 
 class ApiError(Exception):
@@ -119,8 +128,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
 
     Raises:
         ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
-            features (``n`` > 1, tools, roles other than system/developer/user/assistant,
-            a conversation that does not alternate user/assistant and end with a user message).
+            features (``n`` > 1, the fields of :data:`REFUSED_FIELDS`, a ``response_format`` other than text,
+            unknown fields, roles other than system/developer/user/assistant, a conversation that does not
+            start and end with a user message). Consecutive messages of one role are joined (blank line).
     """
     try:
         body = json.loads(raw)
@@ -136,9 +146,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
-    for name in ("tools", "functions", "tool_choice", "response_format", "logprobs"):
-        if body.get(name):
-            raise _bad(f"{name} is not supported by kvchat serve", name)
+    _refuse_unknown(body)
     _int(body, "n", 1, 1)  # one choice only
     system, seq = [], []
     for i, m in enumerate(messages):
@@ -152,9 +160,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
             system.append(text)
         else:
             seq.append((m["role"], text, where))
-    for k, (role, _, where) in enumerate(seq):
-        if role != ("user" if k % 2 == 0 else "assistant"):
-            raise _bad(f"{where}: messages after the system prompt must alternate user, assistant, …, user", where)
+    seq = _join_runs(seq)
+    if seq and seq[0][0] != "user":
+        raise _bad(f"{seq[0][2]}: the first message after the system prompt must be a user message", seq[0][2])
     if not seq or seq[-1][0] != "user":
         raise _bad("the last message must be a user message", "messages")
     if not seq[-1][1].strip():
@@ -177,12 +185,46 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
     params = SamplingParams(temperature=_number(body, "temperature", 0, 2, 1.0), top_p=_number(body, "top_p", 0, 1, 1.0),
-                            seed=_int(body, "seed", 0, 2**63 - 1))
+                            seed=_int(body, "seed", 0, 2**63 - 1),
+                            presence_penalty=_number(body, "presence_penalty", -2, 2, 0.0),
+                            frequency_penalty=_number(body, "frequency_penalty", -2, 2, 0.0))
     if params.top_p == 0:
         raise _bad("top_p must be > 0", "top_p")
     texts = [t for _, t, _ in seq]
     return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
                        stop, stream, bool(options.get("include_usage")))
+
+
+def _refuse_unknown(body: dict) -> None:
+    """Refuse (400) a field kvchat does not implement that would change the answer: a field of
+    :data:`REFUSED_FIELDS` that is set, ``logprobs: true``, a ``response_format`` other than text, or a
+    field that is none of the known ones."""
+    for name in REFUSED_FIELDS:
+        if body.get(name):
+            raise _bad(f"{name} is not supported by kvchat serve", name)
+    if body.get("logprobs") not in (None, False):
+        raise _bad("logprobs is not supported by kvchat serve", "logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise _bad(f"response_format {kind!r} is not supported by kvchat serve (only {{\"type\": \"text\"}})",
+                   "response_format")
+    unknown = sorted(set(body) - {*USED_FIELDS, *NO_EFFECT_FIELDS, *REFUSED_FIELDS})
+    if unknown:
+        raise _bad(f"unknown field {unknown[0]!r} (kvchat serve accepts {', '.join(USED_FIELDS + NO_EFFECT_FIELDS)})",
+                   unknown[0])
+
+
+def _join_runs(seq: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """``(role, text, where)`` messages with each run of one role joined into its first message, texts
+    separated by a blank line (as OpenAI-compatible servers accept consecutive user messages)."""
+    out: list[tuple[str, str, str]] = []
+    for role, text, where in seq:
+        if out and out[-1][0] == role:
+            out[-1] = (role, f"{out[-1][1]}\n\n{text}", out[-1][2])
+        else:
+            out.append((role, text, where))
+    return out
 
 
 def kvchat_block(stats: TurnStats, ttft_ms: float, miss_reason: str | None, chat_id: str | None) -> dict:

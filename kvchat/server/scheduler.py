@@ -25,9 +25,10 @@ loop iteration of the scheduler thread
 A request is a turn of the conversation service
 (:meth:`kvchat.conversation.service.ChatService.send_steps`): the same
 checks, storing and rollback as the TUI's and the CLI's turns; the scheduler
-only answers its steps. A cancelled request (client gone, stop string seen)
+only answers its steps. A cancelled request (client gone, stop string seen, shutdown)
 ends after its next token, is stored like an interrupted TUI turn, and its
-blocks go back to the pool (still in the prefix cache). An answer cut at a
+blocks go back to the pool (still in the prefix cache); one cut by a shutdown
+is answered with an error, not a finish reason. An answer cut at a
 stop string is stored as the client got it (the cut text) with the ids
 generated, so the client's next request, resending that text, reuses them.
 """
@@ -67,9 +68,15 @@ RETRY_AFTER_S = 5
 PREFILL_BUDGET_TOKENS = PREFILL_CHUNK_TOKENS  # prefill tokens per loop iteration (between two decode steps)
 
 
+# the OpenAI finish_reason of a turn that ended by itself: "stop" for the end-of-sequence token or a stop
+# string, "length" for max_tokens or the context (TurnStats.finish_reason); any other end is an error
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
+
+
 @dataclass(slots=True)
 class Finished:
-    """A request's answer: its text (cut at a stop string), why it ended, the turn's counters."""
+    """A request's answer: its text (cut at a stop string), why it ended (an OpenAI ``finish_reason``:
+    ``stop`` or ``length``), the turn's counters."""
 
     text: str
     finish_reason: str
@@ -84,7 +91,8 @@ class Job:
     """One request in the scheduler.
 
     ``push`` is called from the scheduler thread with ``("text", str)``, then one
-    ``("done", Finished)`` or ``("error", ApiError)``; it must be thread-safe.
+    ``("done", Finished)`` or ``("error", ApiError)`` (also after text: an answer cut by a shutdown or a
+    failure); it must be thread-safe.
     ``cancel``: set by the handler when the client goes away.
     """
 
@@ -154,7 +162,8 @@ class Scheduler:
 
     def request_stop(self) -> None:
         """Start stopping without waiting (a signal handler may call it): every request is cancelled, running
-        turns end after their next token (answered and stored, as a cancelled turn), queued ones get 503."""
+        turns end after their next token (stored as a cancelled turn, answered with a 503 error: the answer
+        is cut), queued ones get 503."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -350,14 +359,22 @@ class Scheduler:
         self._release(job)
 
     def _answer(self, job: Job, done) -> None:
-        """Push the final text and the :class:`Finished` (the turn is stored; its recompute may follow)."""
+        """Push the final text and the :class:`Finished` (the turn is stored; its recompute may follow), or,
+        for a turn that did not end by itself (cancelled by a shutdown or a gone client), an error: the
+        client must not take a cut answer for a complete one."""
         job.answered = True
         stats = done.stats
         if job.stop_at is None and done.text.startswith(job.text):
             job.text = done.text
             self._push_text(job, len(job.text))
         text = job.text[: job.stop_at] if job.stop_at is not None else job.text
-        finish = {"stop": "stop", "length": "length", "context": "length"}.get(stats.finish_reason, "stop")
+        finish = FINISH_REASONS.get(stats.finish_reason)
+        if finish is None:
+            why = "the server is shutting down" if self._stopping else "the request was cancelled"
+            where = f" (stored in chat {done.chat_id})" if done.chat_id else ""
+            job.push(("error", ApiError(503, f"{why}: the answer was cut after {stats.new_tokens} tokens{where}",
+                                        "server_error", code="answer_cut")))
+            return
         ttft = ((job.first_at or time.perf_counter()) - job.received) * 1e3
         miss = stats.miss_reason
         if job.drift and stats.reused_tokens < stats.prompt_tokens - self.rt.engine.spec.block_size:

@@ -211,7 +211,7 @@ class FakeBackend:
                                  prefilled_tokens=user, new_tokens=new_tokens, ttft_ms=12.0, prefill_ms=8.0,
                                  decode_tokens_per_s=100.0, finish_reason=reason)
         chat.turn_tokens.append(user + len(shown) + TURN_OVERHEAD)
-        chat.messages += [ChatMessage("user", text), ChatMessage("assistant", reply, 12.0, 100.0)]
+        chat.messages += [ChatMessage("user", text), ChatMessage("assistant", reply, 12.0, 100.0, reason)]
         if chat.id is None:
             chat.id, chat.title = f"c_{next(self._ids):06x}", text.strip().splitlines()[0][:60]
             self.chats[chat.id] = chat

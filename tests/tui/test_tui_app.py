@@ -124,7 +124,13 @@ async def test_escape_cancels_generation():
         await pilot.press("escape")
         await until(pilot, lambda: not h.screen.generating)
         answer = h.blocks("assistant")[0]
-        assert answer.text == "one two " and "stopped" in shown(answer.query_one(".stats"))
+        marked = shown(answer.query_one(".stats"))
+        assert answer.text == "one two " and "stopped" in marked
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: h.blocks() == [])
+        await open_first_chat(pilot, h.screen)
+        await until(pilot, lambda: len(h.blocks("assistant")) == 1)
+        assert shown(h.blocks("assistant")[0].query_one(".stats")) == marked  # the reopened chat marks it too
 
 
 async def test_typing_before_the_model_is_ready_keeps_the_text():
@@ -409,10 +415,14 @@ async def test_settings_dialog_validates_and_applies(harness):
         await pilot.press("enter")
         assert "temperature must be a number" in shown(h.app.screen.query_one("#settings-error"))
         h.app.screen.query_one("#temperature", Input).value = "0.7"
+        h.app.screen.query_one("#frequency_penalty", Input).value = "2.5"
+        await pilot.press("enter")
+        assert "frequency_penalty must be in [-2, 2]" in shown(h.app.screen.query_one("#settings-error"))
+        h.app.screen.query_one("#frequency_penalty", Input).value = "0.5"
         h.app.screen.query_one("#max_tokens", Input).value = "1"
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(h.app.screen, ChatScreen))
-        assert h.screen.settings == SamplingParams(temperature=0.7, max_tokens=1)
+        assert h.screen.settings == SamplingParams(temperature=0.7, max_tokens=1, frequency_penalty=0.5)
         await h.send(pilot, "q")
         answer = h.blocks("assistant")[0]
         assert answer.text == "Hello " and "stopped at max tokens" in shown(answer.query_one(".stats"))
@@ -474,7 +484,8 @@ def real_app(smol_info):
 
 
 async def test_real_model_end_to_end(smol_info):
-    """Real engine: stream an answer, reopen it (from memory), quit, restart: the history comes from disk."""
+    """Real engine: stream an answer, reopen it (from memory), quit, restart: the history comes from disk, and
+    the answer's marker (stopped at max tokens) with it."""
     backend, app = real_app(smol_info)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen_stack[0]
@@ -489,6 +500,8 @@ async def test_real_model_end_to_end(smol_info):
         status = shown(screen.query_one(StatusBar))
         assert "TTFT" in status and "tok/s" in status and "SmolLM2" in status
         answer, chat_id = view.blocks("assistant")[0].text, backend.current().id
+        marked = shown(view.blocks("assistant")[0].query_one(".stats"))
+        assert "stopped at max tokens" in marked  # 8 tokens cannot hold the answer
         await pilot.press("ctrl+n")
         await until(pilot, lambda: backend.current().id is None and view.blocks() == [])
         await open_first_chat(pilot, screen)
@@ -508,6 +521,7 @@ async def test_real_model_end_to_end(smol_info):
         view = screen.query_one(MessageView)
         await until(pilot, lambda: backend.current() is not None and len(view.blocks()) == 2, timeout=60)
         assert view.blocks("assistant")[0].text == answer
+        assert shown(view.blocks("assistant")[0].query_one(".stats")) == marked  # how it ended, from the store
         resume = backend.status().resume
         assert resume.from_disk == resume.tokens >= backend.current().num_tokens - 16  # nothing was in memory
         assert f"resumed {resume.tokens:,} tokens from disk" in shown(screen.query_one(StatusBar))

@@ -99,6 +99,7 @@ def test_reopen_restores_messages_and_reports_resume(backend):
     assert backend.status().resume is None
     view = backend.open_chat(done.chat_id)
     assert [(m.role, m.text) for m in view.messages] == [("user", "Name a fruit."), ("assistant", done.text)]
+    assert view.messages[1].finish_reason == done.stats.finish_reason in ("stop", "length")
     assert view.num_tokens == done.context_used == backend.status().context_used
     assert view.resume is not None and 0 < view.resume.tokens <= view.num_tokens
     assert view.resume.source in ("memory", "disk") and backend.status().resume == view.resume
@@ -133,6 +134,8 @@ def test_cancel_ends_the_turn_and_keeps_it(backend):
     _, done = run(backend, cancel=cancel)
     assert done.stats.finish_reason == "cancelled"
     assert backend.list_chats()[0].num_messages == 2
+    backend.new_chat(None, [], lambda e: None)
+    assert [m.finish_reason for m in backend.open_chat(done.chat_id).messages] == ["", "cancelled"]
 
 
 def test_bad_input_raises_and_changes_nothing(backend, tmp_path):

@@ -1,10 +1,11 @@
-"""Generation settings (temperature, top-p, top-k, max tokens, seed); dismisses with new settings or None."""
+"""Generation settings (temperature, top-p, top-k, seed, max tokens, presence and frequency penalties);
+dismisses with new settings or None."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-from textual.containers import Grid, Vertical
+from textual.containers import Grid, VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
@@ -13,7 +14,8 @@ from kvchat.tui.text import literal
 from kvchat.engine.turn import SamplingParams
 
 LABELS = {"temperature": "Temperature (0 = greedy)", "top_p": "Top-p (0, 1]", "top_k": "Top-k (0 = all)",
-          "seed": "Seed (blank = random)", "max_tokens": "Max tokens"}
+          "seed": "Seed (blank = random)", "max_tokens": "Max tokens", "presence_penalty": "Presence penalty [-2, 2]",
+          "frequency_penalty": "Frequency penalty [-2, 2]"}
 
 
 def parse_settings(values: dict[str, str]) -> SamplingParams:
@@ -28,7 +30,7 @@ def parse_settings(values: dict[str, str]) -> SamplingParams:
         if f.name == "seed" and not text:
             parsed[f.name] = None
             continue
-        kind = float if f.name in ("temperature", "top_p") else int
+        kind = float if f.type == "float" else int
         try:
             parsed[f.name] = kind(text)
         except ValueError:
@@ -49,7 +51,7 @@ class SettingsScreen(ModalScreen[SamplingParams | None]):
         self.settings = settings
 
     def compose(self):
-        with Vertical(classes="dialog"):
+        with VerticalScroll(classes="dialog", can_focus=False):  # seven fields do not fit a 24-line terminal
             yield Static("Generation settings — Enter saves, Esc cancels", classes="question")
             with Grid(id="settings-grid"):
                 for f in fields(SamplingParams):

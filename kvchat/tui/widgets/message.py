@@ -43,7 +43,7 @@ class MessageBlock(Vertical):
 
     @classmethod
     def from_message(cls, m: ChatMessage) -> "MessageBlock":
-        return cls(m.role, m.text, stats_line(m.ttft_ms, m.tokens_per_s) if m.role == "assistant" else "")
+        return cls(m.role, m.text, stats_line(m.ttft_ms, m.tokens_per_s, m.finish_reason) if m.role == "assistant" else "")
 
     async def append(self, text: str) -> None:
         """Stream a batch of answer text into the Markdown widget (Textual's ``MarkdownStream``)."""

@@ -1,0 +1,92 @@
+"""``kvchat serve`` (a real process with an API key) and the OpenAI request fields, through the real ``openai``
+client: finish reasons as the OpenAI API means them (and stored with the answer), ``response_format`` text,
+presence/frequency penalties that change the answer, unknown fields refused, consecutive user messages joined
+(and reused by the next request), ``/health`` without the key."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from kvchat.model.chat_format import ChatFormat
+from server_helpers import MODEL, Server
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smol_info):
+    srv = Server(tmp_path_factory.mktemp("serve") / "home").start()
+    yield srv
+    srv.stop()
+
+
+def _ask(client, messages, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def _stored_finish(server, chat_id: str) -> str | None:
+    db = sqlite3.connect(server.home / "kvchat.db")
+    [(finish,)] = db.execute("SELECT finish_reason FROM messages WHERE conversation_id = ? AND role = 'assistant'",
+                             [chat_id]).fetchall()
+    db.close()
+    return finish
+
+
+def test_finish_reason_is_stop_at_the_end_of_sequence_and_length_at_max_tokens(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    eos = _ask(c, msgs, max_tokens=40)
+    assert eos.choices[0].finish_reason == "stop" and eos.usage.completion_tokens < 40
+    cut = _ask(c, msgs, max_tokens=2)
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 2
+    reasons = [ch.choices[0].finish_reason for ch in _ask(c, msgs, max_tokens=2, stream=True) if ch.choices]
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert _stored_finish(server, eos.model_extra["kvchat"]["chat_id"]) == "stop"
+    assert _stored_finish(server, cut.model_extra["kvchat"]["chat_id"]) == "length"
+
+
+def test_response_format_text_is_accepted_and_json_is_refused_by_name(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "Say hi."}]
+    assert _ask(c, msgs, max_tokens=2, response_format={"type": "text"}).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="response_format 'json_object' is not supported"):
+        _ask(c, msgs, max_tokens=2, response_format={"type": "json_object"})
+
+
+def test_a_frequency_penalty_changes_the_answer_and_unknown_fields_are_refused(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "Write the word cat ten times."}]
+    plain = _ask(c, msgs, max_tokens=24).choices[0].message.content
+    penalized = _ask(c, msgs, max_tokens=24, frequency_penalty=2.0).choices[0].message.content
+    assert plain.lower().count("cat") > penalized.lower().count("cat"), (plain, penalized)
+    with pytest.raises(openai.BadRequestError, match="unknown field 'top_k'"):
+        _ask(c, msgs, max_tokens=2, extra_body={"top_k": 3})
+    with pytest.raises(openai.BadRequestError, match="logit_bias is not supported"):
+        _ask(c, msgs, max_tokens=2, logit_bias={"42": 10})
+
+
+def test_consecutive_user_messages_are_joined_and_the_next_request_reuses_them(server, smol_dir):
+    c = server.client()
+    msgs = [{"role": "user", "content": "My name is Ada."}, {"role": "user", "content": "What is my name?"}]
+    r1 = _ask(c, msgs, max_tokens=12)
+    joined = _ask(c, [{"role": "user", "content": "My name is Ada.\n\nWhat is my name?"}], max_tokens=12)
+    assert r1.choices[0].message.content == joined.choices[0].message.content  # the same prompt
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And yours?"}, {"role": "user", "content": "Answer briefly."}]
+    r2 = _ask(c, msgs, max_tokens=4)
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(smol_dir))
+    history = r2.usage.prompt_tokens - len(fmt.user_turn_ids("And yours?\n\nAnswer briefly."))
+    assert r2.usage.prompt_tokens_details.cached_tokens >= history - 32, r2.model_extra["kvchat"]
+    assert r2.model_extra["kvchat"]["miss_reason"] is None
+
+
+def test_health_without_the_key_says_only_the_status(server):
+    assert server.health(key=False) == {"status": "ok"}
+    full = server.health()
+    assert full["status"] == "ok" and full["model"] == MODEL and "pool_blocks_total" in full
+    code, body, _ = server.request("GET", "/health", headers={"Authorization": "Bearer wrong"})
+    assert (code, body) == (200, {"status": "ok"})
