@@ -20,14 +20,16 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4  # stop sequences at most (as the OpenAI API)
 MAX_STOP_CHARS = 256  # characters per stop sequence at most: holding back a partial match costs O(length^2) a token
 # the request's fields kvchat uses (README's server section says what each does)
-USED_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-               "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "response_format", "logprobs")
+# (``top_k`` is not OpenAI's: vLLM and llama.cpp's server take it, and clients written for them send it)
+USED_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+               "stop", "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "response_format",
+               "logprobs", "modalities")
 # OpenAI fields that leave the answer as it is: accepted and not used
 NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                     "parallel_tool_calls")
 # OpenAI fields that would change the answer and that kvchat does not implement: refused unless null or empty
 REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "top_logprobs", "audio",
-                  "modalities", "prediction", "reasoning_effort", "verbosity", "web_search_options")
+                  "prediction", "reasoning_effort", "verbosity", "web_search_options")
 
 
 class ApiError(Exception):
@@ -185,7 +187,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
     params = SamplingParams(temperature=_number(body, "temperature", 0, 2, 1.0), top_p=_number(body, "top_p", 0, 1, 1.0),
-                            seed=_int(body, "seed", 0, 2**63 - 1),
+                            top_k=_int(body, "top_k", 0, 2**31 - 1) or 0, seed=_int(body, "seed", 0, 2**63 - 1),
                             presence_penalty=_number(body, "presence_penalty", -2, 2, 0.0),
                             frequency_penalty=_number(body, "frequency_penalty", -2, 2, 0.0))
     if params.top_p == 0:
@@ -204,6 +206,8 @@ def _refuse_unknown(body: dict) -> None:
             raise _bad(f"{name} is not supported by kvchat serve", name)
     if body.get("logprobs") not in (None, False):
         raise _bad("logprobs is not supported by kvchat serve", "logprobs")
+    if body.get("modalities") not in (None, [], ["text"]):
+        raise _bad(f"modalities {body['modalities']!r} is not supported by kvchat serve (only [\"text\"])", "modalities")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt

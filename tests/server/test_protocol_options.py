@@ -35,11 +35,19 @@ def test_penalties_reach_the_sampling_params_and_are_range_checked():
 
 
 @pytest.mark.parametrize("name,value", [("logit_bias", {"50256": -100}), ("top_logprobs", 2), ("logprobs", True),
-                                        ("function_call", "auto"), ("top_k", 5), ("repetition_penalty", 1.1)])
+                                        ("function_call", "auto"), ("modalities", ["text", "audio"]),
+                                        ("repetition_penalty", 1.1)])
 def test_fields_that_would_change_the_answer_and_are_not_implemented_get_400(name, value):
     with pytest.raises(ApiError) as err:
         _parse(**{name: value})
     assert err.value.status == 400 and err.value.param == name
+
+
+def test_top_k_reaches_the_sampling_params_and_text_modality_is_accepted():
+    assert _parse(top_k=5, modalities=["text"]).params.top_k == 5
+    assert _parse().params.top_k == 0
+    with pytest.raises(ApiError, match=r"top_k must be an integer"):
+        _parse(top_k=-1)
 
 
 def test_fields_that_do_not_change_the_answer_are_accepted():

@@ -63,8 +63,8 @@ def test_a_frequency_penalty_changes_the_answer_and_unknown_fields_are_refused(s
     plain = _ask(c, msgs, max_tokens=24).choices[0].message.content
     penalized = _ask(c, msgs, max_tokens=24, frequency_penalty=2.0).choices[0].message.content
     assert plain.lower().count("cat") > penalized.lower().count("cat"), (plain, penalized)
-    with pytest.raises(openai.BadRequestError, match="unknown field 'top_k'"):
-        _ask(c, msgs, max_tokens=2, extra_body={"top_k": 3})
+    with pytest.raises(openai.BadRequestError, match="unknown field 'repetition_penalty'"):
+        _ask(c, msgs, max_tokens=2, extra_body={"repetition_penalty": 1.1})
     with pytest.raises(openai.BadRequestError, match="logit_bias is not supported"):
         _ask(c, msgs, max_tokens=2, logit_bias={"42": 10})
 
