@@ -32,6 +32,7 @@ from kvchat.engine.disk_budget import Eviction
 from kvchat.engine.disk_budget import enforce as enforce_budget
 from kvchat.engine.runner import Engine
 from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.read_speed import ReadSpeed, restore_pays
 from kvchat.engine.timing import DeviceTimer
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
 from kvchat.index import get_db
@@ -42,7 +43,6 @@ from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout
 
 CHUNK_TOKENS = 256
-DEFAULT_READ_BYTES_PER_S = 500e6
 # chunk files read at once by a restore: one per torch thread (the cores kvchat was given), 2 to this many.
 # Measured, a 4,096-token restore (16 files) warm in fresh processes on 2 cores: 4 readers 44-71 ms, 2 readers
 # 29-31 ms, 1 reader 46-49 ms; with the page cache dropped 2 and 4 readers alike (118-148 ms, disk-bound here)
@@ -149,7 +149,7 @@ class KVPersist:
         spec = engine.spec
         self.fingerprint = engine.cache_fingerprint
         self.layout = ChunkLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.pool.k.dtype)
-        self.read_bytes_per_s = DEFAULT_READ_BYTES_PER_S
+        self.read_speed = ReadSpeed()  # measured: probes and restores (kvchat.engine.read_speed)
         self.errors: list[str] = []
         self.evicted = Eviction()  # summed over the budget enforcements after each save (writer thread)
         self._queue: queue.Queue = queue.Queue()
@@ -193,7 +193,9 @@ class KVPersist:
         rewritten by the next save) are dropped from the index, and only the
         tokens before it are committed; the rest stay reserved, uncommitted, for
         the prefill that recomputes them. Skipped entirely when reading would
-        be slower than prefilling the same tokens.
+        be slower than prefilling the same tokens, by measured speeds both
+        (:func:`kvchat.engine.read_speed.restore_pays`; :attr:`read_speed` probes the chain's first file
+        when its measurement is stale, and every restore that runs measures itself).
         """
         timer = DeviceTimer(self.engine.device).start()  # restore_ms counts the copies into the pool done
         res = RestoreResult()
@@ -210,7 +212,11 @@ class KVPersist:
             return res
         first, end = max(todo[0][0], have), todo[-1][1]
         nbytes = sum(r.bytes for _, _, r in todo)
-        if nbytes / self.read_bytes_per_s > (end - first) / self.engine.prefill_tokens_per_s:
+        try:
+            read_speed = self.read_speed.current(todo[0][2].path)
+        except OSError:  # no speed to judge by: the read below finds the file missing or bad and drops it
+            read_speed = None
+        if read_speed is not None and not restore_pays(nbytes, end - first, read_speed, self.engine.prefill_tokens_per_s):
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
         pool, blocks = self.engine.pool, self.engine.blocks
@@ -289,7 +295,7 @@ class KVPersist:
         res.from_disk = last - first
         res.restore_ms = timer.stop()
         if res.bytes_read > 1e6:
-            self.read_bytes_per_s = res.bytes_read / max(res.restore_ms / 1e3, 1e-6)
+            self.read_speed.record(res.bytes_read, res.restore_ms / 1e3)
         return res
 
     # ---- save ----------------------------------------------------------------------------
