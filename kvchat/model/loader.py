@@ -25,7 +25,9 @@ from kvchat.engine.calibration import (
 from kvchat.model.registry import ModelInfo, resolve_model
 from kvchat.engine.cache_identity import resolve_weight_format
 from kvchat.engine.device import check_device
-from kvchat.settings import compute_dtype, device as env_device
+from kvchat.engine.pool_size import GPUMemoryError, load_oom_line
+from kvchat.plan import WEIGHT_BYTES
+from kvchat.settings import compute_dtype, device as env_device, gpu_memory
 from kvchat.settings import weights as env_weights
 from kvchat.texts import CALIBRATION_MODULES, stdlib_text
 
@@ -88,6 +90,8 @@ def load_runtime(
             ``KVCHAT_DTYPE``, ``KVCHAT_WEIGHTS`` (``weights`` None) or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None);
             all but the pool budget before the weights load.
         kvchat.engine.device.DeviceError: ``device`` names a CUDA device that does not exist here.
+        kvchat.engine.pool_size.GPUMemoryError: the GPU ran out of memory while loading, or leaves the KV pool
+            too little (one line with the numbers and ``--gpu-memory``).
         ValueError: int8 weights asked for on a GPU, or with a compute dtype other than fp32.
     """
     from transformers import AutoTokenizer
@@ -98,9 +102,15 @@ def load_runtime(
     weight_format = resolve_weight_format(weights or env_weights(), dev.type, compute_dtype())
     info = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
-    engine = Engine(info.config, CheckpointReader(info.path), info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
-                    device=dev, name=info.name, calibration=lambda e: ensure_calibration(info, e, tokenizer),
-                    weight_format=weight_format)
+    reader = CheckpointReader(info.path)
+    free, total = torch.cuda.mem_get_info(dev) if dev.type == "cuda" else (0, 0)
+    try:
+        engine = Engine(info.config, reader, info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
+                        device=dev, name=info.name, calibration=lambda e: ensure_calibration(info, e, tokenizer),
+                        weight_format=weight_format)
+    except torch.cuda.OutOfMemoryError:
+        weight_bytes = reader.num_params() * WEIGHT_BYTES[weight_format]
+        raise GPUMemoryError(load_oom_line(info.name, weight_bytes, free, total, gpu_memory())) from None
     runtime = Runtime(info, engine, tokenizer)
     if preallocate and engine.dense is not None:
         engine.dense.preallocate(engine.max_context)
