@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -71,6 +71,7 @@ class CheckpointReader:
                 raise WeightFileError(f"{e.file}: tensor {e.name!r} has dtype {e.dtype}, which kvchat cannot load")
         self._files: dict[Path, object] = {}
         self._pinned: torch.Tensor | None = None
+        self.on_read: Callable[[int], None] | None = None  # called with each tensor's bytes once it is read
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -95,6 +96,13 @@ class CheckpointReader:
         stored = SAFETENSORS_DTYPES[e.dtype]
         if out.numel() != math.prod(e.shape):
             raise ValueError(f"{name}: stored shape {list(e.shape)} does not fit a parameter of shape {list(out.shape)}")
+        self._fill(e, stored, out)
+        if self.on_read is not None:
+            self.on_read(e.end - e.begin)
+
+    def _fill(self, e: TensorEntry, stored: torch.dtype, out: torch.Tensor) -> None:
+        """:meth:`read_into`'s copy: straight into ``out`` where it is a contiguous CPU tensor of the stored
+        dtype, else through the staging buffer in pieces (see the module doc)."""
         if out.device.type == "cpu" and out.dtype == stored and out.is_contiguous():
             self._read(e, out)
             return

@@ -134,3 +134,17 @@ def test_loading_peaks_within_the_weights_bytes(tmp_path):
     # lower bound: the weights really were materialized. 0.95 x, not 1 x: the allocator reuses pages the warm-up
     # load freed (CI measured 128,466,944 bytes grown for a 128,476,272-byte file, 9 KB under)
     assert 0.95 * size <= grown <= RSS_FACTOR * size + 48 * 2**20, (grown, size, got)
+
+
+def test_a_start_reports_loading_the_weights_to_the_end(smol_info):
+    """The real model's load reports its bytes (at each whole percent, not per tensor) up to the total."""
+    from kvchat.model.loader import load_runtime
+
+    steps = []
+    rt = load_runtime(None, "fp8", progress=lambda text, done, total: steps.append((text, done, total)))
+    loads = [(done, total) for text, done, total in steps if text == "loading weights"]
+    total = loads[-1][1]
+    reader = CheckpointReader(smol_info.path)
+    assert total == sum(e.end - e.begin for n, e in reader.entries.items() if n != "lm_head.weight")
+    assert loads[-1][0] == total and [d for d, _ in loads] == sorted({d for d, _ in loads}) and 10 < len(loads) <= 101
+    assert rt.engine.load_ms > 0
