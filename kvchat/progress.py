@@ -13,7 +13,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 LOG_EVERY_S = 10.0  # off a terminal: a plain line at most this often, then the final one
-SHOW_STEP_AFTER_S = 2.0  # a start step shows once it has run this long (a small model's start stays quiet)
+SHOW_STEP_AFTER_S = 5.0  # a start step shows once it has run this long (a small model's start stays quiet)
 
 
 @dataclass(slots=True)

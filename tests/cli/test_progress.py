@@ -75,13 +75,14 @@ def no_step(monkeypatch):
     monkeypatch.setattr(progress, "_step", None)
 
 
-def test_a_slow_start_step_off_a_terminal_shows_after_two_seconds_then_its_end(clock, no_step):
+def test_a_slow_start_step_off_a_terminal_shows_after_a_while_then_its_end(clock, no_step):
+    assert progress.SHOW_STEP_AFTER_S == 5.0
     log = io.StringIO()
-    for done, dt in ((10, 0.5), (50, 2.5), (60, 1.0)):
+    for done, dt in ((10, 0.5), (50, 4.5), (60, 1.0), (70, 1.0)):  # 60 % at 5.0 s: shown; 70 % at 6 s: too soon
         progress.print_start_progress("loading weights", done, 100, log)
         clock[0] += dt
     progress.print_start_progress("loading weights", 100, 100, log)
-    assert log.getvalue().splitlines() == ["kvchat: loading weights: 60%", "kvchat: loading weights: done in 4.0 s"]
+    assert log.getvalue().splitlines() == ["kvchat: loading weights: 60%", "kvchat: loading weights: done in 7.0 s"]
     for done in (1, 2, 3):  # a fast step: nothing
         progress.print_start_progress("preparing 3 Triton kernel variants", done, 3, log)
         clock[0] += 0.1
@@ -91,9 +92,9 @@ def test_a_slow_start_step_off_a_terminal_shows_after_two_seconds_then_its_end(c
 def test_a_step_without_an_end_is_ended_by_the_next(clock, no_step):
     log = io.StringIO()
     progress.print_start_progress("calibrating fp8 K centring", 0, 1, log)
-    clock[0] += 3.0
+    clock[0] += 6.0
     progress.print_start_progress("preparing 20 Triton kernel variants", 1, 20, log)
-    assert log.getvalue() == "kvchat: calibrating fp8 K centring: done in 3.0 s\n"
+    assert log.getvalue() == "kvchat: calibrating fp8 K centring: done in 6.0 s\n"
 
 
 def test_a_fast_start_draws_nothing_on_a_terminal(no_step):
