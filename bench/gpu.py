@@ -239,6 +239,7 @@ def section_restore(device: torch.device, tiny: bool, workdir: Path) -> dict:
     os.environ["KVCHAT_MODELS"] = str(workdir / "models")
     try:
         from kvchat.engine.persistence import KVPersist
+        from kvchat.engine.read_speed import ReadSpeed
     except ImportError as exc:
         return {"status": "not run", "reason": f"{exc} (pass --wheels DIR with sqlite-utils' wheels)"}
     from kvchat.bench.page_cache import drop_file_cache
@@ -266,7 +267,7 @@ def section_restore(device: torch.device, tiny: bool, workdir: Path) -> dict:
             out["resident_after_drop"] = [drop_file_cache(f) for f in files][:1]
         engine, _ = load_engine(ck, device, kv, tokens + 2 * QUESTION_TOKENS + 64)
         persist = KVPersist(engine)
-        persist.read_bytes_per_s = float("inf")  # always read: the measurement, not the engine's choice
+        persist.read_speed = ReadSpeed.fixed(float("inf"))  # always read: the measurement, not the engine's choice
         seq = SeqBlocks()
         t0 = time.perf_counter()
         res = persist.restore(seq, ids + question)

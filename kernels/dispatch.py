@@ -32,8 +32,11 @@ Backend choice per call:
   compiler): its kernels for :func:`write_kv` and a decode step's
   :func:`decode_attention` where they take the arguments, the reference for
   the rest; the reference otherwise. CUDA without an
-  importable Triton falls back to the reference with a one-time logged
-  notice. FP8 pools stay on Triton on every CUDA GPU: below compute
+  importable Triton, or where Triton cannot build its host launcher (no C
+  compiler or Python headers: :mod:`kvchat.kernels.triton_build`, checked
+  once, or a build that failed in the engine's warm-up,
+  :func:`disable_triton`), falls back to the reference with a one-time
+  logged notice. FP8 pools stay on Triton on every CUDA GPU: below compute
   capability 8.9 (where Triton has no float8e4nv) the kernels convert the fp8
   bytes with integer bit operations (``triton_decode.fp8_bits_default``).
 
@@ -55,7 +58,7 @@ import torch
 from kvchat import settings
 from kvchat.settings import SettingError
 
-from . import cpu_attention, reference
+from . import cpu_attention, reference, triton_build
 from .reference import (
     FP8_DTYPE,
     FP8_EPS,
@@ -100,6 +103,41 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
+def _launcher_problem() -> str | None:
+    return triton_build.launcher_problem()
+
+
+_build_failed: list[str] = []  # why Triton's launcher failed to build in this process, once it did
+
+
+def triton_unusable() -> str | None:
+    """Why Triton cannot launch on a GPU in this process (one line), or None: its launcher cannot be built
+    here (:func:`kvchat.kernels.triton_build.launcher_problem`, checked once) or failed to (:func:`disable_triton`)."""
+    return _build_failed[0] if _build_failed else _launcher_problem()
+
+
+def disable_triton(reason: str) -> None:
+    """Send CUDA tensors to the reference kernels from now on: Triton failed to build its launcher (``reason``,
+    one line), e.g. in the engine's kernel warm-up. The notice is logged by the next dispatch."""
+    if not _build_failed:
+        _build_failed.append(reason)
+
+
+def _cuda_backend() -> str:
+    """The backend of CUDA tensors when ``KVCHAT_ATTENTION`` is unset: Triton, or the reference with a
+    one-time notice where Triton is not installed or cannot build its launcher."""
+    if not _triton_importable():
+        _notice_once("kvchat: Triton is not installed; attention runs on the PyTorch reference path")
+        return "torch"
+    problem = triton_unusable()
+    if problem is not None:
+        _notice_once(f"kvchat: Triton cannot build its kernel launcher: {problem} ({triton_build.FIX}); "
+                     "attention runs on the PyTorch reference path")
+        return "torch"
+    return "triton"
+
+
 def backend_for(cache: torch.Tensor) -> str:
     """``"triton"``, ``"compiled"`` or ``"torch"`` for a call on this pool (see module doc).
 
@@ -114,10 +152,7 @@ def backend_for(cache: torch.Tensor) -> str:
         return choice
     if not cache.is_cuda:
         return "compiled" if cpu_attention.available() else "torch"
-    if not _triton_importable():
-        _notice_once("kvchat: Triton is not installed; attention runs on the PyTorch reference path")
-        return "torch"
-    return "triton"
+    return _cuda_backend()
 
 
 def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
@@ -128,6 +163,10 @@ def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
     """
     if not _triton_importable():
         raise SettingError(f"{ENV_VAR} is 'triton' but Triton is not installed; use torch or unset it")
+    problem = triton_unusable() if cache.is_cuda else None
+    if problem is not None:
+        raise SettingError(f"{ENV_VAR} is 'triton' but Triton cannot build its kernel launcher: {problem} "
+                           f"({triton_build.FIX}); use torch or unset it")
     module = importlib.import_module(f"{__package__}.{name}")
     if not cache.is_cuda and not module.INTERPRETED:
         raise SettingError(f"{ENV_VAR} is 'triton' but Triton cannot run on the CPU without TRITON_INTERPRET=1"

@@ -9,9 +9,16 @@ Same signature and result as :func:`kvchat.kernels.reference.decode_attention`.
 - GQA: one program serves all query heads of one KV head, so each K/V byte
   is read once per split; the ``group`` query rows are padded to 16 for ``tl.dot``.
 - Split-KV (Dao et al., "Flash-Decoding for long-context inference", 2023):
-  each sequence's tokens are cut into ``num_splits`` ranges handled by
-  separate programs, whose partial results are merged with their
-  log-sum-exp, so one long sequence still fills the GPU.
+  each sequence's tokens are cut into ranges handled by separate programs,
+  whose partial results are merged with their log-sum-exp, so one long
+  sequence still fills the GPU. How many: :func:`splits_for` of the
+  sequence's own length, about one wave of programs over the SMs with at
+  least :data:`MIN_TOKENS_PER_SPLIT` tokens each. The launch grid has the
+  count for the block table's capacity (host-side numbers only, so a CUDA
+  graph replays it at any length); each sequence's programs compute its own
+  count from its length on the device (``split_tokens``) and those beyond it
+  exit empty, carrying zero weight in the merge (as SGLang's Triton decode
+  derives ``num_kv_splits`` per sequence).
 - fp32 online softmax in base 2 (Dao, "FlashAttention-2", 2023); the fp8 K
   scale multiplies the scores and the V scale the probabilities.
 - fp8 bytes are converted either by Triton's float8e4nv cast (compute
@@ -102,7 +109,7 @@ def sink_init(q, sink_k_ptr, sink_v_ptr, sink_row, offs_d, d_mask, qk_scale, use
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
     sink_k_ptr, sink_v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, group, head_dim, num_splits,
+    qk_scale, group, head_dim, num_splits, split_tokens,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt, stride_ks, stride_kh,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -116,7 +123,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # this sequence's splits: splits_for(its length), as min(grid, cdiv(length, split_tokens)) (see splits_for);
+    # split_tokens 1 keeps all num_splits (an explicit count: the same ranges as cdiv(length, num_splits))
+    used = tl.maximum(tl.minimum(tl.cdiv(seq_len, split_tokens), num_splits), 1)
+    split_len = tl.cdiv(tl.cdiv(seq_len, used), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -199,16 +209,26 @@ INTERPRETED: bool = isinstance(_decode_split_kernel, InterpretedFunction)
 """True when this module was imported with ``TRITON_INTERPRET=1`` (kernels then run on CPU tensors)."""
 
 
-def splits_for(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
-    """Splits per sequence so that about 4 programs per SM exist, each with >= 256 tokens (at most 128).
+def splits_for(num_seqs: int, num_kv_heads: int, length: int, num_sms: int) -> int:
+    """Splits of a sequence of ``length`` tokens: about one wave of programs over the SMs
+    (``num_seqs x num_kv_heads x splits`` close to ``num_sms``), each split at least
+    :data:`MIN_TOKENS_PER_SPLIT` tokens, 1 to :data:`MAX_SPLITS`.
+
+    ``max(1, min(ceil(num_sms / (num_seqs x num_kv_heads)), ceil(length / MIN_TOKENS_PER_SPLIT), MAX_SPLITS))``.
+    The split kernel holds ~250 registers per thread, so an SM runs about two of its programs at once: a
+    wave of one per SM with a few tiles each beats many programs of one or two tiles (4 per SM from the
+    block table's width gave a 4K-token chat 32 splits of 1-3 tiles on an H100). A launch's grid takes it
+    at the block table's capacity; the kernel takes it at each sequence's length, and since the length
+    term only grows with the length, ``min(grid count, ceil(length / MIN_TOKENS_PER_SPLIT))`` is this
+    function of the length (what the kernel computes).
 
     Args:
         num_seqs, num_kv_heads: the grid's first two dimensions.
-        max_len: the block table's capacity in tokens (width x block_size).
+        length: the sequence's tokens (for a launch grid: the block table's capacity, width x block_size).
         num_sms: the GPU's streaming multiprocessors (1 for the interpreter).
     """
-    want = triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+    wave = triton.cdiv(num_sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(wave, triton.cdiv(length, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
 
 def num_sms(device: torch.device) -> int:
@@ -258,12 +278,16 @@ def paged_decode(
     sink: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
     fp8_bits: bool | None = None,
+    split_tokens: int | None = None,
 ) -> torch.Tensor:
     """:func:`decode_attention` with an explicit split count and fp8 conversion.
 
     Args:
-        num_splits: splits per sequence (``None``: :func:`choose_num_splits`).
-            Splits beyond a sequence's length stay empty and carry zero weight in the merge.
+        num_splits: the launch's splits per sequence (``None``: :func:`choose_num_splits`, from the block
+            table's capacity). Splits beyond a sequence's length stay empty and carry zero weight in the merge.
+        split_tokens: each sequence uses ``min(num_splits, ceil(length / split_tokens))`` of them (at
+            least 1), cut from its own length (``None``: :data:`MIN_TOKENS_PER_SPLIT` when ``num_splits``
+            is None, i.e. :func:`splits_for` of each length; 1 for an explicit count, all of them).
         fp8_bits: read fp8 bytes by integer bit conversion instead of Triton's
             float8e4nv cast (``None``: :func:`fp8_bits_default`; the switch lets
             the interpreter test the pre-8.9 path on CPU).
@@ -274,6 +298,8 @@ def paged_decode(
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
+    if split_tokens is None:
+        split_tokens = MIN_TOKENS_PER_SPLIT if num_splits is None else 1
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_table.shape[1] * block_size, query.device)
     if fp8_bits is None:
@@ -293,7 +319,7 @@ def paged_decode(
         part_out = part_lse = out
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kc, vc, ks, vs, block_table, seq_lens, sink_k, sink_v, out, part_out, part_lse,
-        sm_scale * LOG2E, group, head_dim, num_splits,
+        sm_scale * LOG2E, group, head_dim, num_splits, split_tokens,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         block_table.stride(0), stride_ks, stride_kh,

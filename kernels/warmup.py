@@ -7,27 +7,32 @@ argument, whether it equals 1 (then a compile-time constant) or is a
 multiple of 16 (marked divisible), as ``triton.runtime.jit`` specializes
 them. During a chat the integers that vary are the block table's width (its
 row stride: one column per block, growing with the sequence) and the decode
-split count (:func:`kvchat.kernels.triton_decode.splits_for`, which grows with
-the width until about 4 programs per SM exist). Everything else (head
-counts, head_dim, pool strides, dtypes, the sink) is fixed per engine.
+split count of the launch grid (:func:`kvchat.kernels.triton_decode.splits_for`
+at the table's capacity, which grows with the width until about one program
+per SM exists). Everything else (head counts, head_dim, pool strides, dtypes,
+the sink, the split kernel's ``split_tokens``) is fixed per engine.
 
 :func:`plan_warmup` lists one launch per variant those widths and split
 counts reach up to the engine's context limit; :func:`launch_warmup` runs
 them on all-zero inputs (sequence lengths 0 and empty chunks, so nothing is
 read or written beyond the outputs); :func:`warm_up` is the engine's one
 call, a no-op unless the pool is on a GPU and the Triton backend serves it.
+Where Triton fails to build its host launcher there (:func:`compile_plan`),
+the warm-up says so in one line and the engine runs the PyTorch reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from kvchat.kernels import dispatch
+from kvchat.kernels.triton_build import is_build_failure
 
 DECODE_BATCHES = (1,)  # decode batch sizes an engine runs (the batching server passes its buckets)
 _log = logging.getLogger(__name__)
@@ -103,20 +108,21 @@ def plan_warmup(num_kv_heads: int, block_size: int, max_context: int, num_sms: i
 
 def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_heads: int, dtype: torch.dtype,
-                  exact_sink: bool) -> None:
+                  exact_sink: bool, progress: Callable[[int, int], None] | None = None) -> None:
     """Launch every planned variant of decode and extend (and the cache write once) on zero inputs.
 
     Args:
         k_cache, v_cache, k_scale, v_scale: one layer of the engine's pool (see ``kvchat.kernels.reference``).
         num_heads: query heads; dtype: the activations' dtype (the engine's compute dtype).
         exact_sink: pass a float32 sink, as the engine's attention calls do.
+        progress: called with ``(launches done, len(plan))`` after each one (a first start compiles each).
 
     Queries are views into ``[T, num_heads + num_kv_heads, head_dim]`` rows, the
     layout the model hands the kernels (q is the front of the rotated q/k rows),
     so their strides specialize alike. Lengths are 0 and chunks empty: the
     kernels write zero outputs and read no K/V.
     """
-    from .triton_decode import paged_decode
+    from .triton_decode import MIN_TOKENS_PER_SPLIT, paged_decode
     from .triton_extend import extend_attention
     from .triton_write import write_kv
 
@@ -135,27 +141,54 @@ def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Te
 
     kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
     write_kv(kv, kv, k_cache, v_cache, k_scale, v_scale, torch.full((1,), -1, dtype=torch.long, device=device))
-    for launch in plan:
+    for done, launch in enumerate(plan, 1):
         if isinstance(launch, DecodeLaunch):
             n = launch.num_seqs
             paged_decode(queries(n), k_cache, v_cache, k_scale, v_scale, *table(n, launch.width, launch.row_stride),
                          head_dim**-0.5,
-                         sink(n), num_splits=launch.num_splits)
+                         sink(n), num_splits=launch.num_splits, split_tokens=MIN_TOKENS_PER_SPLIT)  # as engines
         else:
             extend_attention(queries(1), k_cache, v_cache, k_scale, v_scale, *table(1, launch.width),
                              torch.zeros(2, dtype=torch.int32, device=device), head_dim**-0.5, sink(1))
+        if progress is not None:
+            progress(done, len(plan))
+
+
+def compile_plan(plan: Sequence[DecodeLaunch | ExtendLaunch], layer, num_heads: int, dtype: torch.dtype,
+                 exact_sink: bool, progress: Callable[[int, int], None] | None = None) -> bool:
+    """:func:`launch_warmup` on ``layer`` (a CUDA pool's, or under the interpreter a CPU one), synced.
+
+    Returns False when Triton failed to build its host launcher (no usable C compiler or Python headers,
+    :func:`kvchat.kernels.triton_build.is_build_failure`): the dispatch then sends CUDA tensors to the
+    PyTorch reference (:func:`kvchat.kernels.dispatch.disable_triton`, which names the failure in one
+    logged line) instead of a traceback. Any other error propagates.
+    """
+    cuda = layer[0].is_cuda
+    try:
+        with torch.cuda.device(layer[0].device) if cuda else contextlib.nullcontext():
+            launch_warmup(plan, *layer, num_heads, dtype, exact_sink, progress)
+            if cuda:
+                torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - only a failed launcher build is recovered from, below
+        if not is_build_failure(exc):
+            raise
+        dispatch.disable_triton(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+        return False
+    return True
 
 
 def warm_up(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], num_heads: int,
             dtype: torch.dtype, max_context: int, exact_sink: bool,
             batch_sizes: Sequence[int] = DECODE_BATCHES, decode_widths: Sequence[int] | None = None,
-            row_stride: int = 0) -> list[DecodeLaunch | ExtendLaunch]:
+            row_stride: int = 0, progress: Callable[[int, int], None] | None = None) -> list[DecodeLaunch | ExtendLaunch]:
     """Compile every kernel variant an engine will launch, at its start; the launches made.
 
     A no-op (``[]``) unless ``layer`` (one layer's ``(k_cache, v_cache, k_scale,
-    v_scale)``) is on a CUDA device and the Triton backend serves it. On a GPU
-    the first start compiles (about 20 variants); later starts find Triton's
-    on-disk cache. See :func:`plan_warmup` for the arguments.
+    v_scale)``) is on a CUDA device and the Triton backend serves it; ``[]`` too when
+    Triton cannot build its launcher there (:func:`compile_plan`: the engine then runs the
+    reference). On a GPU the first start compiles (about 20 variants; ``progress`` gets
+    ``(done, total)`` after each); later starts find Triton's on-disk cache. See
+    :func:`plan_warmup` for the other arguments.
     """
     k_cache = layer[0]
     if not k_cache.is_cuda or dispatch.backend_for(k_cache) != "triton":
@@ -165,8 +198,7 @@ def warm_up(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.
     t0 = time.perf_counter()
     plan = plan_warmup(k_cache.shape[2], k_cache.shape[1], max_context, num_sms(k_cache.device), batch_sizes,
                        decode_widths, row_stride)
-    with torch.cuda.device(k_cache.device):
-        launch_warmup(plan, *layer, num_heads, dtype, exact_sink)
-        torch.cuda.synchronize()
+    if not compile_plan(plan, layer, num_heads, dtype, exact_sink, progress):
+        return []
     _log.info("kvchat: %d Triton kernel variants ready in %.1f s", len(plan), time.perf_counter() - t0)
     return plan

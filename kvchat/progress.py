@@ -1,4 +1,6 @@
-"""Prefill progress on stderr for the CLI: a tqdm bar (tokens/s, time left) on a terminal, plain lines elsewhere."""
+"""Progress on stderr for the CLI: prefill (a tqdm bar with tokens/s and the time left on a terminal, plain lines
+elsewhere) and the steps of a slow start (loading weights, calibrating, compiling kernels: the same, shown only
+once a step has run for :data:`SHOW_STEP_AFTER_S`, so a fast start prints nothing)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 LOG_EVERY_S = 10.0  # off a terminal: a plain line at most this often, then the final one
+SHOW_STEP_AFTER_S = 5.0  # a start step shows once it has run this long (a small model's start stays quiet)
 
 
 @dataclass(slots=True)
@@ -82,3 +85,60 @@ def _plain_line(done: int, total: int, rate: float | None) -> str:
         return line
     line += f", {rate:.0f} tok/s"
     return line if done == total else f"{line}, about {(total - done) / rate:.0f} s left"
+
+
+@dataclass(slots=True)
+class _Step:
+    """The start step being reported: where, its text and size, when it began, its last line's time (None:
+    nothing printed yet), the bar on a terminal."""
+
+    stream: TextIO
+    text: str
+    total: int
+    t0: float
+    last_line_t: float | None
+    bar: tqdm | None
+
+
+_step: _Step | None = None
+
+
+def print_start_progress(text: str, done: int, total: int, stream: TextIO | None = None) -> None:
+    """Report ``done`` of ``total`` units of a start step named ``text`` (the ``progress`` of
+    :func:`kvchat.model.loader.load_runtime`: weight bytes loaded, kernels compiled).
+
+    Nothing shows for a step's first :data:`SHOW_STEP_AFTER_S` seconds. Then, on a terminal, a tqdm bar
+    named ``text``; on a pipe or log file, ``kvchat: TEXT: P%`` at most every :data:`LOG_EVERY_S` and
+    ``kvchat: TEXT: done in S s`` at its end. A step ends when ``done >= total`` or another one starts.
+    """
+    global _step
+    stream = stream or sys.stderr
+    now = time.perf_counter()
+    cur = _step
+    if cur is None or cur.text != text or cur.stream is not stream:
+        _end_step(now)
+        bar = None
+        if stream.isatty():
+            bar = tqdm(total=total, desc=text, file=stream, leave=True, dynamic_ncols=True, delay=SHOW_STEP_AFTER_S,
+                       unit_scale=total >= 10_000, smoothing=0)
+        cur = _step = _Step(stream, text, total, now, None, bar)
+    if cur.bar is not None:
+        cur.bar.update(done - cur.bar.n)
+    elif done < total and now - cur.t0 >= SHOW_STEP_AFTER_S and (
+            cur.last_line_t is None or now - cur.last_line_t >= LOG_EVERY_S):
+        print(f"kvchat: {text}: {100 * done // max(total, 1)}%", file=stream, flush=True)
+        cur.last_line_t = now
+    if done >= total:
+        _end_step(now)
+
+
+def _end_step(now: float) -> None:
+    """End the current start step: its bar closed, or off a terminal its final line if it showed at all."""
+    global _step
+    cur, _step = _step, None
+    if cur is None:
+        return
+    if cur.bar is not None:
+        cur.bar.close()
+    elif cur.last_line_t is not None or now - cur.t0 >= SHOW_STEP_AFTER_S:
+        print(f"kvchat: {cur.text}: done in {now - cur.t0:.1f} s", file=cur.stream, flush=True)

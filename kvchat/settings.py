@@ -7,6 +7,7 @@
 - ``KVCHAT_KV_BUDGET_MB``: the KV pool's size, MiB.
 - ``KVCHAT_DTYPE``: the compute dtype of the weights and activations.
 - ``KVCHAT_RESIDENT_CHATS``: how many chats of full context the default KV pool is sized for.
+- ``KVCHAT_GPU_MEMORY``: the share of the GPU's memory this process may hold.
 - ``KVCHAT_CACHE_BUDGET_GB``: the disk budget of the KV snapshots, GB.
 - ``KVCHAT_WEIGHTS``: the weight format the model computes with.
 - ``KVCHAT_CUDA_GRAPHS``: ``0`` turns off the CUDA graphs of decode.
@@ -49,6 +50,7 @@ CACHE_BUDGET_GB = "KVCHAT_CACHE_BUDGET_GB"
 PHASE_TRACE = "KVCHAT_PHASE_TRACE"
 DTYPE = "KVCHAT_DTYPE"
 RESIDENT_CHATS = "KVCHAT_RESIDENT_CHATS"
+GPU_MEMORY = "KVCHAT_GPU_MEMORY"
 API_KEY = "KVCHAT_API_KEY"
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 DEFAULT_RESIDENT_CHATS = 4
@@ -247,6 +249,37 @@ def resident_chats() -> int:
     return int(value)
 
 
+def fraction_value(name: str, value: str) -> float:
+    """``value`` as a fraction in (0, 1]; ``name`` (the variable or the CLI flag) is what an error names.
+
+    Raises:
+        SettingError: not a number in (0, 1].
+    """
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 < number <= 1:  # also rejects nan
+        raise SettingError(f"{name} must be a fraction of the GPU's memory, above 0 and at most 1, got {value!r}")
+    return number
+
+
+def gpu_memory() -> float | None:
+    """``KVCHAT_GPU_MEMORY``: the share of the GPU's total memory this process may hold (weights,
+    activations and KV pool), in (0, 1], as vLLM's ``gpu_memory_utilization``; ``--gpu-memory`` sets it for
+    the command it runs and its children.
+
+    Default (None): the KV pool takes half of the memory still free once the weights and one prefill
+    chunk's activations are in place, leaving the rest to whatever else uses the GPU (a desktop, a browser, a
+    second kvchat) (:func:`kvchat.engine.pool_size.gpu_pool_cap`).
+
+    Raises:
+        SettingError: not a number in (0, 1].
+    """
+    value = _raw(GPU_MEMORY)
+    return None if value is None else fraction_value(GPU_MEMORY, os.environ[GPU_MEMORY])
+
+
 def weights() -> str:
     """``KVCHAT_WEIGHTS``: the weight format, ``auto``, ``fp32``, ``bf16`` or ``int8`` (case-insensitive);
     the ``--weights`` option of every command that runs the model sets it for the process and its children.
@@ -318,6 +351,7 @@ def check() -> None:
     kv_budget_mb()
     compute_dtype()
     resident_chats()
+    gpu_memory()
     cache_budget_gb()
     weights()
     cuda_graphs()

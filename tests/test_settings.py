@@ -25,7 +25,7 @@ from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData
 
 VARIABLES = [settings.HOME, settings.MODELS, settings.DEVICE, settings.ATTENTION, settings.KV_BUDGET_MB,
-             settings.CACHE_BUDGET_GB, settings.PHASE_TRACE]
+             settings.CACHE_BUDGET_GB, settings.PHASE_TRACE, settings.GPU_MEMORY]
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +51,12 @@ BAD = [
      "KVCHAT_ATTENTION must be torch or triton (or unset: chosen by device), got 'foo'"),
     (settings.attention, settings.ATTENTION, "auto",
      "KVCHAT_ATTENTION must be torch or triton (or unset: chosen by device), got 'auto'"),
+    (settings.gpu_memory, settings.GPU_MEMORY, "1.5",
+     "KVCHAT_GPU_MEMORY must be a fraction of the GPU's memory, above 0 and at most 1, got '1.5'"),
+    (settings.gpu_memory, settings.GPU_MEMORY, "0",
+     "KVCHAT_GPU_MEMORY must be a fraction of the GPU's memory, above 0 and at most 1, got '0'"),
+    (settings.gpu_memory, settings.GPU_MEMORY, "half",
+     "KVCHAT_GPU_MEMORY must be a fraction of the GPU's memory, above 0 and at most 1, got 'half'"),
 ]
 
 
@@ -149,7 +155,22 @@ CLI_CASES = [
     (["cache", "stats"], {settings.DEVICE: "foo"}, "KVCHAT_DEVICE must be cpu, cuda or cuda:N, got 'foo'"),
     (["ask", "hi"], {settings.ATTENTION: "foo"},
      "KVCHAT_ATTENTION must be torch or triton (or unset: chosen by device), got 'foo'"),
+    (["serve"], {settings.GPU_MEMORY: "nan"},
+     "KVCHAT_GPU_MEMORY must be a fraction of the GPU's memory, above 0 and at most 1, got 'nan'"),
 ]
+
+
+def test_gpu_memory_setting_and_flag(monkeypatch, kvchat_home):
+    from kvchat.cli.main import main
+
+    assert settings.gpu_memory() is None
+    monkeypatch.setenv(settings.GPU_MEMORY, " 0.6 ")
+    assert settings.gpu_memory() == 0.6
+    assert main(["--gpu-memory", "0.7", "cache", "stats"]) == 0
+    assert os.environ[settings.GPU_MEMORY] == "0.7", "the flag wins, for this process and its children"
+    with pytest.raises(SystemExit) as exc:
+        main(["ask", "hi", "--gpu-memory", "2"])
+    assert exc.value.code == 2
 
 
 @pytest.mark.parametrize("args, env, line", CLI_CASES, ids=[" ".join(c[0]) + " " + next(iter(c[1])) for c in CLI_CASES])

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 
-from kvchat.progress import print_prefill_progress
+from kvchat.progress import print_prefill_progress, print_start_progress
 
 PROGRESS_MIN_TOKENS = 1024  # show prefill progress on stderr for prompts at least this long
 NEW_CHAT = "--new-chat "  # the option that takes a continuation's way, as error lines name it
@@ -69,7 +69,7 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     from kvchat.model.loader import load_runtime, set_threads
 
     set_threads(threads)
-    rt = load_runtime(args.model or (conv.model_name if conv else None), args.kv_dtype)
+    rt = load_runtime(args.model or (conv.model_name if conv else None), args.kv_dtype, progress=print_start_progress)
     service = ChatService(rt, batch_interval_s=0)  # every piece to stdout as it is decoded
     streamed = False
 

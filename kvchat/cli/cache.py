@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvchat.progress import print_prefill_progress
+from kvchat.progress import print_prefill_progress, print_start_progress
 
 EXIT_DAMAGED = 1  # `cache verify` found (and dropped) corrupt chunks, as fsck and `git fsck` exit non-zero
 
@@ -114,7 +114,7 @@ def _doc_add(args: argparse.Namespace) -> int:
         require_utf8(args.system, "the system prompt")  # before the model loads (the session checks again)
     require_writable(db_path())  # before the model loads and the document is prefilled
     set_threads(args.threads)
-    service = ChatService(load_runtime(args.model, args.kv_dtype))
+    service = ChatService(load_runtime(args.model, args.kv_dtype, progress=print_start_progress))
 
     def emit(event) -> None:
         if isinstance(event, PrefillProgress):

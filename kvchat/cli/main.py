@@ -14,7 +14,7 @@ import sys
 from kvchat import __version__
 from kvchat.conversation.continuation import WAYS
 from kvchat.engine.cache_identity import KV_DTYPE_NAMES
-from kvchat.settings import DTYPE, DTYPE_CHOICES, WEIGHTS, WEIGHTS_CHOICES
+from kvchat.settings import DTYPE, DTYPE_CHOICES, GPU_MEMORY, WEIGHTS, WEIGHTS_CHOICES, SettingError, fraction_value
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
@@ -45,8 +45,18 @@ class _Parser(argparse.ArgumentParser):
         return super().add_subparsers(**kwargs)
 
 
+def _gpu_fraction(text: str) -> str:
+    """``--gpu-memory``'s value, checked as ``KVCHAT_GPU_MEMORY`` is (:func:`kvchat.settings.fraction_value`)."""
+    try:
+        fraction_value("--gpu-memory", text)
+    except SettingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
-    """``--model --kv-dtype --dtype --weights --threads``; on sub-commands they default to the top-level values."""
+    """``--model --kv-dtype --dtype --weights --gpu-memory --threads``; on sub-commands they default to the
+    top-level values."""
     keep = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
@@ -54,6 +64,10 @@ def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
                    help="compute dtype of activations and unquantized weights (default: KVCHAT_DTYPE, else auto)", **keep)
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, help="weight format (default: KVCHAT_WEIGHTS, else auto: "
                    "int8 on a CPU, bf16 on a GPU)", **keep)
+    p.add_argument("--gpu-memory", type=_gpu_fraction, metavar="FRACTION",
+                   help="share of the GPU's memory this process may hold, weights included, as vLLM's "
+                   "gpu_memory_utilization (default: KVCHAT_GPU_MEMORY, else the KV pool takes half of what is "
+                   "free after the weights)", **keep)
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads for torch (default: all usable cores; more than that is capped, with a note)", **keep)
 
@@ -140,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvchat`` script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    # --dtype and --weights win over their KVCHAT_* settings, for this process and the ones it starts
-    for option, variable in (("dtype", DTYPE), ("weights", WEIGHTS)):
+    # --dtype, --weights and --gpu-memory win over their KVCHAT_* settings, for this process and the ones it starts
+    for option, variable in (("dtype", DTYPE), ("weights", WEIGHTS), ("gpu_memory", GPU_MEMORY)):
         if getattr(args, option, None):
             os.environ[variable] = getattr(args, option)
     try:

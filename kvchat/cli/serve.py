@@ -64,10 +64,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--queue-timeout must be > 0 seconds, got {args.queue_timeout}")
     from kvchat.cpu_threads import checked_threads, on_own_thread
     from kvchat.model.loader import load_runtime, set_threads
+    from kvchat.progress import print_start_progress
 
     set_threads(checked_threads(args.threads))
     # the scheduler thread runs it (see on_own_thread); each request gets its own dense copy: none preallocated
-    rt = on_own_thread(load_runtime, args.model, args.kv_dtype, preallocate=False)
+    rt = on_own_thread(load_runtime, args.model, args.kv_dtype, preallocate=False, progress=print_start_progress)
     import uvicorn
 
     from kvchat.server.app import create_app

@@ -52,3 +52,13 @@ def activate(device: torch.device) -> None:
 def device_guard(device: torch.device):
     """A context manager making ``device`` current for its body (a no-op context on CPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def release_pinned_cache() -> None:
+    """Give the pinned (page-locked) host blocks torch's host caching allocator keeps after their tensors
+    are freed back to the OS: freeing a pinned tensor only returns it to that cache, where it stays locked
+    out of the rest of the machine. Call only after CUDA was used; a no-op on torch < 2.9, which has no
+    ``torch.accelerator.empty_host_cache`` (the blocks then stay cached, reused by later pinned allocations)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is not None:
+        empty()

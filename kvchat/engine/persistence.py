@@ -32,6 +32,7 @@ from kvchat.engine.disk_budget import Eviction
 from kvchat.engine.disk_budget import enforce as enforce_budget
 from kvchat.engine.runner import Engine
 from kvchat.engine.kv_pool import KVPool
+from kvchat.engine.read_speed import ReadSpeed, restore_pays
 from kvchat.engine.timing import DeviceTimer
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
 from kvchat.index import get_db
@@ -42,7 +43,9 @@ from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout
 
 CHUNK_TOKENS = 256
-DEFAULT_READ_BYTES_PER_S = 500e6
+# pinned host bytes a CUDA save's queued chunks hold at most (a 32K-token 8B chat is ~2.2 GB of chunks: pinned
+# at once, those pages were locked and then kept by torch's host cache); chunks beyond wait in pageable memory
+SAVE_PINNED_BYTES = 256 * 2**20
 # chunk files read at once by a restore: one per torch thread (the cores kvchat was given), 2 to this many.
 # Measured, a 4,096-token restore (16 files) warm in fresh processes on 2 cores: 4 readers 44-71 ms, 2 readers
 # 29-31 ms, 1 reader 46-49 ms; with the page cache dropped 2 and 4 readers alike (118-148 ms, disk-bound here)
@@ -149,10 +152,12 @@ class KVPersist:
         spec = engine.spec
         self.fingerprint = engine.cache_fingerprint
         self.layout = ChunkLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.pool.k.dtype)
-        self.read_bytes_per_s = DEFAULT_READ_BYTES_PER_S
+        self.read_speed = ReadSpeed()  # measured: probes and restores (kvchat.engine.read_speed)
         self.errors: list[str] = []
         self.evicted = Eviction()  # summed over the budget enforcements after each save (writer thread)
         self._queue: queue.Queue = queue.Queue()
+        self._pinned_lock = threading.Lock()
+        self._pinned_bytes = 0  # pinned host bytes of queued chunks (CUDA saves), at most SAVE_PINNED_BYTES
         # a CPU restore's staging buffers, one per reader (_reader_count), allocated and touched now: the first
         # write into fresh pages costs a page fault per 4 KiB, measured at 11-14 ms for a reader's first 3.1 MB
         # file against 0.5-0.9 ms into used pages (2 cores, in a fresh process); CUDA restores pin a buffer per
@@ -193,7 +198,9 @@ class KVPersist:
         rewritten by the next save) are dropped from the index, and only the
         tokens before it are committed; the rest stay reserved, uncommitted, for
         the prefill that recomputes them. Skipped entirely when reading would
-        be slower than prefilling the same tokens.
+        be slower than prefilling the same tokens, by measured speeds both
+        (:func:`kvchat.engine.read_speed.restore_pays`; :attr:`read_speed` probes the chain's first file
+        when its measurement is stale, and every restore that runs measures itself).
         """
         timer = DeviceTimer(self.engine.device).start()  # restore_ms counts the copies into the pool done
         res = RestoreResult()
@@ -210,7 +217,11 @@ class KVPersist:
             return res
         first, end = max(todo[0][0], have), todo[-1][1]
         nbytes = sum(r.bytes for _, _, r in todo)
-        if nbytes / self.read_bytes_per_s > (end - first) / self.engine.prefill_tokens_per_s:
+        try:
+            read_speed = self.read_speed.current(todo[0][2].path)
+        except OSError:  # no speed to judge by: the read below finds the file missing or bad and drops it
+            read_speed = None
+        if read_speed is not None and not restore_pays(nbytes, end - first, read_speed, self.engine.prefill_tokens_per_s):
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
         pool, blocks = self.engine.pool, self.engine.blocks
@@ -289,7 +300,7 @@ class KVPersist:
         res.from_disk = last - first
         res.restore_ms = timer.stop()
         if res.bytes_read > 1e6:
-            self.read_bytes_per_s = res.bytes_read / max(res.restore_ms / 1e3, 1e-6)
+            self.read_speed.record(res.bytes_read, res.restore_ms / 1e3)
         return res
 
     # ---- save ----------------------------------------------------------------------------
@@ -306,9 +317,16 @@ class KVPersist:
         ends = [e for e in segment_ends if 0 < e <= done] + [done]
         links = chain(self.fingerprint, token_ids, ends)
         db = get_db()
-        for link in links:
-            if get_chunk(db, link.key) is None:
-                self._queue.put((link, *_read_tokens(self.engine.pool, self.engine.blocks, seq, link.start, link.end)))
+        new = [link for link in links if get_chunk(db, link.key) is None]
+        sizes = [self.layout.data_bytes(link.end - link.start) for link in new]
+        pins = [False] * len(new)
+        if self.engine.pool.k.is_cuda:  # pinned host copies, while those still queued stay within the bound
+            with self._pinned_lock:
+                pins = pinned_chunks(sizes, self._pinned_bytes)
+                self._pinned_bytes += sum(n for n, pin in zip(sizes, pins) if pin)
+        for link, size, pin in zip(new, sizes, pins):
+            chunk, copied = _read_tokens(self.engine.pool, self.engine.blocks, seq, link.start, link.end, pin)
+            self._queue.put((link, chunk, copied, size if pin else 0))
         self._queue.put(("refs", owner, [l.key for l in links]))
         return [l.key for l in links]
 
@@ -341,10 +359,15 @@ class KVPersist:
                         chunk_refs.set_refs(get_db(), item[1], item[2], self.fingerprint)
                     self.evicted = self.evicted.then(enforce_budget(get_db()))
                 else:
-                    link, data, copied = item
-                    if copied is not None:  # the device -> pinned host copy, queued on the main stream
-                        copied.synchronize()
-                    add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key, fingerprint=self.fingerprint)
+                    link, data, copied, pinned = item
+                    try:
+                        if copied is not None:  # the device -> pinned host copy, queued on the main stream
+                            copied.synchronize()
+                        add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key, fingerprint=self.fingerprint)
+                    finally:
+                        data = item = None  # its pinned pages go back to torch's host cache, then the count
+                        with self._pinned_lock:
+                            self._pinned_bytes -= pinned
             except OSError as exc:  # disk full, permissions: the turn's text is already saved
                 self.errors.append(f"KV snapshot not saved: {exc.strerror or exc}")
             except Exception as exc:  # noqa: BLE001 - e.g. database locked past the busy timeout, a bad budget
@@ -352,6 +375,18 @@ class KVPersist:
                 self.errors.append(f"KV snapshot not saved: {exc}")
             finally:
                 self._queue.task_done()
+
+
+def pinned_chunks(sizes: Sequence[int], in_flight: int, limit: int = SAVE_PINNED_BYTES) -> list[bool]:
+    """Which chunks of a save (their bytes, in order) are copied into pinned host memory: each one that still
+    fits, with the pinned bytes already queued (``in_flight``) and those chosen before it, within ``limit``;
+    the others are copied into pageable memory (a synchronous copy, no page locked)."""
+    out = []
+    for n in sizes:
+        pin = in_flight + n <= limit
+        in_flight += n if pin else 0
+        out.append(pin)
+    return out
 
 
 def _slots(blocks, seq: SeqBlocks, start: int, end: int) -> torch.Tensor:
@@ -379,27 +414,30 @@ def _rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return flat
 
 
-def _read_tokens(pool: KVPool, blocks, seq: SeqBlocks, start: int, end: int) -> tuple[ChunkData, object]:
+def _read_tokens(pool: KVPool, blocks, seq: SeqBlocks, start: int, end: int,
+                 pin: bool = True) -> tuple[ChunkData, object]:
     """Copy tokens ``[start, end)`` of ``seq`` out of the pool as a chunk (all layers).
 
-    Returns ``(chunk, copied)``: on CUDA the chunk's tensors are pinned host memory filled by non-blocking
-    copies queued on the current stream (after every write before them), and ``copied`` is the CUDA
-    event the writer thread waits on before it reads them, so the main thread never waits; on a CPU
-    ``copied`` is None and the copy is done.
+    Returns ``(chunk, copied)``: on CUDA with ``pin`` the chunk's tensors are pinned host memory filled by
+    non-blocking copies queued on the current stream (after every write before them), and ``copied`` is the
+    CUDA event the writer thread waits on before it reads them, so the main thread never waits; otherwise
+    (a CPU pool, or ``pin`` false: pageable memory, the main thread waits for the copy) ``copied`` is None
+    and the copy is done.
     """
     slots = _slots(blocks, seq, start, end).to(pool.k.device)
+    pinned = pin and pool.k.is_cuda
 
     def take(t: torch.Tensor) -> torch.Tensor:
         (rows,) = _rows(_flat(t))
         rows = rows[:, slots]
-        if rows.is_cuda:
+        if pinned:
             rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
         return rows.cpu().view(torch.uint8).view(t.dtype).view(t.shape[0], len(slots), *t.shape[3:])
 
     parts = (pool.k, pool.v) if pool.k_scale is None else (pool.k, pool.v, pool.k_scale, pool.v_scale)
     chunk = ChunkData(*(take(t) for t in parts))
     copied = None
-    if pool.k.is_cuda:
+    if pinned:
         copied = torch.cuda.Event()
         copied.record()
     return chunk, copied

@@ -132,10 +132,13 @@ class Engine:
         exact_sink: bool = True,
         dtype: str | None = None,
         weight_format: str | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
     ):
         """``weight_format``: ``fp32|bf16|int8`` (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`; int8:
         the loaded linear layers quantized by :func:`kvchat.model.quant.quantize_linears`, stored per model);
         None: unquantized, bf16 where :func:`compute_dtype`'s ``auto`` or ``dtype`` says bf16, else fp32.
+        ``progress``: the start's steps that take long, as ``(text, done, total)`` (on a GPU's first start:
+        compiling the Triton kernels, :func:`kvchat.kernels.warmup.warm_up`).
         ``dtype``: a :data:`COMPUTE_DTYPES` name or ``auto`` (None: ``KVCHAT_DTYPE``); ``auto`` computes in
         :data:`FORMAT_COMPUTE_DTYPES` of the weight format, and any other choice enters the cache fingerprint.
 
@@ -200,8 +203,11 @@ class Engine:
         max_blocks = -(-self.max_context // self.spec.block_size)
         sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
-        warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink,  # GPU only
-                BATCH_BUCKETS, context_buckets(max_blocks), max_blocks)
+        compiling = None if progress is None else (
+            lambda done, total: progress(f"preparing {total} Triton kernel variants (compiled on a first start)", done, total))
+        if warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink,  # GPU only
+                   BATCH_BUCKETS, context_buckets(max_blocks), max_blocks, progress=compiling) == [] and backend == "triton":
+            backend = dispatch.backend_for(self.pool.k)  # Triton could not build its launcher: the reference
         # decode batches padded to BATCH_BUCKETS where graphs can run (with them off too: the warmed-up shapes)
         self.pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
         self.decode_graphs = None  # CUDA graphs of the decode step (None: eager; always on CPU)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -25,7 +26,9 @@ from kvchat.engine.calibration import (
 from kvchat.model.registry import ModelInfo, resolve_model
 from kvchat.engine.cache_identity import resolve_weight_format
 from kvchat.engine.device import check_device
-from kvchat.settings import compute_dtype, device as env_device
+from kvchat.engine.pool_size import GPUMemoryError, load_oom_line
+from kvchat.plan import WEIGHT_BYTES
+from kvchat.settings import compute_dtype, device as env_device, gpu_memory
 from kvchat.settings import weights as env_weights
 from kvchat.texts import CALIBRATION_MODULES, stdlib_text
 
@@ -66,6 +69,7 @@ def load_runtime(
     pool_bytes: int | None = None,
     weights: str | None = None,
     preallocate: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Runtime:
     """Resolve (importing on first use), load weights, build the engine and tokenizer.
 
@@ -80,6 +84,9 @@ def load_runtime(
     ``preallocate``: allocate and touch the engine's dense K/V copy (the CPU read path) for the whole context
     now, not inside the first resumed chat's TTFT (:meth:`kvchat.engine.dense_kv.DenseKV.preallocate`); the
     server, which gives every request a copy of its own, passes False.
+    ``progress``: the slow steps of a start as ``(text, done, total)``: loading the weights (bytes), the
+    calibration on a model's first use, compiling the Triton kernels on a GPU's first start (e.g.
+    :func:`kvchat.progress.print_start_progress`; hashing a checkpoint used in place shows its own bar).
 
     Raises:
         kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError,
@@ -88,6 +95,8 @@ def load_runtime(
             ``KVCHAT_DTYPE``, ``KVCHAT_WEIGHTS`` (``weights`` None) or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None);
             all but the pool budget before the weights load.
         kvchat.engine.device.DeviceError: ``device`` names a CUDA device that does not exist here.
+        kvchat.engine.pool_size.GPUMemoryError: the GPU ran out of memory while loading, or leaves the KV pool
+            too little (one line with the numbers and ``--gpu-memory``).
         ValueError: int8 weights asked for on a GPU, or with a compute dtype other than fp32.
     """
     from transformers import AutoTokenizer
@@ -98,9 +107,17 @@ def load_runtime(
     weight_format = resolve_weight_format(weights or env_weights(), dev.type, compute_dtype())
     info = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
-    engine = Engine(info.config, CheckpointReader(info.path), info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
-                    device=dev, name=info.name, calibration=lambda e: ensure_calibration(info, e, tokenizer),
-                    weight_format=weight_format)
+    reader = CheckpointReader(info.path)
+    if progress is not None:
+        reader.on_read = _weight_progress(reader, info.config.tie_word_embeddings, progress)
+    free, total = torch.cuda.mem_get_info(dev) if dev.type == "cuda" else (0, 0)
+    try:
+        engine = Engine(info.config, reader, info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
+                        device=dev, name=info.name, weight_format=weight_format, progress=progress,
+                        calibration=lambda e: ensure_calibration(info, e, tokenizer, progress=progress))
+    except torch.cuda.OutOfMemoryError:
+        weight_bytes = reader.num_params() * WEIGHT_BYTES[weight_format]
+        raise GPUMemoryError(load_oom_line(info.name, weight_bytes, free, total, gpu_memory())) from None
     runtime = Runtime(info, engine, tokenizer)
     if preallocate and engine.dense is not None:
         engine.dense.preallocate(engine.max_context)
@@ -112,7 +129,24 @@ def load_runtime(
     return runtime
 
 
-def ensure_calibration(info: ModelInfo, source, tokenizer, device=None) -> KVCalibration:
+def _weight_progress(reader: CheckpointReader, tied: bool, progress: Callable[[str, int, int], None]):
+    """``reader.on_read`` reporting ``progress("loading weights", bytes so far, bytes the model reads)`` (a tied
+    model never reads a stored ``lm_head.weight``) at each whole percent and at the end, not per tensor."""
+    total = sum(e.end - e.begin for name, e in reader.entries.items() if not (tied and name == "lm_head.weight"))
+    done, shown = [0], [-1]
+
+    def on_read(nbytes: int) -> None:
+        done[0] += nbytes
+        percent = 100 * done[0] // max(total, 1)
+        if percent > shown[0]:
+            shown[0] = percent
+            progress("loading weights", done[0], total)
+
+    return on_read
+
+
+def ensure_calibration(info: ModelInfo, source, tokenizer, device=None,
+                       progress: Callable[[str, int, int], None] | None = None) -> KVCalibration:
     """The model's fp8 K-centring calibration: loaded if stored, else computed once (a few seconds) and stored.
 
     Computed over :data:`kvchat.texts.CALIBRATION_MODULES`' docstrings
@@ -125,6 +159,7 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None) -> KVCal
             Hugging Face-named weights (benchmarks holding them: a temporary bf16-pool engine is built).
         tokenizer: its tokenizer (encodes the calibration text).
         device: where a temporary engine runs (``source`` weights only).
+        progress: gets ``(text, 0, 1)`` before computing and ``(text, 1, 1)`` after (None: one line on stderr).
     Raises:
         kvchat.texts.TextSourceError: the standard library has no sources to read text from.
     """
@@ -133,7 +168,11 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None) -> KVCal
     cal = load_calibration(info.fingerprint, shape)
     if cal is not None:
         return cal
-    print(f"kvchat: calibrating fp8 K centring for {info.name} (once per model) …", file=sys.stderr, flush=True)
+    step = f"calibrating fp8 K centring for {info.name} (once per model)"
+    if progress is None:
+        print(f"kvchat: {step} …", file=sys.stderr, flush=True)
+    else:
+        progress(step, 0, 1)
     text = stdlib_text(CALIBRATION_MODULES)
     ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
     engine = source
@@ -142,6 +181,8 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None) -> KVCal
         engine = Engine(cfg, source, info.fingerprint, kv_dtype="bf16", device=device, dense_kv=False,
                         pool_bytes=spec.bytes_per_block)
     cal = make_calibration(calibrate_k_mean(engine, ids), f"{text.name} ({len(ids)} tokens, sha256 {text.sha256[:12]})")
+    if progress is not None:
+        progress(step, 1, 1)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the scratch pool and activations go back to the device

@@ -9,9 +9,12 @@ second copy of the weights:
   read (``readinto``) straight into the parameter's memory (a fused q/k/v or
   gate/up parameter gets each part read into its row slice);
 - otherwise a tensor is read into a host staging buffer of its stored dtype
-  (for CUDA one pinned buffer, reused, the size of the largest tensor),
-  converted on the host when the dtypes differ, and copied to the parameter:
-  one tensor in flight, on the host.
+  in pieces of whole rows of at most :data:`STAGING_BYTES` (for CUDA one pinned
+  buffer, reused, as large as the largest piece: an 8B checkpoint's 1 GiB
+  embedding no longer pins 1-2 GiB of host memory), each converted on the host
+  when the dtypes differ and copied to its rows of the parameter: one piece in
+  flight, on the host. :meth:`CheckpointReader.close` (the engine calls it once
+  the weights are in) frees the buffer and gives the pinned pages back.
 
 Device memory while loading (CUDA, reasoned; measured by ``bench/gpu.py`` (d)):
 ``to_empty`` allocates every parameter once in the compute dtype, which is
@@ -32,11 +35,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
+from kvchat.engine.device import release_pinned_cache
 from kvchat.model.fingerprint import TensorEntry, WeightFileError, tensor_entries
+
+STAGING_BYTES = 256 * 2**20  # a staging piece at most (a whole row more if one row is larger)
 
 # safetensors dtype names (format spec, "dtype" field) -> torch dtypes; the ones a Llama checkpoint uses
 SAFETENSORS_DTYPES = {
@@ -65,6 +71,7 @@ class CheckpointReader:
                 raise WeightFileError(f"{e.file}: tensor {e.name!r} has dtype {e.dtype}, which kvchat cannot load")
         self._files: dict[Path, object] = {}
         self._pinned: torch.Tensor | None = None
+        self.on_read: Callable[[int], None] | None = None  # called with each tensor's bytes once it is read
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -89,33 +96,49 @@ class CheckpointReader:
         stored = SAFETENSORS_DTYPES[e.dtype]
         if out.numel() != math.prod(e.shape):
             raise ValueError(f"{name}: stored shape {list(e.shape)} does not fit a parameter of shape {list(out.shape)}")
+        self._fill(e, stored, out)
+        if self.on_read is not None:
+            self.on_read(e.end - e.begin)
+
+    def _fill(self, e: TensorEntry, stored: torch.dtype, out: torch.Tensor) -> None:
+        """:meth:`read_into`'s copy: straight into ``out`` where it is a contiguous CPU tensor of the stored
+        dtype, else through the staging buffer in pieces (see the module doc)."""
         if out.device.type == "cpu" and out.dtype == stored and out.is_contiguous():
             self._read(e, out)
             return
-        staging = self._staging_for(e, stored, pinned=out.device.type == "cuda")
-        self._read(e, staging)
-        if stored != out.dtype:
-            staging = staging.to(out.dtype)  # on the host: the device never holds the stored dtype's copy
-        out.copy_(staging.view(out.shape), non_blocking=False)
+        pinned = out.device.type == "cuda"
+        rows = out.shape[0] if out.dim() else 1
+        row_bytes = (e.end - e.begin) // max(rows, 1)
+        dest = out if out.dim() else out.view(1)
+        for a, b in staging_pieces(rows, row_bytes, STAGING_BYTES):
+            staging = self._staging(b - a, row_bytes, stored, pinned)
+            self._read(e, staging, offset=a * row_bytes)
+            if stored != out.dtype:
+                staging = staging.to(out.dtype)  # on the host: the device never holds the stored dtype's copy
+            dest[a:b].copy_(staging.view(dest[a:b].shape), non_blocking=False)
 
-    def _staging_for(self, e: TensorEntry, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-        """A host tensor of ``e``'s shape and stored dtype over one reused buffer (pinned for CUDA copies,
-        which are synchronous here, so the next tensor may overwrite it), grown to the largest tensor."""
-        nbytes = e.end - e.begin
+    def _staging(self, rows: int, row_bytes: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A flat host tensor of ``rows`` rows of ``row_bytes`` in the stored ``dtype`` over one reused buffer
+        (pinned for CUDA copies, which are synchronous here, so the next piece may overwrite it), grown to
+        the largest piece (:func:`staging_pieces`)."""
+        nbytes = rows * row_bytes
         buf = self._pinned if pinned else None
         if buf is None or buf.numel() < nbytes:
+            if pinned:
+                self._pinned = buf = None  # the smaller buffer goes before the larger one is pinned
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
             if pinned:
                 self._pinned = buf
-        return buf[:nbytes].view(dtype).view(e.shape)
+        return buf[:nbytes].view(dtype)
 
-    def _read(self, e: TensorEntry, out: torch.Tensor) -> None:
-        """Read ``e``'s bytes into contiguous CPU ``out`` of the stored dtype."""
+    def _read(self, e: TensorEntry, out: torch.Tensor, offset: int = 0) -> None:
+        """Read ``out``'s size in bytes of ``e``'s data, from ``offset`` bytes into it, into contiguous CPU
+        ``out`` of the stored dtype."""
         f = self._files.get(e.file)
         if f is None:
             f = self._files[e.file] = open(e.file, "rb", buffering=0)
         view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        f.seek(e.begin)
+        f.seek(e.begin + offset)
         done = 0
         while done < len(view):
             n = f.readinto(view[done:])
@@ -124,11 +147,21 @@ class CheckpointReader:
             done += n
 
     def close(self) -> None:
-        """Close the open files and free the staging buffer (reading again reopens them)."""
+        """Close the open files and free the staging buffer, its pinned pages given back to the OS
+        (reading again reopens and reallocates them)."""
         for f in self._files.values():
             f.close()
         self._files.clear()
-        self._pinned = None
+        if self._pinned is not None:
+            self._pinned = None
+            release_pinned_cache()
+
+
+def staging_pieces(rows: int, row_bytes: int, limit: int) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` covering ``rows`` rows of ``row_bytes`` each, each at most ``limit`` bytes (one
+    row where a single row is larger): the pieces a tensor is staged in (:meth:`CheckpointReader.read_into`)."""
+    per = max(1, limit // max(row_bytes, 1))
+    return [(a, min(a + per, rows)) for a in range(0, rows, per)]
 
 
 class DictReader:

@@ -92,7 +92,8 @@ class RealBackend:
             self._import_default(emit)
         emit(LoadProgress("loading weights"))
         try:
-            rt = load_runtime(self.model, self.kv_dtype, pool_bytes=self.pool_bytes)
+            rt = load_runtime(self.model, self.kv_dtype, pool_bytes=self.pool_bytes,
+                              progress=lambda text, done, total: emit(LoadProgress(text, done, total)))
         except Exception as exc:
             self._status = Status(phase="error", message=f"model load failed: {exc}")
             raise

@@ -66,3 +66,39 @@ def test_another_prefill_ends_an_unfinished_one_and_starts_its_own():
     lines = [line.split("\r")[-1] for line in tty.getvalue().split("\n")[:-1]]  # each line as last drawn
     assert [line.split("|")[-1].split(" [")[0].strip() for line in lines] == ["512/8192", "1024/1024"]
     assert progress._current is None
+
+
+# ---- the steps of a slow start (kvchat.progress.print_start_progress)
+
+@pytest.fixture
+def no_step(monkeypatch):
+    monkeypatch.setattr(progress, "_step", None)
+
+
+def test_a_slow_start_step_off_a_terminal_shows_after_a_while_then_its_end(clock, no_step):
+    assert progress.SHOW_STEP_AFTER_S == 5.0
+    log = io.StringIO()
+    for done, dt in ((10, 0.5), (50, 4.5), (60, 1.0), (70, 1.0)):  # 60 % at 5.0 s: shown; 70 % at 6 s: too soon
+        progress.print_start_progress("loading weights", done, 100, log)
+        clock[0] += dt
+    progress.print_start_progress("loading weights", 100, 100, log)
+    assert log.getvalue().splitlines() == ["kvchat: loading weights: 60%", "kvchat: loading weights: done in 7.0 s"]
+    for done in (1, 2, 3):  # a fast step: nothing
+        progress.print_start_progress("preparing 3 Triton kernel variants", done, 3, log)
+        clock[0] += 0.1
+    assert len(log.getvalue().splitlines()) == 2 and progress._step is None
+
+
+def test_a_step_without_an_end_is_ended_by_the_next(clock, no_step):
+    log = io.StringIO()
+    progress.print_start_progress("calibrating fp8 K centring", 0, 1, log)
+    clock[0] += 6.0
+    progress.print_start_progress("preparing 20 Triton kernel variants", 1, 20, log)
+    assert log.getvalue() == "kvchat: calibrating fp8 K centring: done in 6.0 s\n"
+
+
+def test_a_fast_start_draws_nothing_on_a_terminal(no_step):
+    tty = Terminal()
+    for done in range(0, 101, 10):
+        progress.print_start_progress("loading weights", done, 100, tty)
+    assert tty.getvalue() == "" and progress._step is None

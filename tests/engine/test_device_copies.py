@@ -44,6 +44,7 @@ def test_lanes_copy_from_pinned_buffers_and_the_main_stream_waits():
 def test_a_chat_saved_from_a_gpu_pool_restores_byte_for_byte(smol_info):
     from kvchat.engine.block_manager import SeqBlocks
     from kvchat.engine.persistence import CHUNK_TOKENS, KVPersist, _read_tokens
+    from kvchat.engine.read_speed import ReadSpeed
     from kvchat.engine.runner import Engine
     from kvchat.model.registry import load_weights
 
@@ -57,7 +58,7 @@ def test_a_chat_saved_from_a_gpu_pool_restores_byte_for_byte(smol_info):
     persist.save(seq, ids, [], None)
     persist.flush()
     assert not persist.errors
-    persist.read_bytes_per_s = 1e15  # always read (a GPU prefills 600 tokens faster than any disk)
+    persist.read_speed = ReadSpeed.fixed(float("inf"))  # always read (a GPU prefills 600 tokens faster than any disk)
     fresh = SeqBlocks()
     res = persist.restore(fresh, ids)
     assert res.from_disk == len(ids) - 1 and res.miss_reason is None

@@ -320,6 +320,7 @@ def rt(smol_info):
 def test_restore_skipped_when_reading_is_slower_than_prefill(base, home, keys, rt):
     from kvchat.engine.block_manager import SeqBlocks
     from kvchat.engine.persistence import KVPersist
+    from kvchat.engine.read_speed import ReadSpeed
     from kvchat.store.conversations import get_conversation
 
     ids = get_conversation(get_db(), base["chat1"]["chat_id"]).token_ids
@@ -327,13 +328,13 @@ def test_restore_skipped_when_reading_is_slower_than_prefill(base, home, keys, r
     try:
         stored = persist.find(ids)
         assert {r.key for r in stored} == {keys["c0"], keys["c1"], keys["t1"]}
-        persist.read_bytes_per_s = 1.0  # a disk of 1 byte/s: prefilling is faster
+        persist.read_speed = ReadSpeed.fixed(1.0)  # a disk of 1 byte/s: prefilling is faster
         slow = SeqBlocks()
         res = persist.restore(slow, ids)
         assert res.from_disk == 0 and res.bytes_read == 0 and slow.block_table == []
         assert res.miss_reason == "recomputing is faster than reading from disk"
 
-        persist.read_bytes_per_s = 500e6
+        persist.read_speed = ReadSpeed.fixed(500e6)
         seq = SeqBlocks()
         res = persist.restore(seq, ids)
         assert res.miss_reason is None and res.from_disk == min(len(ids) - 1, sum(r.token_count for r in stored))
@@ -349,6 +350,55 @@ def test_restore_skipped_when_reading_is_slower_than_prefill(base, home, keys, r
                     assert torch.equal(live.view(torch.uint8), saved.view(torch.uint8)), (name, p)
             start += row.token_count
         rt.engine.release(seq)
+    finally:
+        persist.close()
+
+
+def test_a_long_lived_fast_gpu_restores_when_the_disk_is_faster_and_recomputes_when_not(base, home, keys, rt,
+                                                                                        monkeypatch):
+    """The engine has measured an H200's 8B prefill (in snapshot bytes per second: 20,000 tok/s x 68 KB per
+    token = 1.36 GB/s) and its first restore read a cold disk at 300 MB/s. Later resumes read the real chunk
+    files through a probe whose time is faked (disk speeds, a fake clock): once that measurement is stale a
+    3 GB/s disk restores again; a 0.5 GB/s one recomputes."""
+    from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.persistence import KVPersist
+    from kvchat.engine.read_speed import STALE_S, ReadSpeed, probe_read
+    from kvchat.store.conversations import get_conversation
+
+    ids = get_conversation(get_db(), base["chat1"]["chat_id"]).token_ids
+    persist = KVPersist(rt.engine)
+    stored = persist.find(ids)
+    nbytes, tokens = sum(r.bytes for r in stored), min(len(ids) - 1, sum(r.token_count for r in stored))
+    monkeypatch.setattr(rt.engine, "prefill_tokens_per_s", 1.36e9 / (nbytes / tokens))
+    now, disk, probed = [0.0], [0.0], []
+
+    def probe(path):  # the real file's first bytes, read for real; their time is the fake disk's
+        n, _ = probe_read(path)
+        probed.append(path)
+        return n, n / disk[0]
+
+    persist.read_speed = ReadSpeed(clock=lambda: now[0], probe=probe)
+    persist.read_speed.record(nbytes, nbytes / 0.3e9)
+
+    def resume():
+        seq = SeqBlocks()
+        try:
+            return persist.restore(seq, ids)
+        finally:
+            rt.engine.release(seq)
+
+    try:
+        now[0] = 10.0
+        res = resume()
+        assert res.from_disk == 0 and res.miss_reason == "recomputing is faster than reading from disk" and not probed
+        disk[0], now[0] = 3e9, now[0] + STALE_S + 1
+        res = resume()
+        assert res.miss_reason is None and res.from_disk == tokens and res.bytes_read == nbytes
+        assert probed == [stored[0].path], "the stale measurement was probed on the chain's first file"
+        disk[0], now[0] = 0.5e9, now[0] + STALE_S + 1
+        res = resume()
+        assert res.from_disk == 0 and res.miss_reason == "recomputing is faster than reading from disk"
+        assert len(probed) == 2
     finally:
         persist.close()
 

@@ -125,7 +125,8 @@ def _warm_up_then_chat(cc: int, num_sms: int = 132, max_context: int = 2048) -> 
         q, k, v = rows(1)
         triton_write.write_kv(k, v, k_cache, v_cache, *scales, torch.zeros(1, dtype=torch.long))
         splits = triton_decode.splits_for(1, num_kv_heads, width * 16, num_sms)
-        triton_decode.paged_decode(q, k_cache, v_cache, *scales, table, seq_lens, 0.125, sink, num_splits=splits)
+        triton_decode.paged_decode(q, k_cache, v_cache, *scales, table, seq_lens, 0.125, sink, num_splits=splits,
+                                   split_tokens=triton_decode.MIN_TOKENS_PER_SPLIT)  # the engine's launch
         q, _, _ = rows(16)
         triton_extend.extend_attention(q, k_cache, v_cache, *scales, table, seq_lens,
                                        torch.tensor([0, 16], dtype=torch.int32), 0.125, sink)

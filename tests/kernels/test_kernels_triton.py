@@ -230,6 +230,27 @@ def test_decode_extreme_values_and_block_size_8(pool_dtype):
     assert_matches(out, ref, torch.float32)
 
 
+def test_each_sequence_splits_by_its_own_length():
+    """A launch whose grid has the table capacity's split count: each sequence uses splits_for(its length), its
+    row bit-identical to a launch of exactly that many splits; and the result matches the reference."""
+    lens = [1, 200, 300, 700, 1030]  # 1, 1, 2, 3 and 5 splits of >= 256 tokens, under a grid of 5
+    num_kv_heads, sms = 1, 25  # a wave of 25 programs over 5 sequences: at most 5 splits each
+    k_cache, v_cache, k_scale, v_scale, table, seq_lens = make_pool(lens, num_kv_heads, 64, FP8, seed=5)
+    grid = triton_decode.splits_for(len(lens), num_kv_heads, table.shape[1] * 16, sms)
+    assert grid == 5
+    query = torch.randn(len(lens), 4, 64)
+    pool = (k_cache, v_cache, k_scale, v_scale, table, seq_lens)
+    out = triton_decode.paged_decode(query.to(DEVICE), *pool, 0.125, num_splits=grid,
+                                     split_tokens=triton_decode.MIN_TOKENS_PER_SPLIT)
+    assert_matches(out, reference.decode_attention(query, *[t.cpu() for t in pool], 0.125), torch.float32)
+    used = [triton_decode.splits_for(len(lens), num_kv_heads, n, sms) for n in lens]
+    assert used == [1, 1, 2, 3, 5]
+    for i, n in enumerate(used):
+        one = triton_decode.paged_decode(query[i:i + 1].to(DEVICE), k_cache, v_cache, k_scale, v_scale, table[i:i + 1],
+                                         seq_lens[i:i + 1], 0.125, num_splits=n)
+        assert torch.equal(out[i:i + 1], one), (lens[i], n)
+
+
 def test_decode_zero_length_sequence_gives_zeros():
     """A padded batch slot with seq_len 0 (e.g. CUDA-graph padding) yields zeros, not NaN, with or without splits."""
     k_cache, v_cache, k_scale, v_scale, table, _ = make_pool([20, 5], 1, 64, POOLS[0])

@@ -19,7 +19,8 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported (see test_kernels_triton.py)
 
 from kvchat.kernels import triton_decode  # noqa: E402
-from kvchat.kernels.warmup import DecodeLaunch, ExtendLaunch, launch_warmup, plan_warmup, warm_up  # noqa: E402
+from kvchat.kernels import dispatch, triton_write  # noqa: E402
+from kvchat.kernels.warmup import DecodeLaunch, ExtendLaunch, compile_plan, launch_warmup, plan_warmup, warm_up  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -45,7 +46,7 @@ def test_plan_covers_every_launch_of_a_growing_chat_once(num_kv_heads, max_conte
 
 
 def test_plan_for_smollm2_on_132_sms_by_hand():
-    """Batch 1: num_splits = ceil(width / 16) up to 32 at 8192 tokens (4 x 132 programs / 3 KV heads caps at 176).
+    """Batch 1: num_splits = ceil(width / 16) up to 32 at 8192 tokens (a wave of 132 programs / 3 KV heads caps at 44).
 
     One split: widths 1, 2..15 and 16 (three classes); 2..32 splits: merge sizes 2, 4, 8, 16, 32, the counts
     16 and 32 being multiples of 16 (two classes under 16 and 32), each with widths that are and are not
@@ -55,6 +56,29 @@ def test_plan_for_smollm2_on_132_sms_by_hand():
     assert len(_variants(plan, DecodeLaunch)) == 17
     assert {merge for _, merge, _ in _variants(plan, DecodeLaunch)} == {0, 2, 4, 8, 16, 32}
     assert max(launch.num_splits for launch in plan if isinstance(launch, DecodeLaunch)) == 32
+
+
+@pytest.mark.parametrize("length, num_sms, num_seqs, num_kv_heads, splits", [
+    (4096, 132, 1, 8, 16),  # Llama-3-8B at 4K on an H200: a wave is 17 per KV head, 16 splits of 256 tokens
+    (4096, 132, 1, 3, 16),  # SmolLM2 at 4K: 44 would fit the wave, the length allows 16 (was 32 splits of 1-3 tiles)
+    (32768, 132, 1, 8, 17),  # 32K: the wave caps it, 17 x 8 = 136 programs, ~30 tiles each
+    (32768, 132, 8, 8, 3),  # batch 8: 64 programs per split, 3 splits
+    (200, 132, 1, 8, 1),  # under 256 tokens: one split, no merge
+    (1 << 20, 1000, 1, 1, triton_decode.MAX_SPLITS),
+    (0, 132, 1, 8, 1),
+])
+def test_split_count_is_one_wave_over_the_sms_from_the_length(length, num_sms, num_seqs, num_kv_heads, splits):
+    assert triton_decode.splits_for(num_seqs, num_kv_heads, length, num_sms) == splits
+
+
+def test_split_count_grows_with_the_length_up_to_the_grids():
+    """What the kernel computes per sequence, min(grid count, ceil(length / MIN_TOKENS_PER_SPLIT)), is the
+    count of its own length for every length up to the grid's capacity."""
+    for capacity in (256, 1024, 4096, 8192):
+        grid = triton_decode.splits_for(1, 8, capacity, 132)
+        for length in range(1, capacity + 1, 7):
+            kernel = max(1, min(grid, -(-length // triton_decode.MIN_TOKENS_PER_SPLIT)))
+            assert kernel == triton_decode.splits_for(1, 8, length, 132), (capacity, length)
 
 
 def test_warm_up_is_a_no_op_on_cpu(monkeypatch):
@@ -74,9 +98,44 @@ def test_every_planned_launch_runs_and_leaves_the_pool_alone(pool_dtype, sink):
     v_cache = torch.randn(shape).to(pool_dtype).to(device)
     scales = [torch.rand(shape[:3], device=device) for _ in range(2)] if pool_dtype == FP8 else [None, None]
     before = [t.clone() for t in (k_cache, v_cache, *scales) if t is not None]
-    plan = plan_warmup(2, 16, 1024, 2, (1, 2))  # up to 4 splits; 3 and 4 share one variant (merge size 4)
+    plan = plan_warmup(2, 16, 1024, 8, (1, 2))  # up to 4 splits (a wave of 8 SMs); 3 and 4 share one variant
     assert {launch.num_splits for launch in plan if isinstance(launch, DecodeLaunch)} == {1, 2, 3}
     launch_warmup(plan, k_cache, v_cache, *scales, 6, torch.float16, sink)
     after = [t for t in (k_cache, v_cache, *scales) if t is not None]
     assert all(torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)
                for a, b in zip(after, before))
+
+
+def _cpu_layer():
+    shape = (4, 16, 2, 64)
+    return (torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8), torch.ones(shape[:3]), torch.ones(shape[:3]))
+
+
+def test_compiling_reports_each_variant(monkeypatch):
+    plan = plan_warmup(2, 16, 1024, 8, (1,))
+    seen = []
+    assert compile_plan(plan, _cpu_layer(), 6, torch.float16, True, lambda done, total: seen.append((done, total)))
+    assert seen == [(i, len(plan)) for i in range(1, len(plan) + 1)] and len(plan) > 3
+
+
+def test_a_launcher_that_cannot_be_built_is_one_line_then_the_reference(monkeypatch, caplog):
+    """Triton's first launch builds its C launcher; here that build fails as it does without a compiler."""
+    monkeypatch.setattr(dispatch, "_build_failed", [])
+    monkeypatch.setattr(dispatch, "_noticed", set())
+    monkeypatch.setattr(dispatch, "_triton_importable", lambda: True)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable or set "
+                           "triton.knobs.build.impl.")
+
+    monkeypatch.setattr(triton_write, "write_kv", no_compiler)
+    assert compile_plan(plan_warmup(2, 16, 1024, 8, (1,)), _cpu_layer(), 6, torch.float16, True) is False
+    with caplog.at_level("WARNING", logger=dispatch.__name__):
+        assert dispatch._cuda_backend() == "torch"
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvchat: Triton cannot build its kernel launcher: RuntimeError: Failed to find C compiler. Please specify via "
+        "CC environment variable or set triton.knobs.build.impl. (install gcc and the Python headers (python3-dev) or "
+        "set CC); attention runs on the PyTorch reference path"]
+    monkeypatch.setattr(triton_write, "write_kv", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CUDA error")))
+    with pytest.raises(RuntimeError, match="CUDA error"):  # any other error is not swallowed
+        compile_plan(plan_warmup(2, 16, 1024, 8, (1,)), _cpu_layer(), 6, torch.float16, True)

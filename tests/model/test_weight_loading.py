@@ -19,7 +19,8 @@ from kvchat.engine.calibration import make_calibration
 from kvchat.engine.scratch import calibrate_k_mean
 from kvchat.engine.runner import Engine
 from kvchat.model.config import ModelConfig
-from kvchat.model.weights import CheckpointReader
+from kvchat.model import weights
+from kvchat.model.weights import STAGING_BYTES, CheckpointReader, staging_pieces
 
 
 def _tiny(path, tie: bool, dtype=torch.float32):
@@ -61,6 +62,30 @@ def test_stored_fp32_loads_as_bf16_and_the_dtype_enters_the_cache_fingerprint(tm
     # fp32 is what auto picks here: same K/V, same fingerprint (every stored cache keeps its identity);
     # bf16 computes other K/V: another fingerprint
     assert fp32.cache_fingerprint == auto.cache_fingerprint != bf16.cache_fingerprint
+
+
+def test_staging_pieces_stay_within_256_mib():
+    """Llama-3-8B's embedding, 128,256 rows of 4,096 bf16 (1,002 MiB), was pinned whole for a GPU load."""
+    assert STAGING_BYTES <= 256 * 2**20
+    row = 4096 * 2
+    pieces = staging_pieces(128_256, row, STAGING_BYTES)
+    assert max((b - a) * row for a, b in pieces) <= STAGING_BYTES and len(pieces) == 4
+    assert [a for a, _ in pieces[1:]] == [b for _, b in pieces[:-1]] and (pieces[0][0], pieces[-1][1]) == (0, 128_256)
+    assert staging_pieces(3, STAGING_BYTES + 1, STAGING_BYTES) == [(0, 1), (1, 2), (2, 3)]  # one row at least
+    assert staging_pieces(0, row, STAGING_BYTES) == []
+
+
+def test_a_load_staged_in_small_pieces_is_bit_identical(tmp_path, monkeypatch):
+    """Stored fp32, computed in bf16: every tensor goes through the staging buffer, here in pieces of
+    1,000 bytes (2 rows of the 96-wide matrices), into row slices of the fused q/k/v and gate/up too."""
+    cfg, sd = _tiny(tmp_path / "ck", False)
+    kw = dict(kv_dtype="bf16", pool_bytes=2**20, device="cpu", dtype="bf16")
+    whole = Engine(cfg, CheckpointReader(tmp_path / "ck"), "t", **kw)
+    monkeypatch.setattr(weights, "STAGING_BYTES", 1000)
+    pieces = Engine(cfg, CheckpointReader(tmp_path / "ck"), "t", **kw)
+    a, b = dict(whole.model.named_parameters()), dict(pieces.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert torch.equal(b["embed_tokens"], sd["model.embed_tokens.weight"].to(torch.bfloat16))
 
 
 def test_a_bad_dtype_is_one_line(monkeypatch, tmp_path):
@@ -109,3 +134,17 @@ def test_loading_peaks_within_the_weights_bytes(tmp_path):
     # lower bound: the weights really were materialized. 0.95 x, not 1 x: the allocator reuses pages the warm-up
     # load freed (CI measured 128,466,944 bytes grown for a 128,476,272-byte file, 9 KB under)
     assert 0.95 * size <= grown <= RSS_FACTOR * size + 48 * 2**20, (grown, size, got)
+
+
+def test_a_start_reports_loading_the_weights_to_the_end(smol_info):
+    """The real model's load reports its bytes (at each whole percent, not per tensor) up to the total."""
+    from kvchat.model.loader import load_runtime
+
+    steps = []
+    rt = load_runtime(None, "fp8", progress=lambda text, done, total: steps.append((text, done, total)))
+    loads = [(done, total) for text, done, total in steps if text == "loading weights"]
+    total = loads[-1][1]
+    reader = CheckpointReader(smol_info.path)
+    assert total == sum(e.end - e.begin for n, e in reader.entries.items() if n != "lm_head.weight")
+    assert loads[-1][0] == total and [d for d, _ in loads] == sorted({d for d, _ in loads}) and 10 < len(loads) <= 101
+    assert rt.engine.load_ms > 0
