@@ -153,8 +153,11 @@ class FakeBackend:
             check_cancel()
             emit(PrefillProgress(done, todo, 0.5 if done < todo else 0.0))
             if done == 0 and self.prefill_gate is not None:
+                deadline = time.monotonic() + 10
                 while not self.prefill_gate.wait(timeout=0.01):  # held open until released or cancelled
                     check_cancel()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the scripted prefill was never released")
         check_cancel()
         if docs:
             self._prefilled.add(key)

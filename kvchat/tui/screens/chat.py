@@ -60,6 +60,7 @@ class ChatScreen(ChatActions, Screen):
         self.job: Job | None = None
         self.job_note = ""  # the status bar's second line while the job runs
         self.queued: str | None = None
+        self.quitting = False  # the app is saving and exiting: no more list refreshes (their widgets go away)
         self._attaching = ("", "")  # the running attach's file names and its current step, for the status line
         self._answer: MessageBlock | None = None
         self._lists_lock = asyncio.Lock()  # two refreshes' clear/extend awaits must not interleave
@@ -120,6 +121,8 @@ class ChatScreen(ChatActions, Screen):
 
         ``open_first``: then open the highlighted (else the first) chat listed (Enter in the search box).
         """
+        if self.quitting:
+            return
         self._fetch_lists(self.query_one(Sidebar).query_text, open_first)
 
     @work(thread=True, exclusive=True, group="lists")
@@ -135,7 +138,7 @@ class ChatScreen(ChatActions, Screen):
     async def _set_lists(self, chats, docs, current_id, query: str = "", open_first: bool = False) -> None:
         """Show a listing; one for a search the box no longer holds is dropped (the newer one is on its way)."""
         sidebar = self.query_one(Sidebar)
-        if query != sidebar.query_text:
+        if query != sidebar.query_text or self.quitting:
             return
         async with self._lists_lock:
             await sidebar.set_chats(chats, current_id)
@@ -200,6 +203,7 @@ class ChatScreen(ChatActions, Screen):
         """Quit: cancel the running job (an attach keeps nothing, an answer stops and is kept)."""
         if self.allow(Act.QUIT).verdict is Verdict.CANCEL:
             self.cancel_event.set()
+        self.quitting = True
         self.job_note = ""
         self.update_status(note="saving cache…")
 
