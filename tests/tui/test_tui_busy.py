@@ -114,6 +114,13 @@ async def test_every_action_during_an_attach_is_queued_refused_or_cancels(doc):
         await until(pilot, lambda: "prefilling 0 / " in status(h))
         await try_each_action(pilot, h, "a document is being attached (Esc cancels it)")
         await type_and_send(pilot, h, "Summarize this.")
+        await pilot.press("f2")  # a rename touches neither the engine nor the open chat: allowed, the attach goes on
+        h.app.screen.query_one(Input).value = "Greetings"
+        await pilot.press("enter")
+        await until(pilot, lambda: h.backend.chats[first].title == "Greetings")
+        await pilot.pause(0.1)
+        assert h.screen.job is Job.ATTACH and "attaching notes.txt: prefilling 0 / " in status(h)
+        assert "1 message waits" in status(h)
         h.notes.clear()
         await type_and_send(pilot, h, "And another?")
         assert h.notes == ["a message is already waiting for the document; it is sent once the document is ready"]
@@ -189,10 +196,10 @@ def stored():
             [d.title for d in list_documents(db)])
 
 
-async def test_real_model_message_sent_while_a_document_prefills_and_esc_during_a_prefill(smol_info, tmp_path):
+async def test_real_model_message_sent_while_a_document_prefills_then_esc_and_quit_during_a_prefill(smol_info, tmp_path):
     """The reported sequence on the real engine and store: attach an uncached document and send a question at
-    once: it waits for the document's chat, is stored there and answered. Then Esc during another document's
-    prefill: nothing of it is stored."""
+    once: it waits for the document's chat, is stored there and answered. Then Esc, and quit, during another
+    document's prefill: nothing of it is stored."""
     import torch
 
     from kvchat.tui.real_backend import RealBackend
@@ -224,5 +231,7 @@ async def test_real_model_message_sent_while_a_document_prefills_and_esc_during_
         assert any("attach cancelled; nothing was stored" in n for n in h.notes), (h.notes, stored())
         assert stored() == ([(docs, messages)], titles), "no document row, no chat for the cancelled attach"
         assert [r.title for r in backend.list_documents()] == ["heron.txt"]
-        await pilot.press("ctrl+q")
+        await attach(pilot, h, other)
+        await pilot.press("ctrl+q")  # quit during a prefill: it stops, then the cache is flushed
         await until(pilot, lambda: app._shut_down, timeout=60)
+    assert app.return_code == 0 and stored() == ([(docs, messages)], titles)

@@ -218,23 +218,26 @@ class ChatScreen(ChatActions, Screen):
 
     async def _job_done(self, job: Job | None, then, result) -> None:
         """``then(result)`` while the job still holds (no other action interleaves its awaits), then the
-        message queued during an attach is sent to the chat that opened."""
-        self.job_note = ""
+        message queued during an attach is sent to the chat that opened. ``job`` None: a store call that
+        ran beside the job (a rename), which leaves the job's state alone."""
+        if job is not None:
+            self.job_note = ""
         try:
             if then is not None and inspect.isawaitable(out := then(result)):
                 await out
         finally:
             if job is not None:
                 self.end_job(job)
-        if self.queued is not None and self.job is None:
+        if job is Job.ATTACH and self.queued is not None and self.job is None:
             text, self.queued = self.queued, None
             await self.start_turn("send", text)
 
     def _job_failed(self, job: Job | None, exc: Exception) -> None:
+        queued = None
         if job is not None:
             self.end_job(job)
-        self.hide_prefill()
-        queued, self.queued = self.queued, None
+            self.hide_prefill()
+            queued, self.queued = self.queued, None
         if queued is not None:
             self.give_back(queued)
         if isinstance(exc, AttachCancelled):
