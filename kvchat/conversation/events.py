@@ -22,6 +22,13 @@ class LoadProgress:
 
 
 @dataclass(slots=True)
+class AttachStep:
+    """A step of a document attach before its prefill (reading the files, tokenizing them), as a line of text."""
+
+    message: str
+
+
+@dataclass(slots=True)
 class PrefillProgress:
     """Prefill of a document or a long message: ``done`` of ``total`` tokens; ``eta_s`` seconds left (None at first)."""
 
@@ -50,5 +57,5 @@ class TurnDone:
     context_limit: int
 
 
-BackendEvent = LoadProgress | PrefillProgress | TokenBatch | TurnDone
+BackendEvent = LoadProgress | AttachStep | PrefillProgress | TokenBatch | TurnDone
 Emit = Callable[[BackendEvent], None]

@@ -25,9 +25,9 @@ from kvchat.store.conversations import get_conversation, rewind_conversation
 from kvchat.store.errors import ConversationConflictError
 from kvchat.index import get_db
 from kvchat.store.db import write_transaction
-from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, ChatMessage, ChatView, ContextFullError, ResumeInfo, Status
+from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, AttachCancelled, ChatMessage, ChatView, ContextFullError, ResumeInfo, Status
 from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
-from kvchat.conversation.events import Emit, TurnDone
+from kvchat.conversation.events import AttachStep, Emit, TurnDone
 from kvchat.conversation.listing import register_documents
 from kvchat.conversation.pasted import register_turn_documents
 from kvchat.conversation.continuation import ANSWER_ROOM_TOKENS, CarryWay, Continuation, answer_room
@@ -176,25 +176,40 @@ class ChatService:
         if self.chat is not None and self.chat.chat_id == chat_id:
             self.chat.title = title
 
-    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit) -> ChatView:
-        """A new chat (stored at its first turn) on ``document_paths``, read and prefilled now.
+    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit,
+                 cancel: threading.Event | None = None) -> ChatView:
+        """A new chat (stored at its first turn) on ``document_paths``, read and prefilled now; each step is
+        emitted as it starts (:class:`AttachStep` reading and tokenizing, then :class:`PrefillProgress` from
+        0). ``cancel`` set: the attach stops at its next step or prefill chunk, nothing of it is kept.
 
         Raises:
-            kvchat.documents.DocumentError: a document cannot be read; ContextFullError: they do not fit.
+            kvchat.documents.DocumentError: a document cannot be read; ContextFullError: they do not fit;
+            AttachCancelled: ``cancel`` was set.
         """
-        return self.start_chat(system, [read_document(p) for p in document_paths], emit)
+        if document_paths:
+            emit(AttachStep(f"reading {len(document_paths)} file(s)"))
+        return self.start_chat(system, [read_document(p) for p in document_paths], emit, cancel=cancel)
 
     def start_chat(self, system: str | None, docs: Sequence[Document], emit: Emit,
-                   prefill_now: bool = True) -> ChatView:
+                   prefill_now: bool = True, cancel: threading.Event | None = None) -> ChatView:
         """A new chat on ``docs`` (already read). ``prefill_now``: prefill and register the documents' prefix
         now (the TUI shows its progress and resume line), else the first turn prefills it with its message.
+        ``cancel``: as in :meth:`new_chat`; the open chat stays as it was.
 
         Raises:
             ContextFullError: the system prompt and documents alone fill the context.
+            AttachCancelled: ``cancel`` was set before the documents were registered.
         """
+        def check_cancel(*_: int) -> None:
+            if cancel is not None and cancel.is_set():
+                raise AttachCancelled("attach cancelled; nothing was stored")
+
         settings = new_settings([d.title for d in docs])
         system = DEFAULT_SYSTEM_PROMPT if system is None else system
         fmt = self.rt.chat_format(settings)
+        if docs and prefill_now:
+            check_cancel()
+            emit(AttachStep(f"tokenizing {sum(len(d.text) for d in docs):,} characters"))
         session = Session.new(self.rt.engine, fmt, system, [(d.title, d.text) for d in docs], self.persist)
         limit = self.rt.engine.max_context
         if prefill_now and len(session.token_ids) + 1 > limit:  # else the first turn's check says it
@@ -202,8 +217,18 @@ class ChatService:
                                    f"the context limit is {limit:,} tokens", len(session.token_ids) + 1, limit)
         resume = None
         if docs and prefill_now:
-            t0 = time.perf_counter()
-            stats = session.prefill_prefix(PrefillTimer(emit))
+            t0, timer = time.perf_counter(), PrefillTimer(emit)
+
+            def progress(done: int, total: int) -> None:
+                check_cancel()  # between chunks: the blocks computed so far are released below
+                timer(done, total)
+
+            try:
+                stats = session.prefill_prefix(progress)
+                check_cancel()
+            except BaseException:
+                session.close()
+                raise
             resume = _resume(stats, (time.perf_counter() - t0) * 1e3 - stats.prefill_ms)
             doc_ids = register_documents(self, fmt, docs)
             self._stored = True

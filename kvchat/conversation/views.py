@@ -27,6 +27,10 @@ class ContextFullError(ValueError):
         self.limit = limit
 
 
+class AttachCancelled(Exception):
+    """A document attach was cancelled (Esc, quit) before its chat opened; nothing of it was stored."""
+
+
 @dataclass(slots=True)
 class ResumeInfo:
     """How a chat's history got into the KV pool when it was opened (engine counters).

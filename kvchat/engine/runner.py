@@ -101,6 +101,12 @@ def last_cut(num_tokens: int, boundaries: Sequence[int], chunk_tokens: int = PRE
     return seg + (num_tokens - seg) // chunk_tokens * chunk_tokens
 
 
+def prefill_start(num_computed: int, num_tokens: int, boundaries: Sequence[int]) -> int:
+    """Where a prefill of ``num_tokens`` tokens starts when ``num_computed`` are resident: at a cold chunk
+    edge (:func:`last_cut`), and before the last token, which is always computed for its logits."""
+    return last_cut(min(num_computed, num_tokens - 1), boundaries)
+
+
 class Engine:
     """Weights + paged KV pool + block manager for one model on one device.
 
@@ -370,7 +376,7 @@ class Engine:
         self.check_fits(len(token_ids))
         # from a cold chunk edge (the last token is always computed, for logits): every chunk is one a cold
         # run computes, so the K/V are bit-identical to a cold run's however the earlier ones were obtained
-        start = last_cut(min(seq.num_computed, len(token_ids) - 1), boundaries)
+        start = prefill_start(seq.num_computed, len(token_ids), boundaries)
         seq.num_computed = start
         timer, ms = DeviceTimer(self.device), 0.0
         hidden = None

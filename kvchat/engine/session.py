@@ -18,7 +18,7 @@ import torch
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.model.chat_format import ChatFormat, Segment, UserTurn, append_segment
 from kvchat.engine.block_manager import PoolFullError
-from kvchat.engine.runner import ContextOverflowError, Engine, last_cut
+from kvchat.engine.runner import ContextOverflowError, Engine, last_cut, prefill_start
 from kvchat.engine.persistence import chain
 from kvchat.engine.sampling import Sampler
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence, drive_prefill
@@ -160,18 +160,26 @@ class Session:
 
     def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
         """Make the whole token list (e.g. a documents-only prefix) resident: reuse (all of it, when stored:
-        no logits are wanted), then prefill what is left."""
+        no logits are wanted), then prefill what is left.
+
+        ``progress(done, total)`` (tokens of this prefill): ``(0, total)`` once the reuse is known, before
+        the first chunk runs, then after each chunk; it may raise to stop the prefill between chunks."""
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        _drive(self._reuse_and_prefill_steps(stats, whole=True), progress)
+        _drive(self._reuse_and_prefill_steps(stats, whole=True, announce=progress), progress)
         return stats
 
-    def _reuse_and_prefill_steps(self, stats: TurnStats, whole: bool = False):
+    def _reuse_and_prefill_steps(self, stats: TurnStats, whole: bool = False,
+                                 announce: Callable[[int, int], None] | None = None):
         """Cached K/V first, then prefill the rest as steps (yields :class:`PrefillChunk`); fills the stats,
         returns the engine's PrefillResult, or None when ``whole`` (see :meth:`attach_cached_prefix`) and all
-        of it was reused: no logits are wanted, nothing runs."""
+        of it was reused: no logits are wanted, nothing runs. ``announce(0, tokens to prefill)`` is called
+        before the first chunk."""
         self.attach_cached_prefix(stats, whole)
         if whole and self.seq.num_computed == len(self.token_ids):
             return None
+        if announce is not None:
+            n = len(self.token_ids)
+            announce(0, n - prefill_start(self.seq.num_computed, n, self.boundaries))
         result = yield from self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense)
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         return result

@@ -24,7 +24,7 @@ ACTIONS = (
     Action("f1", "help", "Help", "Show the key bindings", show=True),
     Action("ctrl+n", "new_chat", "New chat", "Start an empty chat", show=True),
     Action("ctrl+o", "attach", "Attach documents", "Start a chat on text files (a cached prefix)", show=True),
-    Action("escape", "cancel", "Stop generation", "Stop the answer being generated"),
+    Action("escape", "cancel", "Stop / cancel", "Stop the answer, or a document's prefill"),
     Action("ctrl+r", "regenerate", "Regenerate", "Answer the last message again"),
     Action("f4", "edit_last", "Edit last message", "Rewrite the last message; Enter replaces it"),
     Action("f2", "rename", "Rename chat", "Change the open chat's title"),

@@ -49,11 +49,10 @@ class KvchatApp(App[int]):
                     yield SystemCommand(a.title, f"{a.help} ({a.key})", partial(screen.run_action, a.action))
 
     async def action_quit(self) -> None:
-        """Stop generation, flush the backend's queued work ("saving cache…"), then exit."""
+        """Stop generation or an attach, flush the backend's queued work ("saving cache…"), then exit."""
         screen = self.screen if isinstance(self.screen, ChatScreen) else None
         if screen is not None:
-            screen.cancel_event.set()
-            screen.update_status(note="saving cache…")
+            screen.stop_for_quit()
         self._flush_and_exit()
 
     def cannot_run(self, reason: str) -> None:

@@ -6,8 +6,11 @@ Contract (checked for both implementations by ``tests/tui/test_tui_backend_contr
   decode, SQLite); the UI calls them from ``@work(thread=True)`` workers, never
   on the UI thread. They may be called from any thread; the backend serializes
   engine work itself. :meth:`Backend.status` never blocks.
-- ``emit`` receives events (:mod:`kvchat.conversation.events`) in order:
-  ``PrefillProgress`` (zero or more), then ``TokenBatch`` (zero or more; their
+- ``emit`` receives events (:mod:`kvchat.conversation.events`) in order. A document attach
+  (:meth:`Backend.new_chat` with paths): ``AttachStep`` (reading, tokenizing) from its first moment, then
+  ``PrefillProgress`` from ``0`` of the tokens to prefill (none when the prefix is cached whole); with its
+  ``cancel`` set it raises ``AttachCancelled`` and keeps nothing (no document, no chat, the open chat as it
+  was). A turn: ``PrefillProgress`` (zero or more), then ``TokenBatch`` (zero or more; their
   texts joined equal the answer), then exactly one ``TurnDone``, last. Token
   pieces are coalesced into batches (``kvchat.conversation.streaming.TokenBatcher``),
   so a UI posts one message per batch, not per token.
@@ -63,8 +66,10 @@ class Backend(Protocol):
     def list_documents(self) -> list[DocumentSummary]:
         """Documents attached so far, most recent first."""
 
-    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit) -> ChatView:
-        """Open a new chat; documents are read and prefilled now (emitting :class:`PrefillProgress`)."""
+    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit,
+                 cancel: threading.Event | None = None) -> ChatView:
+        """Open a new chat; documents are read and prefilled now (events as in the contract); ``cancel``
+        stops the attach between steps and chunks (``AttachCancelled``, nothing kept)."""
 
     def open_chat(self, chat_id: str) -> ChatView:
         """Open a stored chat and map its cached KV (:attr:`ChatView.resume`)."""

@@ -7,6 +7,8 @@ until ``cancel`` is set, so a test can press Esc mid-answer deterministically.
 ``import_steps`` scripts a first-run model import in :meth:`FakeBackend.load`
 (one ``LoadProgress`` per step); with ``step_gate`` each step waits for one
 ``release()`` before the next (or the load) goes on, so a test can look at every step.
+``prefill_gate`` holds a document attach open (after its "prefilling 0 / N" event) until the gate is set
+or the attach's ``cancel`` is, so a test can act while a document prefills.
 The contract suite (``tests/tui/test_tui_backend_contract.py``) runs the same
 checks against this and the real backend.
 """
@@ -21,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvchat.documents import read_document
-from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView, ContextFullError, DocumentSummary, ResumeInfo, Status
+from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, AttachCancelled, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView, ContextFullError, DocumentSummary, ResumeInfo, Status
 from kvchat.conversation.continuation import CarryWay, Continuation, answer_room
-from kvchat.conversation.events import Emit, LoadProgress, PrefillProgress, TurnDone
+from kvchat.conversation.events import AttachStep, Emit, LoadProgress, PrefillProgress, TurnDone
 from kvchat.conversation.streaming import TokenBatcher
 from kvchat.engine.turn import SamplingParams, TurnStats
 
@@ -67,12 +69,14 @@ class FakeBackend:
     """Scripted backend; see the module docstring. ``context_limit`` is in (fake) tokens."""
 
     def __init__(self, answers: Sequence[str] = (), context_limit: int = 4096, hold_after: int | None = None,
-                 import_steps: Sequence[str] = (), step_gate: threading.Semaphore | None = None):
+                 import_steps: Sequence[str] = (), step_gate: threading.Semaphore | None = None,
+                 prefill_gate: threading.Event | None = None):
         self.answers = list(answers)
         self.import_steps = list(import_steps)
         self.step_gate = step_gate
         self.context_limit = context_limit
         self.hold_after = hold_after
+        self.prefill_gate = prefill_gate
         self.chats: dict[str, _Chat] = {}
         self.documents: dict[str, DocumentSummary] = {}
         self.chat: _Chat | None = None
@@ -127,17 +131,35 @@ class FakeBackend:
     def list_documents(self) -> list[DocumentSummary]:
         return list(reversed(self.documents.values()))
 
-    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit) -> ChatView:
+    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit,
+                 cancel: threading.Event | None = None) -> ChatView:
+        def check_cancel() -> None:
+            if cancel is not None and cancel.is_set():
+                raise AttachCancelled("attach cancelled; nothing was stored")
+
+        if document_paths:
+            emit(AttachStep(f"reading {len(document_paths)} file(s)"))
         docs = [read_document(p) for p in document_paths]
         system = DEFAULT_SYSTEM if system is None else system
+        if docs:
+            check_cancel()
+            emit(AttachStep(f"tokenizing {sum(len(d.text) for d in docs):,} characters"))
         prefix = count_tokens(system) + TURN_OVERHEAD + sum(count_tokens(d.text) + TURN_OVERHEAD for d in docs)
         if prefix + 1 > self.context_limit:
             raise ContextFullError(f"the documents are {prefix:,} tokens with the system prompt; the context "
                                    f"limit is {self.context_limit:,} tokens", prefix + 1, self.context_limit)
         key = (system, *(d.text for d in docs))
         todo = max(1, prefix % BLOCK_SIZE) if key in self._prefilled else prefix
-        for done in (todo // 2, todo) if docs else ():
+        for done in (0, todo // 2, todo) if docs else ():
+            check_cancel()
             emit(PrefillProgress(done, todo, 0.5 if done < todo else 0.0))
+            if done == 0 and self.prefill_gate is not None:
+                deadline = time.monotonic() + 10
+                while not self.prefill_gate.wait(timeout=0.01):  # held open until released or cancelled
+                    check_cancel()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the scripted prefill was never released")
+        check_cancel()
         if docs:
             self._prefilled.add(key)
         for d in docs:

@@ -120,8 +120,9 @@ class RealBackend:
             raise BackendNotReadyError(self._status.message if failed else "the model is still loading")
         return self._chats
 
-    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit) -> ChatView:
-        return self._engine_lane.call(lambda: self._require().new_chat(system, document_paths, emit))
+    def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit,
+                 cancel: threading.Event | None = None) -> ChatView:
+        return self._engine_lane.call(lambda: self._require().new_chat(system, document_paths, emit, cancel))
 
     def open_chat(self, chat_id: str) -> ChatView:
         return self._engine_lane.call(lambda: self._require().open_chat(chat_id))

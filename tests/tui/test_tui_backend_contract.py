@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from kvchat.documents import DocumentError
-from kvchat.conversation.views import ContextFullError
-from kvchat.conversation.events import PrefillProgress, TokenBatch, TurnDone
+from kvchat.conversation.views import AttachCancelled, ContextFullError
+from kvchat.conversation.events import AttachStep, PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.engine.turn import SamplingParams
 
@@ -169,6 +169,37 @@ def test_document_chat_prefills_with_progress_and_reuses_its_prefix(backend, tmp
     backend.new_chat(None, [str(doc)], again.append)
     # known: the prefix comes back whole (pool blocks, then its files' tail), nothing of it is prefilled
     assert max((e.total for e in again if isinstance(e, PrefillProgress)), default=0) < 16
+
+
+def test_an_attach_says_each_step_from_its_first_moment(backend, tmp_path):
+    doc = tmp_path / "steps.txt"
+    doc.write_text(f"Steps {tmp_path.name}. " + "The otter swims past the weir at dawn. " * 30)
+    events = []
+    backend.new_chat(None, [str(doc)], events.append)
+    steps = [e.message.split()[0] for e in events if isinstance(e, AttachStep)]
+    assert steps == ["reading", "tokenizing"] and all(isinstance(e, AttachStep) for e in events[:2])
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    assert progress[0].done == 0 and progress[0].total > 100, "prefilling 0 / N before the first chunk"
+    assert progress[-1].done == progress[-1].total == progress[0].total
+
+
+def test_a_cancelled_attach_keeps_nothing(backend, tmp_path):
+    backend.new_chat(None, [], lambda e: None)
+    _, done = run(backend, "Name a fruit.")
+    before = (backend.current(), backend.list_chats(), backend.list_documents(), backend.status().pool_blocks_used)
+    doc = tmp_path / "long.txt"
+    doc.write_text(f"Long {tmp_path.name}. " + "The kingfisher dives from the alder branch. " * 60)
+    cancel = threading.Event()
+
+    def emit(event):
+        if isinstance(event, PrefillProgress) and event.done > 0:
+            cancel.set()  # Esc after the first chunk: the prefill stops at the next step
+
+    with pytest.raises(AttachCancelled):
+        backend.new_chat(None, [str(doc)], emit, cancel)
+    after = (backend.current(), backend.list_chats(), backend.list_documents(), backend.status().pool_blocks_used)
+    assert after == before, "no document, no chat, the open chat and the pool's use as they were"
+    assert [r.chat_id for r in backend.cache_report().rows] == [done.chat_id]
 
 
 def test_rename_search_pin_delete(backend):

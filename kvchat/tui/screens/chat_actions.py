@@ -10,6 +10,7 @@ from kvchat.paths import data_dir
 from kvchat.conversation.continuation import Continuation
 from kvchat.conversation.views import SYSTEM_PROMPT_FIXED
 from kvchat.tui.export import export_chat, export_dir
+from kvchat.tui.screens.busy import Act, Verdict
 from kvchat.tui.screens.cache import CacheScreen
 from kvchat.tui.screens.choice import ChoiceScreen
 from kvchat.tui.screens.confirm import ConfirmScreen
@@ -24,7 +25,11 @@ SEARCH_PAUSE_S = 0.15  # a search runs once typing pauses this long: one query p
 
 
 class ChatActions:
-    """Mixed into :class:`kvchat.tui.screens.chat.ChatScreen` (uses its ``backend``, ``run_engine``, widgets)."""
+    """Mixed into :class:`kvchat.tui.screens.chat.ChatScreen` (uses its ``backend``, ``run_engine``, widgets).
+
+    Every action that needs the engine asks the screen's ``allow`` (:mod:`kvchat.tui.screens.busy`) first; an
+    action behind a dialog asks before the dialog opens (no question asked in vain) and again when it runs.
+    """
 
     _search_timer: Timer | None = None  # the search waiting for a pause in typing
 
@@ -44,7 +49,7 @@ class ChatActions:
             self.run_engine(self.backend.open_chat, event.chat_id, then=self.opened)
 
     def on_sidebar_document_chosen(self, event) -> None:
-        self.run_engine(self.backend.new_chat, None, [event.path], self.emit, then=self.opened)
+        self.attach([event.path])
 
     # --- key actions ---------------------------------------------------------------------------------
     def action_help(self) -> None:
@@ -59,20 +64,27 @@ class ChatActions:
     def action_new_chat(self) -> None:
         self.run_engine(self.backend.new_chat, None, [], self.emit, then=self.opened)
 
+    def _may_change_chat(self) -> bool:
+        return self.allow(Act.CHANGE_CHAT).verdict is Verdict.ALLOW
+
     def action_attach(self) -> None:
+        if not self._may_change_chat():
+            return
+
         def attach(answer: str | None) -> None:
             paths = split_paths(answer or "")
             if paths:
-                self.run_engine(self.backend.new_chat, None, paths, self.emit, then=self.opened)
+                self.attach(paths)
 
         question = ("Attach text files: separate several with ; (a file whose name contains ; is taken whole) "
                     "— → completes a path")
         self.app.push_screen(PromptScreen(question, paths=True), attach)
 
     def action_cancel(self) -> None:
-        if self.generating:
+        if self.allow(Act.CANCEL).verdict is Verdict.CANCEL:
             self.cancel_event.set()
-            self.update_status(note="stopping…")
+            self.job_note = "stopping…" if self.generating else "cancelling the attach…"
+            self.update_status()
         elif self.editing:
             self.editing = False
             self.app.notify("edit cancelled; the input keeps your text")
@@ -85,10 +97,12 @@ class ChatActions:
         return view
 
     async def action_regenerate(self) -> None:
-        if self._chat_with_answer() and not self._busy():
+        if self.allow(Act.REGENERATE).verdict is Verdict.ALLOW and self._chat_with_answer():
             await self.start_turn("regenerate", "")
 
     def action_edit_last(self) -> None:
+        if self.allow(Act.EDIT).verdict is not Verdict.ALLOW:
+            return  # the input keeps what is typed there
         view = self._chat_with_answer()
         if view is None:
             return
@@ -98,12 +112,6 @@ class ChatActions:
         self.editing = True
         self.app.notify("editing the last message: Enter replaces it and its answer, Esc cancels")
 
-    def _busy(self) -> bool:
-        reason = self.busy_reason()
-        if reason:
-            self.app.notify(reason, severity="warning")
-        return bool(reason)
-
     def action_rename(self) -> None:
         view = self.backend.current()
         if view is None or view.id is None:
@@ -112,11 +120,15 @@ class ChatActions:
 
         def rename(title: str | None) -> None:
             if title and title.strip():
-                self.run_engine(self.backend.rename_chat, view.id, title.strip(), then=lambda _: self.refresh_lists())
+                # a store write that changes neither the open chat nor the engine: allowed while a job runs
+                self._engine_call(self.backend.rename_chat, (view.id, title.strip()), lambda _: self.refresh_lists(),
+                                  None)
 
         self.app.push_screen(PromptScreen("Rename chat", value=view.title), rename)
 
     def action_delete(self) -> None:
+        if not self._may_change_chat():
+            return
         view = self.backend.current()
         if view is None or view.id is None:
             self.app.notify("no stored chat is open", severity="warning")
@@ -135,6 +147,8 @@ class ChatActions:
         self.refresh_lists()
 
     def action_system_prompt(self) -> None:
+        if not self._may_change_chat():
+            return
         view = self.backend.current()
         if view is not None and view.messages:
             self.app.notify(f"{SYSTEM_PROMPT_FIXED} (Ctrl+N starts a new chat)", severity="warning")
