@@ -232,6 +232,6 @@ class ChatActions:
                                                                              if turns else [])
         self.app.notify(f"continued in a new chat with {' and '.join(carried) or 'the system prompt alone'}",
                         markup=False)
-        if message and not self._busy():
+        if message:  # this runs inside the continuation's own job, so nothing else can have started
             self.query_one("#input").clear()
             await self.start_turn("send", message)
