@@ -28,7 +28,7 @@ import torch
 
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.device_copies import DeviceCopies
-from kvchat.engine.disk_budget import Eviction
+from kvchat.engine.disk_budget import Eviction, make_room
 from kvchat.engine.disk_budget import enforce as enforce_budget
 from kvchat.engine.runner import Engine
 from kvchat.engine.kv_pool import KVPool
@@ -36,12 +36,22 @@ from kvchat.engine.timing import DeviceTimer
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
 from kvchat.index import get_db
 from kvchat.store import chunk_refs
-from kvchat.store.chunk_index import ChunkRow, add_chunk, delete_chunk, get_chunk, list_tails, read_row, touch
+from kvchat.store.chunk_index import (
+    ChunkRow,
+    add_chunk,
+    delete_chunk,
+    get_chunk,
+    list_tails,
+    read_row,
+    touch,
+    with_ancestors,
+)
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout
 
 CHUNK_TOKENS = 256
+CHUNK_HEADER_BYTES = 4096  # a chunk file's safetensors header (~0.5 KB), rounded up to a filesystem block
 DEFAULT_READ_BYTES_PER_S = 500e6
 # chunk files read at once by a restore: one per torch thread (the cores kvchat was given), 2 to this many.
 # Measured, a 4,096-token restore (16 files) warm in fresh processes on 2 cores: 4 readers 44-71 ms, 2 readers
@@ -136,6 +146,29 @@ def restorable_tokens(db, owner: str, token_ids: Sequence[int], fingerprint: str
     fingerprints = [fingerprint] if fingerprint is not None else chunk_refs.owner_fingerprints(db, owner)
     stored = max((sum(r.token_count for r in find_chain(db, fp, token_ids)) for fp in fingerprints), default=0)
     return min(stored, len(token_ids))
+
+
+def document_tokens(db, owner: str, tokens: int | None, fingerprint: str | None = None) -> int:
+    """Tokens of a document's prefix (``tokens`` long, None: not known; ``owner`` its id) a resume restores from disk.
+
+    A document's chunks are its prefix's chain (full chunks from token 0) and its tails (the prefix's
+    end, and for a pasted document also the system prompt's end): what a resume restores is the longest
+    chain among them under ``fingerprint`` (None: any), at most ``tokens``, never their sum (the tails
+    overlap). The same figure as :func:`restorable_tokens` of a chat, for an owner without token ids.
+    """
+    rows = {r.key: r for r in chunk_refs.owner_chunks(db, owner) if fingerprint in (None, r.fingerprint)}
+
+    def end(row) -> int:
+        n = row.token_count
+        while row.parent_key is not None:
+            row = rows.get(row.parent_key)
+            if row is None:  # an ancestor it does not reference: not its chain
+                return 0
+            n += row.token_count
+        return n
+
+    longest = max(map(end, rows.values()), default=0)
+    return longest if tokens is None else min(tokens, longest)
 
 
 class KVPersist:
@@ -344,7 +377,9 @@ class KVPersist:
                     link, data, copied = item
                     if copied is not None:  # the device -> pinned host copy, queued on the main stream
                         copied.synchronize()
-                    add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key, fingerprint=self.fingerprint)
+                    if self._room_for(link):
+                        add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key,
+                                  fingerprint=self.fingerprint)
             except OSError as exc:  # disk full, permissions: the turn's text is already saved
                 self.errors.append(f"KV snapshot not saved: {exc.strerror or exc}")
             except Exception as exc:  # noqa: BLE001 - e.g. database locked past the busy timeout, a bad budget
@@ -352,6 +387,23 @@ class KVPersist:
                 self.errors.append(f"KV snapshot not saved: {exc}")
             finally:
                 self._queue.task_done()
+
+
+    def _room_for(self, link: Link) -> bool:
+        """Whether ``link``'s chunk may be written: its parent is indexed (else nothing could reach it) and,
+        after evicting older chunks, it fits the disk budget and the disk's free floor
+        (:func:`kvchat.engine.disk_budget.make_room`); a chunk that does not fit cuts the snapshot there
+        (one line in :attr:`errors`: a resume recomputes the rest)."""
+        db = get_db()
+        if link.parent_key is not None and get_chunk(db, link.parent_key) is None:
+            return False
+        keep = with_ancestors(db, [link.parent_key]) if link.parent_key is not None else set()
+        nbytes = self.layout.data_bytes(link.end - link.start) + CHUNK_HEADER_BYTES
+        evicted, refused = make_room(db, nbytes, keep)
+        self.evicted = self.evicted.then(evicted)
+        if refused is not None:
+            self.errors.append(f"KV snapshot stopped at token {link.start:,}: {refused}; a resume recomputes the rest")
+        return refused is None
 
 
 def _slots(blocks, seq: SeqBlocks, start: int, end: int) -> torch.Tensor:
