@@ -102,8 +102,9 @@ class ChatSummary:
 class DocumentSummary:
     """A document attached in some chat: its title, token count and where its prefix's KV lives.
 
-    ``cache_state``: ``memory`` (in the pool), ``disk`` (a snapshot this
-    engine can restore), ``none``.
+    ``tokens``: its prefix (system prompt + the document); ``cache_state``: ``memory`` (in the pool),
+    ``disk`` (a snapshot this engine can restore), ``none``; ``cached_tokens``: of the prefix, those a
+    resume reuses (all in the pool, else those restorable from disk; 0 after ``kvchat cache purge``).
     """
 
     id: str
@@ -111,6 +112,7 @@ class DocumentSummary:
     path: str
     tokens: int
     cache_state: CacheState
+    cached_tokens: int = 0
 
     @property
     def cached(self) -> bool:
