@@ -381,13 +381,18 @@ class KVPersist:
                         add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key,
                                   fingerprint=self.fingerprint)
             except OSError as exc:  # disk full, permissions: the turn's text is already saved
-                self.errors.append(f"KV snapshot not saved: {exc.strerror or exc}")
+                self._error(f"KV snapshot not saved: {exc.strerror or exc}")
             except Exception as exc:  # noqa: BLE001 - e.g. database locked past the busy timeout, a bad budget
                 # setting: report it and keep serving the queue (a dead writer would hang flush() forever)
-                self.errors.append(f"KV snapshot not saved: {exc}")
+                self._error(f"KV snapshot not saved: {exc}")
             finally:
                 self._queue.task_done()
 
+
+    def _error(self, line: str) -> None:
+        """Record ``line`` in :attr:`errors`, once when the same failure repeats (each chunk of a save, then its refs)."""
+        if not self.errors or self.errors[-1] != line:
+            self.errors.append(line)
 
     def _room_for(self, link: Link) -> bool:
         """Whether ``link``'s chunk may be written: its parent is indexed (else nothing could reach it) and,
@@ -402,7 +407,7 @@ class KVPersist:
         evicted, refused = make_room(db, nbytes, keep)
         self.evicted = self.evicted.then(evicted)
         if refused is not None:
-            self.errors.append(f"KV snapshot stopped at token {link.start:,}: {refused}; a resume recomputes the rest")
+            self._error(f"KV snapshot stopped at token {link.start:,}: {refused}; a resume recomputes the rest")
         return refused is None
 
 
