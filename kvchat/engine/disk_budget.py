@@ -108,7 +108,7 @@ def make_room(db: Database, nbytes: int, keep: set[str]) -> tuple[Eviction, str 
     if evicted.bytes >= over:
         return evicted, None
     if cache + nbytes - evicted.bytes > budget:
-        return evicted, f"the disk budget of {size_text(budget)} is full of pinned chunks or this chat's own"
+        return evicted, f"the disk budget ({size_text(budget)}) has only pinned chunks and this snapshot's own left"
     return evicted, f"the disk keeps {size_text(floor)} free ({size_text(disk.free)} free now)"
 
 
