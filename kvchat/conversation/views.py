@@ -179,8 +179,8 @@ class CacheReport:
 class OwnerRow:
     """A row of ``kvchat cache ls``: one chat or document and the snapshot chunks it references.
 
-    ``tokens``: what a resume restores from disk (a chat) or the chunks' tokens (a document); ``bytes``: the chunks'
-    size on disk.
+    ``tokens``: what a resume restores from disk, of a chat's history or of a document's prefix (the CACHED
+    column of ``kvchat cache ls`` and ``kvchat doc list``); ``bytes``: the chunks' size on disk.
     """
 
     owner: str
