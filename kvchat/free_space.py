@@ -10,6 +10,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from kvchat.units import size_text
+
 INDEX_SLACK_BYTES = 4 * 2**20  # SQLite rows, WAL frames and FTS entries of one turn, with room to spare
 
 
@@ -47,6 +49,6 @@ def check_free_space(data_dir: Path, needed: int) -> None:
     """
     free = shutil.disk_usage(data_dir).free
     if free < needed:
-        raise NoSpaceError(f"not enough free space for this turn in {data_dir}: {free / 1e6:.1f} MB free, it needs "
-                           f"about {needed / 1e6:.1f} MB (its KV snapshot and index rows); free some space or run "
+        raise NoSpaceError(f"not enough free space for this turn in {data_dir}: {size_text(free)} free, it needs "
+                           f"about {size_text(needed)} (its KV snapshot and index rows); free some space or run "
                            "'kvchat cache purge', then try again")

@@ -14,9 +14,16 @@ from kvchat.paths import data_dir, db_path
 from kvchat.store import db as store_db
 
 
-def get_db() -> Database:
-    """The calling thread's connection to the data dir's index (:func:`kvchat.store.db.get_db`)."""
-    return store_db.get_db(db_path())
+def get_db(*, on_full_disk: bool = False) -> Database:
+    """The calling thread's connection to the data dir's index (:func:`kvchat.store.db.get_db`; ``on_full_disk``
+    for upkeep commands: see :func:`kvchat.store.db.connect`)."""
+    return store_db.get_db(db_path(), on_full_disk=on_full_disk)
+
+
+def get_reader() -> Database:
+    """The calling thread's read-only connection to the data dir's index, for listings (also on a full disk;
+    :func:`kvchat.store.db.get_reader`)."""
+    return store_db.get_reader(db_path())
 
 
 def kv_dir() -> Path:

@@ -196,8 +196,8 @@ def kv_budget_mb() -> float | None:
 def cache_budget_gb() -> float | None:
     """``KVCHAT_CACHE_BUDGET_GB``: how much disk the KV snapshots may use, in GB (10**9 bytes), a positive number.
 
-    Default (None): :func:`kvchat.engine.disk_budget.budget_bytes` takes 20% of the free
-    disk plus what the snapshots already use, at most 50 GB.
+    Default (None): :func:`kvchat.engine.disk_budget.budget_bytes` takes 20% of (the free disk
+    plus what the snapshots already use), at most 50 GB, leaving the disk's free floor free.
 
     Raises:
         SettingError: not a positive finite number (0 would evict every unpinned chunk).

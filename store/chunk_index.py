@@ -266,20 +266,23 @@ def totals(db: Database) -> ChunkTotals:
     return ChunkTotals(**r)
 
 
-def evict_to_budget(db: Database, budget_bytes: int) -> list[ChunkRow]:
+def evict_to_budget(db: Database, budget_bytes: int, keep: Iterable[str] = ()) -> list[ChunkRow]:
     """Delete least-recently-used unpinned leaf chunks until the total is ≤ ``budget_bytes``; return them.
 
-    Stops early (over budget) if only pinned chunks or their ancestors are left.
+    Never one of ``keep`` (a chain being written). Stops early (over budget) if only pinned chunks, ``keep``
+    or their ancestors are left.
     """
     evicted: list[ChunkRow] = []
     root = kv_root(db)
+    keep = list(keep)
+    spare = f" AND key NOT IN ({','.join('?' * len(keep))})" if keep else ""
     with write_transaction(db):
         total = totals(db).bytes
         while total > budget_bytes:
             rows = list(db.query(
-                f"SELECT {_COLS} FROM kv_chunks c WHERE pinned = 0"
+                f"SELECT {_COLS} FROM kv_chunks c WHERE pinned = 0{spare}"
                 " AND NOT EXISTS (SELECT 1 FROM kv_chunks ch WHERE ch.parent_key = c.key)"
-                " ORDER BY last_used, created, key LIMIT 1"
+                " ORDER BY last_used, created, key LIMIT 1", keep
             ))
             if not rows:
                 break

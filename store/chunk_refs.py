@@ -28,18 +28,28 @@ class OwnerUsage:
         owner: the chat or document id.
         title: its title ("" when neither a chat nor a document has the id).
         chunks: chunks it references; ``bytes`` their size.
-        tokens: tokens of those chunks.
         pinned: whether the chat or document is pinned.
         token_ids: the chat's history (None for a document or an unknown owner).
+        document_tokens: the document's prefix tokens (None for a chat or an unknown owner).
     """
 
     owner: str
     title: str
     chunks: int
     bytes: int
-    tokens: int
     pinned: bool
     token_ids: list[int] | None
+    document_tokens: int | None
+
+
+@dataclass(slots=True, frozen=True)
+class OwnedChunk:
+    """A chunk an owner references: its place in a chain (``parent_key``, None at token 0) and size in tokens."""
+
+    key: str
+    parent_key: str | None
+    token_count: int
+    fingerprint: str
 
 
 def owner_fingerprints(db: Database, owner: str) -> list[str]:
@@ -61,13 +71,21 @@ def list_owners(db: Database) -> list[OwnerUsage]:
     """Every owner with at least one stored chunk, largest first."""
     rows = db.query(
         "SELECT r.owner, coalesce(c.title, d.title, '') AS title, count(*) AS chunks, coalesce(sum(k.bytes), 0) AS bytes,"
-        " sum(k.token_count) AS tokens, coalesce(c.pinned, d.pinned, 0) AS pinned, c.token_ids"
+        " coalesce(c.pinned, d.pinned, 0) AS pinned, c.token_ids, d.token_count AS document_tokens"
         " FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
         " LEFT JOIN conversations c ON c.id = r.owner LEFT JOIN documents d ON d.id = r.owner"
         " GROUP BY r.owner ORDER BY bytes DESC"
     )
-    return [OwnerUsage(r["owner"], r["title"], r["chunks"], r["bytes"], r["tokens"], bool(r["pinned"]),
-                       None if r["token_ids"] is None else decode_token_ids(r["token_ids"])) for r in rows]
+    return [OwnerUsage(r["owner"], r["title"], r["chunks"], r["bytes"], bool(r["pinned"]),
+                       None if r["token_ids"] is None else decode_token_ids(r["token_ids"]), r["document_tokens"])
+            for r in rows]
+
+
+def owner_chunks(db: Database, owner: str) -> list[OwnedChunk]:
+    """The stored chunks ``owner`` references."""
+    return [OwnedChunk(r["key"], r["parent_key"], r["token_count"], r["fingerprint"]) for r in db.query(
+        "SELECT k.key, k.parent_key, k.token_count, k.fingerprint FROM chunk_refs r JOIN kv_chunks k ON k.key = r.key"
+        " WHERE r.owner = ?", [owner])]
 
 
 def pinned_owner_keys(db: Database) -> set[str]:

@@ -14,6 +14,11 @@ Locking, documented once here (issue: reliability, "two processes on one data di
   :func:`get_db` to get the calling thread's own connection.
 - The store never looks up where the data dir is: callers pass the database
   path, and the KV chunk files live beside it (:func:`db_file`).
+- A disk with no room for SQLite's WAL index (the ``-shm``, 32 KiB) would refuse every connection; upkeep
+  commands open with ``on_full_disk`` and listings through :func:`connect_reader`: where no other
+  connection holds a ``-shm`` and under ``FULL_DISK_BYTES`` are free, they take the database in
+  ``locking_mode=EXCLUSIVE`` (SQLite then keeps the WAL index in heap memory, no ``-shm``), and upkeep
+  deletes chunk files inside its transactions before they commit, so the WAL's frames find the room.
 - Nothing in kvchat opens a descriptor of its own on ``kvchat.db``, ``-wal``
   or ``-shm``: on POSIX, closing any descriptor of a file drops all of the
   process's advisory locks on it, including the shared lock each open WAL
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -38,6 +44,8 @@ from .errors import DamagedDatabaseError, ReadOnlyStoreError, TruncatedDatabaseE
 from .migrations import check_schema, migrate
 
 BUSY_TIMEOUT_MS = 10_000
+SHM_REGION_BYTES = 32 * 2**10  # one region of the WAL index (-shm): a live WAL connection has mapped at least one
+FULL_DISK_BYTES = 2**20  # under this much free, a -shm and a transaction's WAL frames may not fit
 
 _local = threading.local()
 _checked: set[str] = set()  # databases this process has run quick_check on
@@ -71,7 +79,24 @@ def require_writable(path: Path) -> None:
                                  f"{path}; make the folder writable or set KVCHAT_HOME; nothing was changed")
 
 
-def connect(path: Path) -> Database:
+def no_room_for_wal_index(path: Path) -> bool:
+    """Whether no connection has a WAL index (``-shm``) of the database at ``path`` and its disk has under
+    ``FULL_DISK_BYTES`` free: a plain connection would fail (``disk I/O error``) creating one."""
+    shm = path.with_name(path.name + "-shm")
+    try:
+        mapped = shm.stat().st_size >= SHM_REGION_BYTES
+    except FileNotFoundError:
+        mapped = False
+    return not mapped and shutil.disk_usage(path.parent).free < FULL_DISK_BYTES
+
+
+def _exclusive(conn: sqlite3.Connection) -> None:
+    """Before the first read: hold the database alone, WAL index in heap memory, temp tables in memory."""
+    conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+    conn.execute("PRAGMA temp_store = MEMORY")
+
+
+def connect(path: Path, *, on_full_disk: bool = False) -> Database:
     """Open a new connection to the database file ``path`` and migrate the schema.
 
     The file is created with mode 0600. Backups made before migrations go to
@@ -79,6 +104,9 @@ def connect(path: Path) -> Database:
     database opens read-only (``immutable`` when it has no -wal: no writer of
     this user can exist where no -wal can be created), so read-only commands still work; a write then
     raises ``sqlite3.OperationalError`` (see :func:`database_error_line`).
+
+    ``on_full_disk``: where :func:`no_room_for_wal_index`, open in ``locking_mode=EXCLUSIVE`` (module
+    docstring); other processes then wait for this connection to close. For short upkeep commands only.
 
     Raises:
         TruncatedDatabaseError: the file is empty but ``<db dir>/kv`` holds chunk
@@ -94,6 +122,8 @@ def connect(path: Path) -> Database:
         return _connect_read_only(path)
     created = not path.exists()
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=True)
+    if on_full_disk and not created and no_room_for_wal_index(path):
+        _exclusive(conn)
     if created:
         # chmod, never open(): closing any descriptor of the file would drop every POSIX lock this
         # process's other connections hold on it (module docstring). The -wal and -shm files SQLite
@@ -110,6 +140,39 @@ def connect(path: Path) -> Database:
     except BaseException:
         db.close()
         raise
+    return db
+
+
+def connect_reader(path: Path) -> Database:
+    """A connection that only reads the database at ``path`` (listings), also on a full disk.
+
+    ``query_only``, and where :func:`no_room_for_wal_index` in ``locking_mode=EXCLUSIVE``. Not a
+    ``mode=ro`` open: that could neither open a full disk's database nor, on closing, remove the ``-wal``
+    and ``-shm`` it created. A missing database, or one that needs a migration, is opened by
+    :func:`connect` (which creates or migrates it); a read-only data dir as there.
+
+    Raises:
+        the errors of :func:`connect`.
+    """
+    path = Path(path)
+    _refuse_truncated(path)
+    if not writable(path) or not path.is_file():
+        return connect(path)
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=True)
+    if no_room_for_wal_index(path):
+        _exclusive(conn)
+    conn.execute("PRAGMA query_only = ON")
+    db = Database(conn, execute_plugins=False)
+    try:
+        db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        _check_once(db, path)
+        pending = check_schema(db)
+    except BaseException:
+        db.close()
+        raise
+    if pending:
+        db.close()
+        return connect(path)
     return db
 
 
@@ -209,8 +272,9 @@ def _refuse_truncated(path: Path) -> None:
             f"restore it from {backups_dir(path)} if one is there, or move it away to start a new index")
 
 
-def get_db(path: Path) -> Database:
-    """The calling thread's connection to the database file ``path``, opened on first use.
+def get_db(path: Path, *, on_full_disk: bool = False) -> Database:
+    """The calling thread's connection to the database file ``path``, opened on first use
+    (``on_full_disk``: see :func:`connect`; only the first call's counts).
 
     Keyed by the resolved path, so another path (a changed ``$KVCHAT_HOME`` in tests) opens a new one.
 
@@ -220,8 +284,21 @@ def get_db(path: Path) -> Database:
     conns: dict[str, Database] = _local.__dict__.setdefault("conns", {})
     key = str(Path(path).resolve())
     if key not in conns:
-        conns[key] = connect(Path(key))
+        conns[key] = connect(Path(key), on_full_disk=on_full_disk)
     return conns[key]
+
+
+def get_reader(path: Path) -> Database:
+    """The calling thread's read-only connection to the database file ``path`` (:func:`connect_reader`).
+
+    Raises:
+        the errors of :func:`connect_reader`.
+    """
+    conns: dict[str, Database] = _local.__dict__.setdefault("conns", {})
+    key = str(Path(path).resolve())
+    if "ro:" + key not in conns:
+        conns["ro:" + key] = connect_reader(Path(key))
+    return conns["ro:" + key]
 
 
 def db_file(db: Database) -> Path:

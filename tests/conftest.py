@@ -75,3 +75,29 @@ def smol_info(pytestconfig):
 def smol_dir(smol_info):
     """Directory of the imported default model."""
     return smol_info.path
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size)``: a fresh tmpfs of ``size`` (``mount -o size=``, e.g. ``"24m"``) under ``tmp_path``, a real
+    file system that fills up; the test is skipped where mounting is refused. Unmounted after the test."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"tmpfs-{len(mounted)}"
+        mnt.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    from kvchat.store.db import close_thread_dbs
+
+    close_thread_dbs()
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -23,6 +23,7 @@ from kvchat.store.db import close_thread_dbs
 from kvchat.index import get_db
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData
+from kvchat.units import size_text
 
 VARIABLES = [settings.HOME, settings.MODELS, settings.DEVICE, settings.ATTENTION, settings.KV_BUDGET_MB,
              settings.CACHE_BUDGET_GB, settings.PHASE_TRACE, settings.GPU_MEMORY]
@@ -238,7 +239,7 @@ def test_enforce_counts_and_the_note_says_them_above_four_chunks(evict, monkeypa
     if evict <= 4:
         assert note is None
     else:
-        assert note == f"evicted {evict} chunks ({evicted_bytes / 1e6:.1f} MB) to fit KVCHAT_CACHE_BUDGET_GB={value}"
+        assert note == f"evicted {evict} chunks ({size_text(evicted_bytes)}) to fit KVCHAT_CACHE_BUDGET_GB={value}"
     again = disk_budget.enforce(db)
     assert (again.chunks, again.bytes) == (0, 0), "nothing more to evict"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvchat.progress import print_prefill_progress, print_start_progress
+from kvchat.units import size_text
 
 EXIT_DAMAGED = 1  # `cache verify` found (and dropped) corrupt chunks, as fsck and `git fsck` exit non-zero
 
@@ -14,13 +15,14 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)
 
 
-def human(n: float) -> str:
-    """Bytes as a short human-readable size (decimal units)."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
+def id_width(header: str, ids: list[str]) -> int:
+    """Width of an id column: its header or its longest id (chats ``c_…`` and documents ``d_…`` differ)."""
+    return max([len(header), *map(len, ids)])
+
+
+def cached_text(tokens: int) -> str:
+    """A CACHED cell: the tokens a resume restores from disk, ``none`` when nothing is stored."""
+    return str(tokens) if tokens else "none"
 
 
 def say_eviction(evicted) -> None:
@@ -40,12 +42,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
     sub = args.cache_command
     if sub == "ls":
         rows = cache_admin.owners()  # before the header: a damaged index prints nothing but its error line
-        print(f"{'OWNER':10} {'TOKENS':>7} {'CHUNKS':>6} {'SIZE':>9}  PIN  TITLE")
+        w = id_width("OWNER", [o.owner for o in rows])
+        print(f"{'OWNER':{w}} {'CACHED':>7} {'CHUNKS':>6} {'SIZE':>9}  PIN  TITLE")
         for o in rows:
-            print(f"{o.owner:10} {o.tokens:>7} {o.chunks:>6} {human(o.bytes):>9}  {'yes' if o.pinned else '   '}  {printable(o.title[:50])}")
+            print(f"{o.owner:{w}} {cached_text(o.tokens):>7} {o.chunks:>6} {size_text(o.bytes):>9}  "
+                  f"{'yes' if o.pinned else '   '}  {printable(o.title[:50])}")
     elif sub == "stats":
         t = cache_admin.store_totals()
-        print(f"chunks {t.chunks}, {human(t.bytes)} of a {human(t.budget_bytes)} budget; pinned {t.pinned_chunks} ({human(t.pinned_bytes)})")
+        print(f"chunks {t.chunks}, {size_text(t.bytes)} of a {size_text(t.budget_bytes)} budget; pinned {t.pinned_chunks} ({size_text(t.pinned_bytes)})")
     elif sub == "verify":  # like fsck: exit 1 when anything was damaged
         dropped, verified = cache_admin.verify()
         for line in dropped:
@@ -55,7 +59,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
         return EXIT_DAMAGED if dropped else 0
     elif sub == "gc":
         r = cache_admin.collect_garbage()
-        print(f"removed {r.files_removed} stray file(s) ({human(r.bytes_freed)}), {r.rows_removed} row(s) without a file, "
+        print(f"removed {r.files_removed} stray file(s) ({size_text(r.bytes_freed)}), {r.rows_removed} row(s) without a file, "
               f"evicted {r.evicted.chunks} chunk(s) over budget")
         say_eviction(r.evicted)
     elif sub in ("pin", "unpin"):
@@ -72,7 +76,7 @@ def _explain(r) -> None:
     """Print a :class:`kvchat.conversation.views.ChainReport`: the chunk chain and where (and why) it stops."""
     print(f"chat {r.chat_id}: {r.tokens} tokens, cache fingerprint {r.fingerprint[:12]} ({r.kv_dtype})")
     for link in r.links:
-        print(f"  [{link.start:>6}, {link.end:>6})  {'tail' if link.tail else 'chunk':5} {link.key[:12]}  {human(link.bytes):>9}  on disk")
+        print(f"  [{link.start:>6}, {link.end:>6})  {'tail' if link.tail else 'chunk':5} {link.key[:12]}  {size_text(link.bytes):>9}  on disk")
     print(f"restorable from disk: {r.restorable_tokens} of {r.tokens} tokens "
           f"(a resume recomputes the rest)")
     if r.stops_at is not None:
@@ -85,12 +89,14 @@ def cmd_doc(args: argparse.Namespace) -> int:
     """``kvchat doc add|list|rm``; returns the exit code."""
     from kvchat.conversation import cache_admin
     from kvchat.conversation.listing import list_documents
+    from kvchat.index import get_reader
 
     if args.doc_command == "list":
-        rows = list_documents(None)  # before the header, as `cache ls`
-        print(f"{'ID':12} {'TOKENS':>7}  TITLE")
+        rows = list_documents(None, get_reader())  # before the header, as `cache ls`
+        w = id_width("ID", [d.id for d in rows])
+        print(f"{'ID':{w}} {'TOKENS':>7} {'CACHED':>7}  TITLE")
         for d in rows:
-            print(f"{d.id:12} {d.tokens:>7}  {printable(d.title)}")
+            print(f"{d.id:{w}} {d.tokens:>7} {cached_text(d.cached_tokens):>7}  {printable(d.title)}")
         return 0
     if args.doc_command == "rm":
         for r in cache_admin.remove_document(args.doc):

@@ -1,9 +1,11 @@
 """Upkeep of the KV snapshot store without a model: what ``kvchat cache …`` and ``kvchat doc ls|rm`` do.
 
-Each function opens this data dir's index (:func:`kvchat.index.get_db`),
-does one job and returns plain dataclasses (:mod:`kvchat.conversation.views`);
-the CLI only prints them. Writes go through ``kvchat.store`` in one
-transaction each; snapshot files nobody references any more are deleted with
+Each function opens this data dir's index, does one job and returns plain dataclasses
+(:mod:`kvchat.conversation.views`); the CLI only prints them. Listings read through a read-only
+connection (:func:`kvchat.index.get_reader`), upkeep writes through one that opens on a full disk
+(``get_db(on_full_disk=True)``): a chunk file is unlinked inside its transaction before the commit, so
+``purge``, ``gc`` and ``doc rm`` free space before SQLite's WAL needs any. Writes go through
+``kvchat.store`` in one transaction each; snapshot files nobody references any more are deleted with
 their rows (:func:`kvchat.engine.persistence.release_owner`).
 """
 
@@ -14,8 +16,8 @@ from pathlib import Path
 from kvchat.conversation.views import ChainLink, ChainReport, GcResult, OwnerRow, RemovedDocument, StoreTotals
 from kvchat.engine.cache_identity import expected_cache_fingerprint
 from kvchat.engine.disk_budget import budget_bytes, enforce, refresh_pins
-from kvchat.engine.persistence import CHUNK_TOKENS, find_chain, release_owner, restorable_tokens
-from kvchat.index import get_db
+from kvchat.engine.persistence import CHUNK_TOKENS, document_tokens, find_chain, release_owner, restorable_tokens
+from kvchat.index import get_db, get_reader
 from kvchat.paths import db_path
 from kvchat.store.chunk_index import count_other_fingerprints, delete_chunk, gc, list_chunks, totals, verify_chunks
 from kvchat.store.chunk_refs import drop_dangling_refs, list_owners
@@ -27,18 +29,24 @@ from kvchat.store.documents import delete_document, find_documents, pin_document
 def owners() -> list[OwnerRow]:
     """Every chat and document that references snapshot chunks, with what a resume restores.
 
-    ``tokens``: of a chat, the tokens a resume restores from disk
-    (:func:`kvchat.engine.persistence.restorable_tokens`); of a document, its
-    chunks' tokens (a document references exactly its prefix's chain).
+    ``tokens``: the tokens a resume restores from disk, of a chat's history
+    (:func:`kvchat.engine.persistence.restorable_tokens`) or of a document's prefix
+    (:func:`kvchat.engine.persistence.document_tokens`, as ``kvchat doc list`` shows it).
     """
-    db = get_db()
-    return [OwnerRow(o.owner, o.title, o.tokens if o.token_ids is None else restorable_tokens(db, o.owner, o.token_ids),
-                     o.chunks, o.bytes, o.pinned) for o in list_owners(db)]
+    db = get_reader()
+    return [OwnerRow(o.owner, o.title, _owner_tokens(db, o), o.chunks, o.bytes, o.pinned) for o in list_owners(db)]
+
+
+def _owner_tokens(db, o) -> int:
+    """What a resume of the owner restores from disk: of a chat its history, else its chunks' longest chain."""
+    if o.token_ids is not None:
+        return restorable_tokens(db, o.owner, o.token_ids)
+    return document_tokens(db, o.owner, o.document_tokens)
 
 
 def store_totals() -> StoreTotals:
     """Chunk count and bytes, pinned ones apart, against the disk budget (bytes)."""
-    db = get_db()
+    db = get_reader()
     t = totals(db)
     return StoreTotals(t.count, t.bytes, t.pinned_count, t.pinned_bytes, budget_bytes(db))
 
@@ -53,7 +61,7 @@ def verify() -> tuple[list[str], int]:
     Raises:
         kvchat.store.errors.DamagedDatabaseError: the database itself fails its integrity check.
     """
-    db = get_db()
+    db = get_db(on_full_disk=True)
     check_database(db, db_path(), full=True)
     bad = verify_chunks(db, drop=True)
     return [str(exc) for exc in bad], totals(db).count
@@ -61,7 +69,7 @@ def verify() -> tuple[list[str], int]:
 
 def collect_garbage() -> GcResult:
     """Remove stray files and rows without a file, then enforce the disk budget."""
-    db = get_db()
+    db = get_db(on_full_disk=True)
     r = gc(db)
     return GcResult(r.files_removed, r.bytes_freed, r.rows_removed, enforce(db))
 
@@ -72,7 +80,7 @@ def pin_owner(owner: str, pinned: bool) -> None:
     Raises:
         LookupError: no chat or document has the id.
     """
-    db = get_db()
+    db = get_db(on_full_disk=True)
     pin = pin_conversation if owner.startswith("c_") else pin_document
     try:
         with write_transaction(db):
@@ -85,13 +93,16 @@ def pin_owner(owner: str, pinned: bool) -> None:
 def purge(include_pinned: bool) -> int:
     """Delete every snapshot chunk (pinned ones too when ``include_pinned``); returns how many were deleted.
 
-    The chats and documents stay: their next resume prefills.
+    The chats and documents stay: their next resume prefills. One transaction: the files go before it
+    commits, so a full disk has room for the WAL then; with nothing to delete it writes nothing.
     """
-    db = get_db()
-    keys = [r.key for r in list_chunks(db) if include_pinned or not r.pinned]
-    for key in keys:
-        delete_chunk(db, key)
-    drop_dangling_refs(db)
+    db = get_db(on_full_disk=True)
+    with write_transaction(db):
+        keys = [r.key for r in list_chunks(db) if include_pinned or not r.pinned]
+        for key in keys:
+            delete_chunk(db, key)
+        if keys:
+            drop_dangling_refs(db)
     return len(keys)
 
 
@@ -101,7 +112,7 @@ def explain_chain(chat_id: str, kv_dtype: str) -> ChainReport:
     Raises:
         kvchat.store.errors.ConversationNotFoundError: no such chat.
     """
-    db = get_db()
+    db = get_reader()
     conv = get_conversation(db, chat_id)
     fp = expected_cache_fingerprint(conv.model_fingerprint or "", kv_dtype)
     links, start = [], 0
@@ -120,7 +131,7 @@ def remove_document(spec: str) -> list[RemovedDocument]:
     Raises:
         LookupError: nothing matches.
     """
-    db = get_db()
+    db = get_db(on_full_disk=True)
     rows = find_documents(db, spec, str(Path(spec).expanduser().resolve()))  # doc add stores the resolved path
     if not rows:
         raise LookupError(f"no document {spec!r} (see kvchat doc list)")

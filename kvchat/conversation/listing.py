@@ -15,7 +15,7 @@ from sqlite_utils import Database
 
 from kvchat.documents import doc_id
 from kvchat.engine.disk_budget import budget_bytes, refresh_pins
-from kvchat.engine.persistence import release_owner, restorable_tokens
+from kvchat.engine.persistence import document_tokens, release_owner, restorable_tokens
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
 from kvchat.conversation import records
 from kvchat.conversation.cache_state import all_in_memory, disk_bytes, state
@@ -61,16 +61,25 @@ def list_chats(chats: ChatService | None, query: str) -> list[ChatSummary]:
                         state(memory.get(r.id, False), disk.get(r.id, 0)), cached.get(r.id, 0)) for r in rows]
 
 
-def list_documents(chats: ChatService | None) -> list[DocumentSummary]:
+def list_documents(chats: ChatService | None, db: Database | None = None) -> list[DocumentSummary]:
     """Rows of the ``documents`` table, newest first: ``memory`` when its prefix is in the pool (documents
-    prefilled by this process), ``disk`` when a snapshot this engine can restore is indexed."""
+    prefilled by this process), ``disk`` when a snapshot this engine can restore is indexed.
+
+    ``cached_tokens``: all of the prefix in the pool, else what a resume restores from disk
+    (:func:`kvchat.engine.persistence.document_tokens`, as ``kvchat cache ls`` shows it).
+    ``db``: the connection to read (the CLI passes a read-only one); default this thread's :func:`get_db`.
+    """
     if chats is not None:
         chats.persist.flush()
-    db = get_db()
-    cached = chats.cached_documents() if chats is not None else set()
-    disk = disk_bytes(db, chats.persist.fingerprint if chats is not None else None)
-    return [DocumentSummary(d.id, d.title, d.path, d.token_count, state(d.id in cached, disk.get(d.id, 0)))
-            for d in stored_documents(db, newest_first=True)]
+    db = db or get_db()
+    in_pool = chats.cached_documents() if chats is not None else set()
+    fingerprint = chats.persist.fingerprint if chats is not None else None
+    rows = []
+    for d in stored_documents(db, newest_first=True):
+        on_disk = document_tokens(db, d.id, d.token_count, fingerprint)
+        cached = d.token_count if d.id in in_pool else on_disk
+        rows.append(DocumentSummary(d.id, d.title, d.path, d.token_count, state(d.id in in_pool, on_disk), cached))
+    return rows
 
 
 def rename_chat(chats: ChatService | None, chat_id: str, title: str) -> None:

@@ -106,8 +106,9 @@ class ChatSummary:
 class DocumentSummary:
     """A document attached in some chat: its title, token count and where its prefix's KV lives.
 
-    ``cache_state``: ``memory`` (in the pool), ``disk`` (a snapshot this
-    engine can restore), ``none``.
+    ``tokens``: its prefix (system prompt + the document); ``cache_state``: ``memory`` (in the pool),
+    ``disk`` (a snapshot this engine can restore), ``none``; ``cached_tokens``: of the prefix, those a
+    resume reuses (all in the pool, else those restorable from disk; 0 after ``kvchat cache purge``).
     """
 
     id: str
@@ -115,6 +116,7 @@ class DocumentSummary:
     path: str
     tokens: int
     cache_state: CacheState
+    cached_tokens: int = 0
 
     @property
     def cached(self) -> bool:
@@ -183,8 +185,8 @@ class CacheReport:
 class OwnerRow:
     """A row of ``kvchat cache ls``: one chat or document and the snapshot chunks it references.
 
-    ``tokens``: what a resume restores from disk (a chat) or the chunks' tokens (a document); ``bytes``: the chunks'
-    size on disk.
+    ``tokens``: what a resume restores from disk, of a chat's history or of a document's prefix (the CACHED
+    column of ``kvchat cache ls`` and ``kvchat doc list``); ``bytes``: the chunks' size on disk.
     """
 
     owner: str

@@ -28,7 +28,7 @@ import torch
 
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.device_copies import DeviceCopies
-from kvchat.engine.disk_budget import Eviction
+from kvchat.engine.disk_budget import Eviction, make_room
 from kvchat.engine.disk_budget import enforce as enforce_budget
 from kvchat.engine.runner import Engine
 from kvchat.engine.kv_pool import KVPool
@@ -37,7 +37,16 @@ from kvchat.engine.timing import DeviceTimer
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
 from kvchat.index import get_db
 from kvchat.store import chunk_refs
-from kvchat.store.chunk_index import ChunkRow, add_chunk, delete_chunk, get_chunk, list_tails, read_row, touch
+from kvchat.store.chunk_index import (
+    ChunkRow,
+    add_chunk,
+    delete_chunk,
+    get_chunk,
+    list_tails,
+    read_row,
+    touch,
+    with_ancestors,
+)
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout
@@ -46,6 +55,7 @@ CHUNK_TOKENS = 256
 # pinned host bytes a CUDA save's queued chunks hold at most (a 32K-token 8B chat is ~2.2 GB of chunks: pinned
 # at once, those pages were locked and then kept by torch's host cache); chunks beyond wait in pageable memory
 SAVE_PINNED_BYTES = 256 * 2**20
+CHUNK_HEADER_BYTES = 4096  # a chunk file's safetensors header (~0.5 KB), rounded up to a filesystem block
 # chunk files read at once by a restore: one per torch thread (the cores kvchat was given), 2 to this many.
 # Measured, a 4,096-token restore (16 files) warm in fresh processes on 2 cores: 4 readers 44-71 ms, 2 readers
 # 29-31 ms, 1 reader 46-49 ms; with the page cache dropped 2 and 4 readers alike (118-148 ms, disk-bound here)
@@ -139,6 +149,29 @@ def restorable_tokens(db, owner: str, token_ids: Sequence[int], fingerprint: str
     fingerprints = [fingerprint] if fingerprint is not None else chunk_refs.owner_fingerprints(db, owner)
     stored = max((sum(r.token_count for r in find_chain(db, fp, token_ids)) for fp in fingerprints), default=0)
     return min(stored, len(token_ids))
+
+
+def document_tokens(db, owner: str, tokens: int | None, fingerprint: str | None = None) -> int:
+    """Tokens of a document's prefix (``tokens`` long, None: not known; ``owner`` its id) a resume restores from disk.
+
+    A document's chunks are its prefix's chain (full chunks from token 0) and its tails (the prefix's
+    end, and for a pasted document also the system prompt's end): what a resume restores is the longest
+    chain among them under ``fingerprint`` (None: any), at most ``tokens``, never their sum (the tails
+    overlap). The same figure as :func:`restorable_tokens` of a chat, for an owner without token ids.
+    """
+    rows = {r.key: r for r in chunk_refs.owner_chunks(db, owner) if fingerprint in (None, r.fingerprint)}
+
+    def end(row) -> int:
+        n = row.token_count
+        while row.parent_key is not None:
+            row = rows.get(row.parent_key)
+            if row is None:  # an ancestor it does not reference: not its chain
+                return 0
+            n += row.token_count
+        return n
+
+    longest = max(map(end, rows.values()), default=0)
+    return longest if tokens is None else min(tokens, longest)
 
 
 class KVPersist:
@@ -363,18 +396,41 @@ class KVPersist:
                     try:
                         if copied is not None:  # the device -> pinned host copy, queued on the main stream
                             copied.synchronize()
-                        add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key, fingerprint=self.fingerprint)
+                        if self._room_for(link):
+                            add_chunk(get_db(), data, key=link.key, parent_key=link.parent_key,
+                                      fingerprint=self.fingerprint)
                     finally:
                         data = item = None  # its pinned pages go back to torch's host cache, then the count
                         with self._pinned_lock:
                             self._pinned_bytes -= pinned
             except OSError as exc:  # disk full, permissions: the turn's text is already saved
-                self.errors.append(f"KV snapshot not saved: {exc.strerror or exc}")
+                self._error(f"KV snapshot not saved: {exc.strerror or exc}")
             except Exception as exc:  # noqa: BLE001 - e.g. database locked past the busy timeout, a bad budget
                 # setting: report it and keep serving the queue (a dead writer would hang flush() forever)
-                self.errors.append(f"KV snapshot not saved: {exc}")
+                self._error(f"KV snapshot not saved: {exc}")
             finally:
                 self._queue.task_done()
+
+    def _error(self, line: str) -> None:
+        """Record ``line`` in :attr:`errors`, once when the same failure repeats (each chunk of a save, then its refs)."""
+        if not self.errors or self.errors[-1] != line:
+            self.errors.append(line)
+
+    def _room_for(self, link: Link) -> bool:
+        """Whether ``link``'s chunk may be written: its parent is indexed (else nothing could reach it) and,
+        after evicting older chunks, it fits the disk budget and the disk's free floor
+        (:func:`kvchat.engine.disk_budget.make_room`); a chunk that does not fit cuts the snapshot there
+        (one line in :attr:`errors`: a resume recomputes the rest)."""
+        db = get_db()
+        if link.parent_key is not None and get_chunk(db, link.parent_key) is None:
+            return False
+        keep = with_ancestors(db, [link.parent_key]) if link.parent_key is not None else set()
+        nbytes = self.layout.data_bytes(link.end - link.start) + CHUNK_HEADER_BYTES
+        evicted, refused = make_room(db, nbytes, keep)
+        self.evicted = self.evicted.then(evicted)
+        if refused is not None:
+            self._error(f"KV snapshot stopped at token {link.start:,}: {refused}; a resume recomputes the rest")
+        return refused is None
 
 
 def pinned_chunks(sizes: Sequence[int], in_flight: int, limit: int = SAVE_PINNED_BYTES) -> list[bool]:

@@ -164,8 +164,8 @@ class FakeBackend:
             self._prefilled.add(key)
         for d in docs:
             self.documents.pop(d.text, None)
-            self.documents[d.text] = DocumentSummary(f"d{len(self.documents) + 1}", d.title, str(d.path),
-                                                     count_tokens(d.text), "memory")
+            n = count_tokens(d.text)
+            self.documents[d.text] = DocumentSummary(f"d{len(self.documents) + 1}", d.title, str(d.path), n, "memory", n)
         self.chat, self._resume = _Chat(None, "New chat", system, [d.title for d in docs], prefix), None
         return self.current()
 

@@ -28,7 +28,7 @@ def run_cli(args: list[str], home, models) -> subprocess.CompletedProcess:
 def _docs(home, models) -> list[str]:
     out = run_cli(["doc", "list"], home, models)
     assert out.returncode == 0, out.stderr
-    return [line.split(None, 2)[2] for line in out.stdout.splitlines()[1:]]
+    return [line.split(None, 3)[3] for line in out.stdout.splitlines()[1:]]  # ID TOKENS CACHED TITLE
 
 
 def test_a_pasted_document_is_listed_only_from_a_first_message(models, kvchat_home):

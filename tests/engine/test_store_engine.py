@@ -185,7 +185,8 @@ def test_doc_add_then_ask_reuses_whole_prefix_and_doc_rm(base, home, keys, capsy
 
     run("doc", "list")
     listed = capsys.readouterr().out.splitlines()
-    assert any(line.split()[:3] == [doc["id"], str(doc["token_count"]), base["doc"].name] for line in listed), listed
+    tokens = str(doc["token_count"])  # TOKENS and CACHED: its whole prefix is on disk
+    assert any(line.split()[:4] == [doc["id"], tokens, tokens, base["doc"].name] for line in listed), listed
 
     for chat in (base["chat1"], base["chat2"]):
         delete_chat(db, chat["chat_id"])

@@ -31,8 +31,8 @@ def _docs(home) -> dict[str, int]:
     """``kvchat doc list`` as {title: tokens}."""
     out = run_kvchat(home, "doc", "list")
     assert out.returncode == 0, out.stderr
-    rows = [line.split(None, 2) for line in out.stdout.splitlines()[1:]]
-    return {title: int(tokens) for _, tokens, title in rows}
+    rows = [line.split(None, 3) for line in out.stdout.splitlines()[1:]]  # ID TOKENS CACHED TITLE
+    return {title: int(tokens) for _, tokens, _, title in rows}
 
 
 def test_pasted_documents_are_reused_in_full_across_conversations_and_restarts(tmp_path, smol_info, smol_dir):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.store.conversations import NewMessage, append_turn, create_conversation, get_conversation
-from kvchat.store.db import backups_dir, close_thread_dbs, connect, database_error_line
+from kvchat.store.db import backups_dir, connect, database_error_line
 from kvchat.index import get_db
 
 from process_helpers import assert_one_error_line, run_kvchat, tree
@@ -96,16 +96,9 @@ def test_read_only_data_dir_still_lists_and_refuses_to_ask_before_loading(kvchat
 
 
 @pytest.fixture()
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A 24 MB tmpfs (a real file system that fills up); skipped where mounting is not allowed."""
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    yield mnt
-    close_thread_dbs()
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return tmpfs("24m")
 
 
 def test_a_full_disk_is_said_before_the_answer_is_generated(smol_info, small_disk, monkeypatch):

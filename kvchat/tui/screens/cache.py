@@ -15,17 +15,14 @@ from textual.widgets import DataTable, Static
 from kvchat.tui.backend import Backend
 from kvchat.conversation.views import CacheReport, CacheRow
 from kvchat.tui.text import one_line, tokens
-
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+from kvchat.units import size_text
 
 
 def totals_line(r: CacheReport) -> str:
     """Pool use and disk use against the budget."""
-    budget = f" of {_mb(r.disk_budget_bytes)} budget" if r.disk_budget_bytes else ""
-    return (f"pool: {r.pool_blocks_used}/{r.pool_blocks_total} blocks ({_mb(r.pool_bytes)} allocated) · "
-            f"disk: {_mb(r.disk_bytes)}{budget}")
+    budget = f" of {size_text(r.disk_budget_bytes)} budget" if r.disk_budget_bytes else ""
+    return (f"pool: {r.pool_blocks_used}/{r.pool_blocks_total} blocks ({size_text(r.pool_bytes)} allocated) · "
+            f"disk: {size_text(r.disk_bytes)}{budget}")
 
 
 class CacheScreen(ModalScreen[None]):
@@ -61,7 +58,7 @@ class CacheScreen(ModalScreen[None]):
         table.clear()
         for r in report.rows:
             table.add_row(Text(one_line(r.title)[:40]), tokens(r.num_tokens), r.cache_state, tokens(r.cached_tokens),
-                          _mb(r.memory_bytes), _mb(r.disk_bytes), "yes" if r.pinned else "",
+                          size_text(r.memory_bytes), size_text(r.disk_bytes), "yes" if r.pinned else "",
                           Text(one_line(r.miss_reason)), key=r.chat_id)
         self.query_one("#cache-totals", Static).update(Content(totals_line(report)))
 

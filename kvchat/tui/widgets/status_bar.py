@@ -7,6 +7,7 @@ from textual.widgets import Static
 
 from kvchat.conversation.views import Status
 from kvchat.tui.text import literal
+from kvchat.units import size_text
 
 METER_CELLS = 8
 WARN_FRACTION = 0.9
@@ -22,8 +23,7 @@ def status_text(st: Status, resume: bool = True) -> str:
     """Two lines: the counters, then the resume line (when ``resume``) or the current message."""
     if st.phase != "ready":
         return f"{st.phase}: {st.message}"
-    gb = st.pool_bytes / 1e9
-    pool = f"pool {st.pool_blocks_used}/{st.pool_blocks_total} blk {gb:.2f} GB"
+    pool = f"pool {st.pool_blocks_used}/{st.pool_blocks_total} blk {size_text(st.pool_bytes)}"
     first = [st.model, st.device, f"KV {st.kv_dtype}", pool, "ctx " + context_meter(st.context_used, st.context_limit)]
     if st.last_ttft_ms is not None:
         first.append(f"TTFT {st.last_ttft_ms:,.0f} ms")
