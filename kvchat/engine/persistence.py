@@ -172,7 +172,8 @@ class KVPersist:
         return find_chain(get_db(), self.fingerprint, token_ids)
 
     @torch.inference_mode()  # as every caller's forward: the pool and dense copy may be inference tensors
-    def restore(self, seq: SeqBlocks, token_ids: Sequence[int], whole: bool = False) -> RestoreResult:
+    def restore(self, seq: SeqBlocks, token_ids: Sequence[int], whole: bool = False,
+                recompute_from: int | None = None) -> RestoreResult:
         """Read the stored chain of ``token_ids`` into ``seq``'s blocks, beyond what it already holds.
 
         At most ``len(token_ids) - 1`` tokens are restored (the last one is
@@ -193,7 +194,8 @@ class KVPersist:
         rewritten by the next save) are dropped from the index, and only the
         tokens before it are committed; the rest stay reserved, uncommitted, for
         the prefill that recomputes them. Skipped entirely when reading would
-        be slower than prefilling the same tokens.
+        be slower than prefilling what it spares: the tokens from ``recompute_from`` (where computing would
+        start without the files: what ``seq`` holds cut back to a chunk edge; None: what it holds) on.
         """
         timer = DeviceTimer(self.engine.device).start()  # restore_ms counts the copies into the pool done
         res = RestoreResult()
@@ -210,7 +212,8 @@ class KVPersist:
             return res
         first, end = max(todo[0][0], have), todo[-1][1]
         nbytes = sum(r.bytes for _, _, r in todo)
-        if nbytes / self.read_bytes_per_s > (end - first) / self.engine.prefill_tokens_per_s:
+        spared = end - min(first, have if recompute_from is None else recompute_from)
+        if nbytes / self.read_bytes_per_s > spared / self.engine.prefill_tokens_per_s:
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
         pool, blocks = self.engine.pool, self.engine.blocks
@@ -317,6 +320,10 @@ class KVPersist:
         indexed: no pool read, no file written (a pasted document's prefix inside the chat just saved).
         ``owner`` then references exactly these keys; those never written get no reference."""
         self._queue.put(("refs", owner, list(keys)))
+
+    def writing(self) -> bool:
+        """Whether queued writes (chunks, references, LRU stamps) are not all done yet."""
+        return self._queue.unfinished_tasks > 0
 
     def flush(self) -> None:
         """Block until every queued write is on disk and indexed."""
