@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="memory arithmetic: weights + KV per dtype -> concurrent chats that fit")
     plan.add_argument("--context", type=int, default=4096, help="tokens per chat")
-    plan.add_argument("--gpu-gb", type=float, default=40.0, help="accelerator memory, GB")
+    plan.add_argument("--gpu-gb", type=float, help="accelerator memory, GB (default: this machine's device: "
+                      "its GPU's memory, else its RAM)")
     plan.add_argument("--params", type=float, help="parameter count (default: counted from the config)")
     plan.add_argument("--weight-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     plan.add_argument("--reserve-gb", type=float, default=0.0, help="memory kept for activations and runtime, GB")
