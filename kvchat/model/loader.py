@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvchat.kernels import dispatch
+from kvchat.load_steps import step
 from kvchat.model.chat_format import ChatFormat, ChatTemplateError
 from kvchat.cpu_threads import checked_threads
 from kvchat.engine.runner import Engine
@@ -97,12 +98,15 @@ def load_runtime(
     dispatch.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
     weight_format = resolve_weight_format(weights or env_weights(), dev.type, compute_dtype())
     info = resolve_model(model)
+    step(f"loading {info.name}: tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
+    step(f"loading {info.name}: weights ({weight_format})")
     engine = Engine(info.config, CheckpointReader(info.path), info.fingerprint, kv_dtype=kv_dtype, pool_bytes=pool_bytes,
                     device=dev, name=info.name, calibration=lambda e: ensure_calibration(info, e, tokenizer),
                     weight_format=weight_format)
     runtime = Runtime(info, engine, tokenizer)
     if preallocate and engine.dense is not None:
+        step("allocating the KV copy of a full context")
         engine.dense.preallocate(engine.max_context)
     if engine.exact_sink:  # every chat starts with the template's first token: its sink now, not in the first TTFT
         try:
@@ -133,7 +137,7 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None) -> KVCal
     cal = load_calibration(info.fingerprint, shape)
     if cal is not None:
         return cal
-    print(f"kvchat: calibrating fp8 K centring for {info.name} (once per model) …", file=sys.stderr, flush=True)
+    step(f"calibrating fp8 K centring for {info.name} (once per model)", first_time=True)
     text = stdlib_text(CALIBRATION_MODULES)
     ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
     engine = source
