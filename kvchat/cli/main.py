@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvchat`` script; returns the exit code (usage errors raise ``SystemExit(2)``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     json_errors = asks_json(argv)
+    from kvchat.cpu_threads import passive_openmp_waits
+
+    passive_openmp_waits()  # before torch loads its OpenMP runtime (no module imported so far imports torch)
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
