@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat import settings
+from kvchat.load_steps import step
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
@@ -143,6 +144,7 @@ def _build(sources: tuple[Path, ...], variant: str) -> Path:
     target = library_path(*sources, variant=variant)
     target.parent.mkdir(parents=True, exist_ok=True)
     stem = sources[0].stem
+    step(f"building the compiled CPU kernel {stem} ({variant}, once per machine)", first_time=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{stem}-", suffix=".so")
     os.close(fd)
     try:

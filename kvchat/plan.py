@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +55,33 @@ class MemoryPlan:
     reserve_bytes: int
     context: int
     rows: tuple[KVRow, ...]
+    device: str = "GPU"  # what gpu_bytes is the memory of (:func:`this_machine`'s name when it was not given)
 
     @property
     def kv_budget_bytes(self) -> int:
         """Bytes left for the KV cache (negative: the weights alone do not fit)."""
         return self.gpu_bytes - self.weight_bytes - self.reserve_bytes
+
+
+@dataclass(slots=True, frozen=True)
+class Machine:
+    """The device kvchat runs on here: ``name`` (e.g. ``cuda:0 NVIDIA H200`` or ``cpu``) and its memory in
+    decimal GB."""
+
+    name: str
+    memory_gb: float
+
+
+def this_machine() -> Machine:
+    """The current CUDA GPU and its total memory (``torch.cuda.get_device_properties``) where torch sees one,
+    else the CPU and the machine's physical RAM (``sysconf``: pages x page size)."""
+    import torch
+
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return Machine(f"cuda:{index} {props.name}", props.total_memory / 1e9)
+    return Machine("cpu", os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -87,6 +110,7 @@ def plan_memory(
     reserve_gb: float = 0.0,
     model: str = "",
     kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES,
+    device: str = "GPU",
 ) -> MemoryPlan:
     """Chats of ``context`` tokens that fit beside the weights on a ``gpu_gb`` GPU.
 
@@ -97,6 +121,7 @@ def plan_memory(
         params: parameter count, rounded down (None: :func:`count_params`).
         weight_dtype: ``fp32|bf16|fp16``, bytes per weight.
         reserve_gb: decimal GB set aside for activations and runtime.
+        device: what ``gpu_gb`` is the memory of, as the plan names it.
     Raises:
         PlanInputError: non-positive context, GPU size or params, negative reserve, inf or nan sizes,
             unknown weight dtype.
@@ -119,7 +144,7 @@ def plan_memory(
         per_token = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv).bytes_per_token
         per_chat = per_token * tokens
         rows.append(KVRow(kv, per_token, per_chat, max(0, budget // per_chat)))
-    return MemoryPlan(model, params, weight_bytes, gpu_bytes, reserve_bytes, context, tuple(rows))
+    return MemoryPlan(model, params, weight_bytes, gpu_bytes, reserve_bytes, context, tuple(rows), device)
 
 
 def load_plan_config(spec: str | None) -> tuple[str, ModelConfig, int | None]:

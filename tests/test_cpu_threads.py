@@ -26,3 +26,34 @@ def test_its_exception_is_raised_on_the_caller():
 
     with pytest.raises(ValueError, match="no such model"):
         on_own_thread(fail)
+
+
+def test_openmp_waits_are_passive_unless_the_user_chose():
+    from kvchat.cpu_threads import passive_openmp_waits
+
+    for given, expected in (({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+                            ({"GOMP_SPINCOUNT": "10000"}, None)):
+        env = dict(given)
+        passive_openmp_waits(env)
+        assert env.get("OMP_WAIT_POLICY") == expected, given
+
+
+@pytest.mark.parametrize("user, shown", [(None, "GOMP_SPINCOUNT = '0'"), ("ACTIVE", "OMP_WAIT_POLICY = 'ACTIVE'")])
+def test_the_kvchat_command_gives_torchs_openmp_runtime_the_passive_policy(tmp_path, user, shown):
+    """libgomp (torch's OpenMP runtime) prints what it runs with (OMP_DISPLAY_ENV) as torch loads it: a passive
+    policy spins 0 rounds before sleeping (its default, no policy set, spins 300,000)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env |= {"OMP_DISPLAY_ENV": "VERBOSE", "KVCHAT_HOME": str(tmp_path / "home")} | ({"OMP_WAIT_POLICY": user} if user else {})
+    proc = subprocess.run([sys.executable, "-m", "kvchat.cli", "plan", "--model", str(tmp_path), "--json"],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert shown in proc.stdout + proc.stderr

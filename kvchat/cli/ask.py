@@ -132,6 +132,7 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     else:
         if s.miss_reason:  # stored history recomputed, or a corrupt chunk dropped: say why
             print(f"kvchat: note: {s.miss_reason}", file=sys.stderr)
+        print(f"kvchat: {turn_figures(s)}", file=sys.stderr)
         print(f"[chat {done.chat_id}] continue with: kvchat ask --chat {done.chat_id} \"...\"", file=sys.stderr)
     return 0
 
@@ -149,6 +150,16 @@ def _continue(service, way: str, prompt: str, max_tokens: int) -> None:
     view = service.continue_in_new_chat(way, prompt, max_tokens, restore=False)
     print(f"kvchat: note: chat {plan.chat_id} goes on in new chat {view.id} with {plan.describe(way)}",
           file=sys.stderr)
+
+
+def turn_figures(s) -> str:
+    """One line of a turn's :class:`kvchat.engine.turn.TurnStats`: what was reused (from the pool, from disk
+    and how long the read took), what was prefilled, the time to the first token and the decode speed, e.g.
+    ``reused 1,472 of 1,490 tokens (1,464 from memory, 8 from disk in 3 ms) · prefilled 18 · TTFT 210 ms ·
+    41.3 tok/s``."""
+    disk = f"{s.from_disk:,} from disk in {s.restore_ms:.0f} ms"
+    return (f"reused {s.reused_tokens:,} of {s.prompt_tokens:,} tokens ({s.from_memory:,} from memory, {disk}) · "
+            f"prefilled {s.prefilled_tokens:,} · TTFT {s.ttft_ms:.0f} ms · {s.decode_tokens_per_s:.1f} tok/s")
 
 
 def _find_chat(chat_id: str):

@@ -3,6 +3,8 @@
 Bad input prints one ``kvchat: error: ...`` line on stderr and exits with 2,
 before anything in the data dir changes; usage errors (unknown option, missing
 argument, bad value) and bad ``KVCHAT_*`` variables (:mod:`kvchat.settings`) too.
+``kvchat ask --json`` prints every error as one JSON object on stdout instead
+(:func:`error_object`), with the same exit status.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from kvchat.settings import DTYPE, DTYPE_CHOICES, GPU_MEMORY, WEIGHTS, WEIGHTS_C
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
+EXIT_INTERRUPTED = 130
+EXIT_FAILED = 1  # an unexpected failure, as Python's own exit status for an uncaught exception
+
+
+class UsageError(Exception):
+    """A command line argparse refused; its text is the error line (without ``kvchat: error:``)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,9 +35,9 @@ class _Parser(argparse.ArgumentParser):
     """
 
     def error(self, message: str):
-        """Print one line on stderr and exit with 2 (``SystemExit``); never returns."""
+        """Raise :class:`UsageError` (:func:`main` reports it and exits with 2); never returns."""
         line = " ".join(message.split())
-        self.exit(EXIT_USAGE, f"kvchat: error: {line} (see '{self.prog} --help')\n")
+        raise UsageError(f"{line} (see '{self.prog} --help')")
 
     def parse_known_args(self, args=None, namespace=None):
         """As argparse, but a sub-command (a parser without sub-commands of its own) rejects
@@ -88,11 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --chat: ask in a new chat that goes on from it (a full chat names the ways that fit): "
                           "all = its documents and the last turns that fit; turns = the last turns that fit, without "
                           "the documents; documents = its documents alone")
-    ask.add_argument("--max-tokens", type=int, default=512)
-    ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ask.add_argument("--top-p", type=float, default=1.0)
-    ask.add_argument("--top-k", type=int, default=0)
-    ask.add_argument("--seed", type=int)
+    ask.add_argument("--max-tokens", type=int, default=512, help="most tokens to answer (default: %(default)s)")
+    ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    ask.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
+    ask.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: %(default)s = off)")
+    ask.add_argument("--seed", type=int, help="sampling seed (default: none, a new one each run)")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(ask)
 
@@ -105,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="memory arithmetic: weights + KV per dtype -> concurrent chats that fit")
     plan.add_argument("--context", type=int, default=4096, help="tokens per chat")
-    plan.add_argument("--gpu-gb", type=float, default=40.0, help="accelerator memory, GB")
+    plan.add_argument("--gpu-gb", type=float, help="accelerator memory, GB (default: this machine's device: "
+                      "its GPU's memory, else its RAM)")
     plan.add_argument("--params", type=float, help="parameter count (default: counted from the config)")
     plan.add_argument("--weight-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     plan.add_argument("--reserve-gb", type=float, default=0.0, help="memory kept for activations and runtime, GB")
@@ -151,9 +160,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def asks_json(argv: list[str]) -> bool:
+    """Whether the command line is ``kvchat ask … --json`` (read before parsing, so usage errors are JSON too)."""
+    words = argv[: argv.index("--")] if "--" in argv else argv
+    return "ask" in words and "--json" in words
+
+
+def error_object(message: str, kind: str, exit_status: int, **fields) -> dict:
+    """``ask --json``'s error: ``{"error": {"message", "type", "exit_status", …fields}}``.
+
+    ``kind``: ``usage_error``, ``invalid_request``, ``not_found``, ``context_length_exceeded``, ``database_error``,
+    ``interrupted`` or ``internal_error``; ``fields``: figures of the error (``needed_tokens``, ``context_limit``)."""
+    return {"error": {"message": message, "type": kind, "exit_status": exit_status, **fields}}
+
+
+def _report(json_errors: bool, message: str, kind: str, exit_status: int, **fields) -> int:
+    """Print an error (one JSON object on stdout, or one ``kvchat: error:`` line on stderr); returns ``exit_status``."""
+    if json_errors:
+        import json
+
+        print(json.dumps(error_object(message, kind, exit_status, **fields)), flush=True)
+    elif kind == "interrupted":
+        print("kvchat: interrupted", file=sys.stderr)
+    else:
+        print(f"kvchat: error: {message}", file=sys.stderr)
+    return exit_status
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvchat`` script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the ``kvchat`` script; returns the exit code (usage errors raise ``SystemExit(2)``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    json_errors = asks_json(argv)
+    from kvchat.cpu_threads import passive_openmp_waits
+
+    passive_openmp_waits()  # before torch loads its OpenMP runtime (no module imported so far imports torch)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        raise SystemExit(_report(json_errors, str(exc), "usage_error", EXIT_USAGE)) from None
     # --dtype, --weights and --gpu-memory win over their KVCHAT_* settings, for this process and the ones it starts
     for option, variable in (("dtype", DTYPE), ("weights", WEIGHTS), ("gpu_memory", GPU_MEMORY)):
         if getattr(args, option, None):
@@ -192,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_bench(args)
     except KeyboardInterrupt:
-        print("kvchat: interrupted", file=sys.stderr)
-        return 130
+        return _report(json_errors, "interrupted", "interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as on SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
@@ -204,13 +247,32 @@ def main(argv: list[str] | None = None) -> int:
             from kvchat.paths import db_path
             from kvchat.store.db import database_error_line
 
-            print(f"kvchat: error: {database_error_line(exc, db_path())}", file=sys.stderr)
-            return EXIT_USAGE
+            return _report(json_errors, database_error_line(exc, db_path()), "database_error", EXIT_USAGE)
         if _is_user_error(exc):
-            print(f"kvchat: error: {_error_text(exc)}", file=sys.stderr)
-            return EXIT_USAGE
+            kind, figures = _error_kind(exc)
+            return _report(json_errors, _error_text(exc), kind, EXIT_USAGE, **figures)
+        if json_errors:  # a failure of kvchat itself: the object, and the traceback on stderr for a bug report
+            import traceback
+
+            traceback.print_exc()
+            return _report(True, f"{type(exc).__name__}: {exc}", "internal_error", EXIT_FAILED)
         raise
     return 0
+
+
+def _error_kind(exc: Exception) -> tuple[str, dict]:
+    """A user error's kind for :func:`error_object` and its figures (tokens needed and the limit, when known)."""
+    from kvchat.conversation.views import ContextFullError
+    from kvchat.engine.runner import ContextOverflowError
+    from kvchat.model.registry import ModelNotFoundError
+
+    if isinstance(exc, ContextFullError):
+        return "context_length_exceeded", {"needed_tokens": exc.needed, "context_limit": exc.limit}
+    if isinstance(exc, ContextOverflowError):
+        return "context_length_exceeded", {}
+    if isinstance(exc, (LookupError, ModelNotFoundError)):
+        return "not_found", {}
+    return "invalid_request", {}
 
 
 def _error_text(exc: Exception) -> str:

@@ -210,7 +210,8 @@ class KVPersist:
         return find_chain(get_db(), self.fingerprint, token_ids)
 
     @torch.inference_mode()  # as every caller's forward: the pool and dense copy may be inference tensors
-    def restore(self, seq: SeqBlocks, token_ids: Sequence[int], whole: bool = False) -> RestoreResult:
+    def restore(self, seq: SeqBlocks, token_ids: Sequence[int], whole: bool = False,
+                recompute_from: int | None = None) -> RestoreResult:
         """Read the stored chain of ``token_ids`` into ``seq``'s blocks, beyond what it already holds.
 
         At most ``len(token_ids) - 1`` tokens are restored (the last one is
@@ -231,9 +232,10 @@ class KVPersist:
         rewritten by the next save) are dropped from the index, and only the
         tokens before it are committed; the rest stay reserved, uncommitted, for
         the prefill that recomputes them. Skipped entirely when reading would
-        be slower than prefilling the same tokens, by measured speeds both
-        (:func:`kvchat.engine.read_speed.restore_pays`; :attr:`read_speed` probes the chain's first file
-        when its measurement is stale, and every restore that runs measures itself).
+        be slower than prefilling what it spares (the tokens from ``recompute_from`` on: where computing would
+        start without the files, what ``seq`` holds cut back to a chunk edge; None: what it holds), by measured
+        speeds both (:func:`kvchat.engine.read_speed.restore_pays`; :attr:`read_speed` probes the chain's first
+        file when its measurement is stale, and every restore that runs measures itself).
         """
         timer = DeviceTimer(self.engine.device).start()  # restore_ms counts the copies into the pool done
         res = RestoreResult()
@@ -254,7 +256,8 @@ class KVPersist:
             read_speed = self.read_speed.current(todo[0][2].path)
         except OSError:  # no speed to judge by: the read below finds the file missing or bad and drops it
             read_speed = None
-        if read_speed is not None and not restore_pays(nbytes, end - first, read_speed, self.engine.prefill_tokens_per_s):
+        spared = end - min(first, have if recompute_from is None else recompute_from)
+        if read_speed is not None and not restore_pays(nbytes, spared, read_speed, self.engine.prefill_tokens_per_s):
             res.miss_reason = "recomputing is faster than reading from disk"
             return res
         pool, blocks = self.engine.pool, self.engine.blocks
@@ -368,6 +371,10 @@ class KVPersist:
         indexed: no pool read, no file written (a pasted document's prefix inside the chat just saved).
         ``owner`` then references exactly these keys; those never written get no reference."""
         self._queue.put(("refs", owner, list(keys)))
+
+    def writing(self) -> bool:
+        """Whether queued writes (chunks, references, LRU stamps) are not all done yet."""
+        return self._queue.unfinished_tasks > 0
 
     def flush(self) -> None:
         """Block until every queued write is on disk and indexed."""

@@ -147,7 +147,17 @@ class Session:
             stats.from_memory = self.engine.blocks.attach_prefix(self.seq, self.token_ids)
         held = self.seq.num_computed  # a pool hit, or a live chat's history
         if self.persist is not None:
-            res = self.persist.restore(self.seq, self.token_ids, whole)
+            recompute_from = last_cut(held, self.boundaries)
+            res = self.persist.restore(self.seq, self.token_ids, whole, recompute_from)
+            have = self.seq.num_computed
+            if have < len(self.token_ids) and last_cut(have, self.boundaries) < have and self.persist.writing():
+                # another chat's snapshot still on its way to disk (a question on the same document sent the
+                # moment the last answer came) holds the tail that the pool's whole blocks stop short of
+                self.persist.flush()
+                more = self.persist.restore(self.seq, self.token_ids, whole, recompute_from)
+                res.restore_ms += more.restore_ms
+                res.bytes_read += more.bytes_read
+                res.miss_reason = more.miss_reason or res.miss_reason
             stats.restore_ms, stats.bytes_read, stats.miss_reason = res.restore_ms, res.bytes_read, res.miss_reason
         have = self.seq.num_computed
         cut = have if have >= len(self.token_ids) else last_cut(have, self.boundaries)

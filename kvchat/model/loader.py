@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from kvchat.kernels import dispatch
+from kvchat.load_steps import step
 from kvchat.model.chat_format import ChatFormat, ChatTemplateError
 from kvchat.cpu_threads import checked_threads
 from kvchat.engine.runner import Engine
@@ -106,6 +107,7 @@ def load_runtime(
     dispatch.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
     weight_format = resolve_weight_format(weights or env_weights(), dev.type, compute_dtype())
     info = resolve_model(model)
+    step(f"loading {info.name}: tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     reader = CheckpointReader(info.path)
     if progress is not None:
@@ -120,6 +122,7 @@ def load_runtime(
         raise GPUMemoryError(load_oom_line(info.name, weight_bytes, free, total, gpu_memory())) from None
     runtime = Runtime(info, engine, tokenizer)
     if preallocate and engine.dense is not None:
+        step("allocating the KV copy of a full context")
         engine.dense.preallocate(engine.max_context)
     if engine.exact_sink:  # every chat starts with the template's first token: its sink now, not in the first TTFT
         try:
@@ -168,11 +171,10 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None,
     cal = load_calibration(info.fingerprint, shape)
     if cal is not None:
         return cal
-    step = f"calibrating fp8 K centring for {info.name} (once per model)"
-    if progress is None:
-        print(f"kvchat: {step} …", file=sys.stderr, flush=True)
-    else:
-        progress(step, 0, 1)
+    said = f"calibrating fp8 K centring for {info.name} (once per model)"
+    step(said, first_time=True)  # the TUI's status line, or one line on stderr at a CLI's first start
+    if progress is not None:
+        progress(said, 0, 1)
     text = stdlib_text(CALIBRATION_MODULES)
     ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
     engine = source
@@ -182,7 +184,7 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None,
                         pool_bytes=spec.bytes_per_block)
     cal = make_calibration(calibrate_k_mean(engine, ids), f"{text.name} ({len(ids)} tokens, sha256 {text.sha256[:12]})")
     if progress is not None:
-        progress(step, 1, 1)
+        progress(said, 1, 1)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the scratch pool and activations go back to the device

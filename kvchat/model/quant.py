@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat.kernels import cpu_int8
+from kvchat.load_steps import step
 from kvchat.model.int8_scheme import GROUP_SIZES, GROUPS_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS, stored_scheme
 from kvchat.paths import models_dir
 from kvchat.safetensors_file import save_atomic
@@ -308,6 +309,9 @@ def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = N
     for name, _, _, m in found:
         shapes.update(_shapes(name, *m.weight.shape, grouped[name]))
     stored = load_int8(path, scheme, shapes) if path is not None else None
+    if stored is None:
+        step(f"quantizing {len(found)} weight matrices to int8" + (" (once per model)" if path is not None else ""),
+             first_time=path is not None)
     tensors = {}
     for name, parent, attr, lin in found:
         t = ({k: v for k, v in stored.items() if k.rpartition(".")[0] == name} if stored is not None

@@ -82,6 +82,7 @@ class RealBackend:
             self._status = Status(phase="error", message=str(exc))
             raise
         emit(LoadProgress("importing torch and transformers"))
+        from kvchat.load_steps import listening
         from kvchat.model.loader import load_runtime, set_threads
         from kvchat.model.importer import DEFAULT_MODEL_NAME, read_manifest
         from kvchat.paths import models_dir
@@ -90,10 +91,12 @@ class RealBackend:
         set_threads(self.threads)
         if self.model is None and read_manifest(models_dir() / DEFAULT_MODEL_NAME) is None:
             self._import_default(emit)
-        emit(LoadProgress("loading weights"))
         try:
-            rt = load_runtime(self.model, self.kv_dtype, pool_bytes=self.pool_bytes,
-                              progress=lambda text, done, total: emit(LoadProgress(text, done, total)))
+            # numbered steps (weights, kernel compiles) through ``progress``; the steps of code that takes no
+            # callback (tokenizer, int8 quantization, kernel builds) through load_steps: both to the status bar
+            with listening(lambda text: emit(LoadProgress(text))):
+                rt = load_runtime(self.model, self.kv_dtype, pool_bytes=self.pool_bytes,
+                                  progress=lambda text, done, total: emit(LoadProgress(text, done, total)))
         except Exception as exc:
             self._status = Status(phase="error", message=f"model load failed: {exc}")
             raise

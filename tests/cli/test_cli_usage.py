@@ -70,3 +70,13 @@ def test_every_bench_command_names_its_runner():
 
     for name, _, _ in COMMANDS:
         assert callable(getattr(importlib.import_module(f"kvchat.bench.{name}"), f"cmd_bench_{name}")), name
+
+
+def test_ask_help_shows_every_sampling_default(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["ask", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for shown in ("--max-tokens MAX_TOKENS most tokens to answer (default: 512)", "(default: 1.0 = off)",
+                  "(default: 0 = off)", "--seed SEED sampling seed (default: none", "(default: 0.0)"):
+        assert shown in text, text

@@ -3,6 +3,7 @@ that says how to repair it (remove the folder, pull again), never a traceback.""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -34,3 +35,12 @@ def test_model_list_lists_a_damaged_model_with_the_repair(damaged_models, tmp_pa
 def test_a_damaged_model_is_one_error_line_with_the_repair(damaged_models, tmp_path, argv):
     proc = run_kvchat(tmp_path / "home", *argv, timeout=300)
     assert_one_error_line(proc, "runs past the end of the file", f"remove {damaged_models}", "kvchat model pull")
+
+
+def test_ask_json_on_a_damaged_model_is_one_json_error(damaged_models, tmp_path):
+    proc = run_kvchat(tmp_path / "home", "ask", "hi", "--max-tokens", "2", "--json", timeout=300)
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+    (line,) = proc.stdout.splitlines()
+    err = json.loads(line)["error"]
+    assert err["exit_status"] == 2 and "runs past the end of the file" in err["message"], err
+    assert f"remove {damaged_models}" in err["message"]

@@ -108,3 +108,25 @@ def test_a_config_file_is_named_in_errors_and_its_folder_names_the_model(tmp_pat
     monkeypatch.chdir(folder)
     proc = run_kvchat(tmp_path / "home", "plan", "--model", "config.json")
     assert proc.returncode == 0 and proc.stdout.startswith("llama7b: "), proc.stdout + proc.stderr
+
+
+def test_plan_defaults_to_this_machines_device_and_memory(tmp_path, capsys):
+    import os
+
+    import torch
+
+    from kvchat.cli.main import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    assert main(["plan", "--model", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        assert props.name in out["device"] and out["gpu_bytes"] == props.total_memory
+    else:  # no GPU: the plan is for this machine's RAM, not a 40 GB GPU it does not have
+        assert out["device"] == "cpu"
+        assert out["gpu_bytes"] == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert main(["plan", "--model", str(tmp_path)]) == 0
+    assert f"4096-token chats; {out['device']} " in capsys.readouterr().out
+    assert main(["plan", "--model", str(tmp_path), "--gpu-gb", "40", "--json"]) == 0  # a stated size is kept
+    assert json.loads(capsys.readouterr().out)["gpu_bytes"] == 40 * 10**9

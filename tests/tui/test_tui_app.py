@@ -163,6 +163,9 @@ async def test_new_chat_rename_and_delete_with_confirmation(harness):
         await until(pilot, lambda: h.sidebar_titles() == ["Renamed [bold]x[/]"])
         await pilot.press("f8")
         assert isinstance(h.app.screen, ConfirmScreen)
+        # the focused button is Cancel, so the dialog says which key deletes
+        assert shown(h.app.screen.query_one(".hint")) == "y: Delete · n, Esc or Enter: Cancel"
+        assert h.app.screen.focused.id == "no"
         await pilot.press("n")
         assert list(h.backend.chats) and not isinstance(h.app.screen, ConfirmScreen)
         await pilot.press("f8", "y")

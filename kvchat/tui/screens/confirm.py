@@ -11,7 +11,8 @@ from kvchat.tui.text import literal
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    """Shows ``question`` (literally); ``y``/Enter on Yes confirms, ``n``/Esc cancels."""
+    """Shows ``question`` (literally) and which keys answer it: ``y``/Enter on Yes confirms, ``n``/Esc/Enter on
+    the focused No cancels (No has the focus, so a stray Enter loses nothing)."""
 
     BINDINGS = [("y", "answer(True)", "Yes"), ("n,escape", "answer(False)", "No")]
 
@@ -25,6 +26,7 @@ class ConfirmScreen(ModalScreen[bool]):
             with Horizontal(classes="buttons"):
                 yield Button(self.yes, variant="error", id="yes")
                 yield Button(self.no, id="no")
+            yield Static(Content(literal(hint(self.yes, self.no))), classes="hint")
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()
@@ -34,3 +36,8 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_answer(self, value: bool) -> None:
         self.dismiss(value)
+
+
+def hint(yes: str, no: str) -> str:
+    """The dialog's key line, e.g. ``y: Delete · n, Esc or Enter: Cancel``."""
+    return f"y: {yes} · n, Esc or Enter: {no}"
