@@ -181,7 +181,9 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        backend = dispatch.backend_for(self.pool.k)  # on a CPU builds or loads the compiled kernels: any notice now
+        # decided once: on a CPU builds or loads the compiled kernels (any notice now); no forward reads a setting
+        model.kernels = dispatch.kernel_choice(self.pool.k)
+        backend = model.kernels.backend
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and backend != "triton"
         # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
@@ -241,7 +243,8 @@ class Engine:
         depends on its token alone, so the values are computed once per
         token and process by a one-token forward (K already centred) and are
         the same in every process and for every sequence: cold, resumed and
-        shared prefixes read identical numbers.
+        shared prefixes read identical numbers. Made once, never changed: the decode buffers copy a
+        row's sink only when the row gets another one (:mod:`kvchat.engine.decode_buffers`).
         """
         sink = self._sinks.get(token_id)
         if sink is None:
