@@ -151,7 +151,7 @@ def kernel_choice(cache: torch.Tensor) -> KernelChoice:
     backend = backend_for(cache)
     if backend != "triton":
         return KernelChoice(backend)
-    for name in ("triton_decode", "triton_extend"):
+    for name in ("triton_write", "triton_decode", "triton_extend"):
         _triton_module(name, cache)
     return KernelChoice(backend, _triton_module("triton_fused", cache))
 
@@ -176,6 +176,12 @@ def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
     return module
 
 
+def _triton(name: str, cache: torch.Tensor, backend: str | None) -> ModuleType:
+    """``kvchat.kernels.<name>``: checked now (:func:`_triton_module`) unless ``backend`` was decided at load,
+    where :func:`kernel_choice` checked it."""
+    return _import_kernels(name) if backend else _triton_module(name, cache)
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -193,10 +199,10 @@ def write_kv(
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    backend = backend or backend_for(k_cache)
-    if backend == "triton":
-        fn = _import_kernels("triton_write").write_kv
-    elif backend == "compiled" and cpu_attention.takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    choice = backend or backend_for(k_cache)
+    if choice == "triton":
+        fn = _triton("triton_write", k_cache, backend).write_kv
+    elif choice == "compiled" and cpu_attention.takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         fn = cpu_attention.write_kv
     else:
         fn = reference.write_kv
@@ -228,10 +234,10 @@ def decode_attention(
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    backend = backend or backend_for(k_cache)
-    if backend == "triton":
-        fn = _import_kernels("triton_decode").decode_attention
-    elif provisional and backend == "compiled" and cpu_attention.takes_decode(query, k_cache, v_cache, k_scale, v_scale,
+    choice = backend or backend_for(k_cache)
+    if choice == "triton":
+        fn = _triton("triton_decode", k_cache, backend).decode_attention
+    elif provisional and choice == "compiled" and cpu_attention.takes_decode(query, k_cache, v_cache, k_scale, v_scale,
                                                                              block_table, seq_lens, sink):
         fn = cpu_attention.decode_attention
     else:
@@ -260,7 +266,7 @@ def extend_attention(
         SettingError: see :func:`backend_for` and the module doc.
     """
     if (backend or backend_for(k_cache)) == "triton":
-        fn = _import_kernels("triton_extend").extend_attention
+        fn = _triton("triton_extend", k_cache, backend).extend_attention
     else:
         fn = reference.extend_attention
     return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, sink)
