@@ -222,3 +222,28 @@ def rope_write_kv(
         HAS_SHIFT=k_shift is not None, IS_FP8=is_fp8, FP8_MAX_C=FP8_MAX, FP8_EPS_C=FP8_EPS,
     )
     return q
+
+
+def warm_up(hidden_size: int, intermediate_size: int, num_heads: int, dtype: torch.dtype,
+            pool_layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+            k_shift: torch.Tensor | None) -> None:
+    """Launch every kernel here once as an engine's decode steps launch them (same dtypes, strides and
+    constexprs), on zeros, so Triton compiles them at engine start rather than at the first token
+    (``kvchat.kernels.warmup`` does the attention kernels). Writes nothing to the pool (slot -1).
+
+    Args:
+        pool_layer: one layer's ``(k_cache, v_cache, k_scale, v_scale)`` (``KVPool.layer``).
+        k_shift: the layers' K shift (``[num_kv_heads, head_dim]``) or None, as the model holds it.
+    """
+    k_cache = pool_layer[0]
+    dev, (num_kv_heads, head_dim) = k_cache.device, k_cache.shape[2:]
+    x = torch.zeros((1, hidden_size), dtype=dtype, device=dev)
+    weight = torch.ones(hidden_size, dtype=dtype, device=dev)
+    add_rms_norm(x, None, weight, 1e-6)
+    add_rms_norm(x, x, weight, 1e-6)
+    silu_mul(torch.zeros((1, 2 * intermediate_size), dtype=dtype, device=dev))
+    qkv = torch.zeros((1, (num_heads + 2 * num_kv_heads) * head_dim), dtype=dtype, device=dev)
+    split = (num_heads + num_kv_heads) * head_dim
+    rope = torch.zeros((1, 1, head_dim), dtype=dtype, device=dev)
+    rope_write_kv(qkv[:, :split].view(1, -1, head_dim), qkv[:, split:].view(1, num_kv_heads, head_dim), rope, rope,
+                  k_shift, *pool_layer, torch.full((1,), -1, dtype=torch.long, device=dev))

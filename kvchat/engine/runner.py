@@ -204,6 +204,9 @@ class Engine:
         self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
         warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink,  # GPU only
                 BATCH_BUCKETS, context_buckets(max_blocks), max_blocks)
+        if model.kernels.fused is not None and self.device.type == "cuda":  # the decode step's fused kernels
+            model.kernels.fused.warm_up(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, self.dtype,
+                                        self.pool.layer(0), model.layers[0].self_attn.k_shift)
         # decode batches padded to BATCH_BUCKETS where graphs can run (with them off too: the warmed-up shapes)
         self.pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
         self.decode_graphs = None  # CUDA graphs of the decode step (None: eager; always on CPU)

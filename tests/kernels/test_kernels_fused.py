@@ -120,3 +120,18 @@ def test_rope_write_is_rope_then_shift_then_the_cache_write(dtype, pool_dtype, s
         size = float(terms.max()) + (float(k_shift.abs().max()) if shift else 0.0)  # K's terms at most
         assert_ulp(kc, rkc, torch.full(rkc.shape, size, device=DEVICE))
         assert int((kc != 0).any(-1).any(-1).flatten().sum()) == 2  # slot -1 wrote nothing
+
+
+@pytest.mark.parametrize("pool_dtype", [FP8, torch.float16])
+def test_warm_up_launches_each_kernel_and_writes_nothing_to_the_pool(pool_dtype):
+    from kvchat.bench.launch_count import LaunchCounter
+
+    shape = (2, 16, 2, 16)
+    k_cache = torch.zeros(shape, dtype=pool_dtype, device=DEVICE)
+    scales = [torch.zeros(shape[:3], device=DEVICE) for _ in range(2)] if pool_dtype == FP8 else [None, None]
+    layer = (k_cache, k_cache.clone(), *scales)
+    with LaunchCounter() as counter:
+        triton_fused.warm_up(64, 96, 4, torch.float16, layer, _randn(2, 16, dtype=torch.float16, seed=7))
+    assert counter.outside_ops["_add_rms_norm_kernel"] == 2 and counter.outside_ops["_silu_mul_kernel"] == 1
+    assert counter.outside_ops["_rope_write_kernel"] == 1
+    assert all(not t.view(torch.uint8).any() for t in layer if t is not None)
