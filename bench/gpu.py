@@ -19,6 +19,8 @@ Sections (a)-(e):
     weight bytes + 10%, peak host RSS), prefill tok/s and decode tok/s at 4K and 32K
     tokens, fp8 and bf16 pools; decode with CUDA graphs on and off (``decode_tok_s`` and
     ``decode_tok_s_eager``; ``decode_graphs`` says whether graphs ran: ``captured``, or why not);
+    the kernel launches of one eager decode step (``launches_per_layer`` inside each decoder layer,
+    ``launches_outside_layers`` for the rest of the step, ``kvchat.bench.launch_count``);
 (e) a 32K-token chat snapshotted to disk (the real ``KVPersist`` writer) and restored
     in a fresh engine: restore ms with the page cache dropped and warm, TTFT of a
     15-token question after the restore, and cold prefill for comparison. It needs
@@ -172,7 +174,9 @@ def _decode_tok_s(engine, seq, ids: list[int], logits, decode_steps: int):
 
 def prefill_decode(engine, context: int, decode_steps: int) -> dict:
     """Prefill ``context`` random tokens (tok/s from the engine's synced ``prefill_ms``), then decode tok/s with
-    CUDA graphs (where the engine captures them) and without (``engine.decode_graphs.enabled = False``)."""
+    CUDA graphs (where the engine captures them) and without (``engine.decode_graphs.enabled = False``), then
+    one more step's kernel launches."""
+    from kvchat.bench.launch_count import decode_step_launches
     from kvchat.engine.block_manager import SeqBlocks
 
     ids = _ids(context, engine.cfg.vocab_size, 1)
@@ -182,15 +186,18 @@ def prefill_decode(engine, context: int, decode_steps: int) -> dict:
     tok_s, logits = _decode_tok_s(engine, seq, ids, res.logits, decode_steps)
     if graphs is not None:
         graphs.enabled = False
-        eager, _ = _decode_tok_s(engine, seq, ids, logits, decode_steps)
+        eager, logits = _decode_tok_s(engine, seq, ids, logits, decode_steps)
         graphs.enabled = True
         state = graphs.failed and f"eager: capture failed ({graphs.failed})" or "captured"
     else:
         eager, state = tok_s, f"eager: no graphs on {engine.device.type} (KVCHAT_CUDA_GRAPHS, the Triton backend)"
+    ids.append(int(logits.argmax()))
+    launches, _ = decode_step_launches(engine, seq, ids)
     engine.release(seq)
     return {"context": context, "prefill_tok_s": context / (res.prefill_ms / 1e3), "prefill_ms": res.prefill_ms,
             "decode_tok_s": tok_s, "decode_tok_s_eager": eager, "decode_steps": decode_steps,
-            "decode_graphs": state}
+            "decode_graphs": state, "launches_per_layer": launches.per_layer,
+            "launches_outside_layers": launches.outside, "layer_launch_ops": dict(launches.layer_ops)}
 
 
 def section_engine(device: torch.device, tiny: bool, workdir: Path) -> dict:
@@ -215,7 +222,7 @@ def section_engine(device: torch.device, tiny: bool, workdir: Path) -> dict:
                   + (f", device peak {stats['device_peak_bytes'] / 1e9:.2f} GB (bound {stats['device_bound_bytes'] / 1e9:.2f})"
                      if "device_peak_bytes" in stats else "")
                   + "".join(f" | {r['context']}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f}"
-                            f" tok/s (graphs off {r['decode_tok_s_eager']:.1f})"
+                            f" tok/s (graphs off {r['decode_tok_s_eager']:.1f}), {r['launches_per_layer']:g} launches/layer"
                             for r in runs))
             del engine
             if device.type == "cuda":

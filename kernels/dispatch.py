@@ -40,6 +40,12 @@ Backend choice per call:
   capability 8.9 (where Triton has no float8e4nv) the kernels convert the fp8
   bytes with integer bit operations (``triton_decode.fp8_bits_default``).
 
+An engine decides once, when it loads, which kernels its model runs (:func:`kernel_choice`, a
+:class:`KernelChoice` passed as ``backend`` to the functions here): then no call reads a setting or
+queries the device. Without ``backend`` a call decides for itself as above (direct callers, tests).
+On the Triton backend decode steps also run :mod:`kvchat.kernels.triton_fused` (the residual add and
+RMSNorm, RoPE with the K shift and the cache write, SiLU·mul: one launch each).
+
 Both backends read an exact attention sink (position 0's fp32 K/V per
 sequence) when the caller passes one, so an engine's scale scheme does not
 depend on the backend.
@@ -51,6 +57,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -76,12 +83,14 @@ __all__ = [
     "FP8_EPS",
     "FP8_MAX",
     "SCALE_SCHEME",
+    "KernelChoice",
     "backend_for",
     "decode_attention",
     "dense_attention",
     "dequantize_fp8",
     "dequantize_into",
     "extend_attention",
+    "kernel_choice",
     "quantize_fp8",
     "read_slots",
     "write_kv",
@@ -155,6 +164,38 @@ def backend_for(cache: torch.Tensor) -> str:
     return _cuda_backend()
 
 
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """The kernels a model runs on one pool, decided once (:func:`kernel_choice`) when an engine loads.
+
+    Attributes:
+        backend: ``"triton"``, ``"compiled"`` or ``"torch"`` (:func:`backend_for`).
+        fused: :mod:`kvchat.kernels.triton_fused` where decode steps run it (the Triton backend), else None.
+    """
+
+    backend: str
+    fused: ModuleType | None = None
+
+
+def kernel_choice(cache: torch.Tensor) -> KernelChoice:
+    """:func:`backend_for` ``cache``, with the Triton kernels imported (and checked) now when it is Triton.
+
+    Raises:
+        SettingError: see :func:`backend_for`.
+    """
+    backend = backend_for(cache)
+    if backend != "triton":
+        return KernelChoice(backend)
+    for name in ("triton_write", "triton_decode", "triton_extend"):
+        _triton_module(name, cache)
+    return KernelChoice(backend, _triton_module("triton_fused", cache))
+
+
+@functools.cache
+def _import_kernels(name: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}.{name}")
+
+
 def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
     """Import ``kvchat.kernels.<name>``; CPU tensors need it built for the interpreter.
 
@@ -167,11 +208,17 @@ def _triton_module(name: str, cache: torch.Tensor) -> ModuleType:
     if problem is not None:
         raise SettingError(f"{ENV_VAR} is 'triton' but Triton cannot build its kernel launcher: {problem} "
                            f"({triton_build.FIX}); use torch or unset it")
-    module = importlib.import_module(f"{__package__}.{name}")
+    module = _import_kernels(name)
     if not cache.is_cuda and not module.INTERPRETED:
         raise SettingError(f"{ENV_VAR} is 'triton' but Triton cannot run on the CPU without TRITON_INTERPRET=1"
                            " set before Triton is first imported; use torch, a CUDA device, or unset it")
     return module
+
+
+def _triton(name: str, cache: torch.Tensor, backend: str | None) -> ModuleType:
+    """``kvchat.kernels.<name>``: checked now (:func:`_triton_module`) unless ``backend`` was decided at load,
+    where :func:`kernel_choice` checked it."""
+    return _import_kernels(name) if backend else _triton_module(name, cache)
 
 
 def write_kv(
@@ -182,16 +229,19 @@ def write_kv(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     slot_mapping: torch.Tensor,
+    backend: str | None = None,
 ) -> None:
     """Write new tokens' K/V into the paged pools; see :func:`reference.write_kv` for shapes.
+
+    ``backend``: :attr:`KernelChoice.backend` decided at load (None: :func:`backend_for` now).
 
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    backend = backend_for(k_cache)
-    if backend == "triton":
-        fn = _triton_module("triton_write", k_cache).write_kv
-    elif backend == "compiled" and cpu_attention.takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    choice = backend or backend_for(k_cache)
+    if choice == "triton":
+        fn = _triton("triton_write", k_cache, backend).write_kv
+    elif choice == "compiled" and cpu_attention.takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         fn = cpu_attention.write_kv
     else:
         fn = reference.write_kv
@@ -209,6 +259,7 @@ def decode_attention(
     sm_scale: float,
     sink: tuple[torch.Tensor, torch.Tensor] | None = None,
     provisional: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, ``[num_seqs, num_heads, head_dim]``; see :func:`reference.decode_attention`.
 
@@ -217,13 +268,15 @@ def decode_attention(
     the torch layers, whose K/V are stored (the compiled decoder layers run such chunks themselves, every one
     of them: :meth:`kvchat.engine.runner.Engine.runs_compiled`).
 
+    ``backend``: as :func:`write_kv`'s.
+
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    backend = backend_for(k_cache)
-    if backend == "triton":
-        fn = _triton_module("triton_decode", k_cache).decode_attention
-    elif provisional and backend == "compiled" and cpu_attention.takes_decode(query, k_cache, v_cache, k_scale, v_scale,
+    choice = backend or backend_for(k_cache)
+    if choice == "triton":
+        fn = _triton("triton_decode", k_cache, backend).decode_attention
+    elif provisional and choice == "compiled" and cpu_attention.takes_decode(query, k_cache, v_cache, k_scale, v_scale,
                                                                              block_table, seq_lens, sink):
         fn = cpu_attention.decode_attention
     else:
@@ -242,14 +295,17 @@ def extend_attention(
     cu_seqlens_q: torch.Tensor,
     sm_scale: float,
     sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Prefix-extend attention, ``[total_q, num_heads, head_dim]``; see :func:`reference.extend_attention`.
+
+    ``backend``: as :func:`write_kv`'s.
 
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    if backend_for(k_cache) == "triton":
-        fn = _triton_module("triton_extend", k_cache).extend_attention
+    if (backend or backend_for(k_cache)) == "triton":
+        fn = _triton("triton_extend", k_cache, backend).extend_attention
     else:
         fn = reference.extend_attention
     return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, sink)

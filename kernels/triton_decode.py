@@ -37,6 +37,8 @@ so both read the pool and the sink identically.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -231,6 +233,7 @@ def splits_for(num_seqs: int, num_kv_heads: int, length: int, num_sms: int) -> i
     return max(1, min(wave, triton.cdiv(length, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
 
+@functools.cache  # a device query per launch otherwise
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device``; 1 for anything else (the interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -250,6 +253,7 @@ def merge_block(num_splits: int) -> int:
     return triton.next_power_of_2(num_splits)
 
 
+@functools.cache  # a device query per launch otherwise
 def fp8_bits_default(device: torch.device) -> bool:
     """Whether fp8 pools on ``device`` are read by bit conversion: CUDA below compute capability 8.9."""
     if device.type != "cuda":

@@ -50,11 +50,16 @@ def fp8_e4m3_bits(x):
 
 
 @triton.jit
-def _store_token(
-    src_ptr, cache_ptr, scale_ptr, src_offs, dst_offs, scale_offs, mask, head_mask,
+def store_rows(
+    x, cache_ptr, scale_ptr, dst_offs, scale_offs, mask, head_mask,
     IS_FP8: tl.constexpr, FP8_MAX_C: tl.constexpr, FP8_EPS_C: tl.constexpr,
 ):
-    x = tl.load(src_ptr + src_offs, mask=mask, other=0.0)
+    """Store one token's K or V rows ``x`` (``[heads, dim]``, zero where ``mask`` is false) into a pool.
+
+    FP8 pools: per row, the scale ``max(amax, FP8_EPS_C) / FP8_MAX_C`` goes to ``scale_ptr + scale_offs``
+    and the bytes of ``x / scale`` (clamped, rounded to nearest even) to ``cache_ptr + dst_offs``;
+    16-bit pools take a plain cast.
+    """
     if IS_FP8:
         xf = x.to(tl.float32)
         amax = tl.max(tl.abs(xf), axis=1)
@@ -65,6 +70,15 @@ def _store_token(
         tl.store(scale_ptr + scale_offs, scale, mask=head_mask)
     else:
         tl.store(cache_ptr + dst_offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_token(
+    src_ptr, cache_ptr, scale_ptr, src_offs, dst_offs, scale_offs, mask, head_mask,
+    IS_FP8: tl.constexpr, FP8_MAX_C: tl.constexpr, FP8_EPS_C: tl.constexpr,
+):
+    x = tl.load(src_ptr + src_offs, mask=mask, other=0.0)
+    store_rows(x, cache_ptr, scale_ptr, dst_offs, scale_offs, mask, head_mask, IS_FP8, FP8_MAX_C, FP8_EPS_C)
 
 
 @triton.jit

@@ -20,8 +20,10 @@ reads views of them:
 
 Per step the host writes ids, positions, slots and lengths into one staging tensor (pinned on CUDA) and
 uploads it with one non-blocking copy; a block table row is uploaded only from its first changed entry
-(a sequence's new block, a copy-on-write, a different sequence in that row); each row's exact sink
-is copied in on the device. Nothing here reads device memory back: the one host sync of a
+(a sequence's new block, a copy-on-write, a different sequence in that row); a row's exact sink
+is copied in on the device only when the row gets another one (the engine makes one sink per first
+token and never changes it, :meth:`kvchat.engine.runner.Engine.sink_kv`), so a step of a running chat
+copies nothing but its ids, positions, slots and lengths. Nothing here reads device memory back: the one host sync of a
 token is the sampled id (:mod:`kvchat.engine.sampling`).
 """
 
@@ -122,6 +124,7 @@ class DecodeBuffers:
         seq_lens: int32 ``[max_rows]`` (``step``'s lengths, cast on the device).
         block_table: int32 ``[max_rows, max_blocks]``.
         sink: float32 ``[max_rows, num_layers, num_kv_heads, head_dim]`` x2, or None without an exact sink.
+        sink_rows: the sink each row of ``sink`` holds (the tuple it was copied from, by identity), or None.
         uploads: block-table entries uploaded so far (a counter the tests read).
     """
 
@@ -142,6 +145,7 @@ class DecodeBuffers:
         self.sink = None
         if sink_shape is not None:
             self.sink = tuple(torch.zeros((max_rows, *sink_shape), device=device) for _ in range(2))
+        self.sink_rows: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_rows
         self._owners: list[SeqBlocks | None] = [None] * max_rows
         self._tables: list[list[int]] = [[] for _ in range(max_rows)]
         self._uploaded: torch.cuda.Event | None = None
@@ -182,9 +186,10 @@ class DecodeBuffers:
         self.step.copy_(self._host, non_blocking=True)  # all of it: a contiguous pinned source, one copy
         for i, r in enumerate(rows):
             self._table_row(i, r.blocks)
-            if r.sink is not None and self.sink is not None:  # device to device, 46 KB a row for SmolLM2
-                self.sink[0][i].copy_(r.sink[0])
+            if r.sink is not None and self.sink is not None and self.sink_rows[i] is not r.sink:
+                self.sink[0][i].copy_(r.sink[0])  # device to device, 46 KB a row for SmolLM2
                 self.sink[1][i].copy_(r.sink[1])
+                self.sink_rows[i] = r.sink
         self.seq_lens.copy_(self.step[_LEN])
         if self.device.type == "cuda":
             self._uploaded = torch.cuda.Event()

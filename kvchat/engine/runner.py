@@ -190,7 +190,9 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        backend = dispatch.backend_for(self.pool.k)  # on a CPU builds or loads the compiled kernels: any notice now
+        # decided once: on a CPU builds or loads the compiled kernels (any notice now); no forward reads a setting
+        model.kernels = dispatch.kernel_choice(self.pool.k)
+        backend = model.kernels.backend
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and backend != "triton"
         # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
@@ -213,7 +215,11 @@ class Engine:
             lambda done, total: progress(f"preparing {total} Triton kernel variants (compiled on a first start)", done, total))
         if warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink,  # GPU only
                    BATCH_BUCKETS, context_buckets(max_blocks), max_blocks, progress=compiling) == [] and backend == "triton":
-            backend = dispatch.backend_for(self.pool.k)  # Triton could not build its launcher: the reference
+            model.kernels = dispatch.kernel_choice(self.pool.k)  # Triton could not build its launcher: the reference
+            backend = model.kernels.backend
+        if model.kernels.fused is not None and self.device.type == "cuda":  # the decode step's fused kernels
+            model.kernels.fused.warm_up(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, self.dtype,
+                                        self.pool.layer(0), model.layers[0].self_attn.k_shift)
         # decode batches padded to BATCH_BUCKETS where graphs can run (with them off too: the warmed-up shapes)
         self.pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
         self.decode_graphs = None  # CUDA graphs of the decode step (None: eager; always on CPU)
@@ -253,7 +259,8 @@ class Engine:
         depends on its token alone, so the values are computed once per
         token and process by a one-token forward (K already centred) and are
         the same in every process and for every sequence: cold, resumed and
-        shared prefixes read identical numbers.
+        shared prefixes read identical numbers. Made once, never changed: the decode buffers copy a
+        row's sink only when the row gets another one (:mod:`kvchat.engine.decode_buffers`).
         """
         sink = self._sinks.get(token_id)
         if sink is None:

@@ -8,12 +8,18 @@ so prefill, extend and decode all read the same stored values.
 Architecture: Touvron et al. 2023 (Llama 2: RMSNorm, RoPE, SwiGLU, GQA);
 llama3 RoPE scaling as in Meta's Llama 3.1 reference code; Qwen2 adds a bias
 to q/k/v; Qwen3 RMS-normalises q and k per head before RoPE.
+
+A decode step on the Triton backend runs :mod:`kvchat.kernels.triton_fused` in place of the
+elementwise operators (the residual add with each RMSNorm, RoPE with the K shift and the cache write,
+SiLU·mul), so a decoder layer runs in 10 launches (``kvchat.bench.launch_count``); the residual stream
+is carried between layers as ``(x, delta)`` so that each add fuses into the norm that follows it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +138,17 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None,
+                    fused: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + delta), x + delta)``, or ``(norm(x), x)`` when ``delta`` is None (the residual add a
+        pre-norm layer makes before its norm). ``fused``: :mod:`kvchat.kernels.triton_fused`, both in one
+        launch (rounded as here, see its module doc)."""
+        if fused is not None:
+            return fused.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x = x + delta
+        return self(x), x
+
 
 class Attention(nn.Module):
     """GQA self-attention over the paged pool; q/k/v fused into one projection.
@@ -156,21 +173,32 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.sm_scale = cfg.head_dim**-0.5
 
-    def forward(self, x, cos, sin, meta: AttnMetadata, pool: KVPool) -> torch.Tensor:
+    def forward(self, x, cos, sin, meta: AttnMetadata, pool: KVPool, backend: str | None = None,
+                fused: ModuleType | None = None) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``, the new tokens' K/V written into ``pool`` first.
+
+        ``backend``: the attention backend decided at load (:class:`kvchat.kernels.dispatch.KernelChoice`;
+        None: decided per call). ``fused``: :mod:`kvchat.kernels.triton_fused` in a decode step on the
+        Triton backend: RoPE, the K shift and the cache write in one launch.
+        """
         t, heads = x.shape[0], self.cfg.num_heads
         qkv = self.qkv(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.cfg.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.cfg.num_kv_heads, self.cfg.head_dim)
         if self.cfg.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
-        q, k = qk[:, :heads], qk[:, heads:]
-        if self.k_shift is not None:
-            k = k - self.k_shift
-        if meta.capture_sink:
-            meta.sink[0][self.layer_id], meta.sink[1][self.layer_id] = k[0], v[0]
         k_cache, v_cache, k_scale, v_scale = pool.layer(self.layer_id)
-        dispatch.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
+        if fused is not None:  # never a sink's capture: that is a forward at position 0, not a decode step
+            q = fused.rope_write_kv(qk, v, cos, sin, self.k_shift, k_cache, v_cache, k_scale, v_scale,
+                                    meta.slot_mapping)
+        else:
+            qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
+            q, k = qk[:, :heads], qk[:, heads:]
+            if self.k_shift is not None:
+                k = k - self.k_shift
+            if meta.capture_sink:
+                meta.sink[0][self.layer_id], meta.sink[1][self.layer_id] = k[0], v[0]
+            dispatch.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping, backend)
         args = (k_cache, v_cache, k_scale, v_scale, meta.block_table, meta.seq_lens)
         if meta.dense is not None:  # the dense copy holds the sink in row 0 already
             key, value = meta.dense.append(self.layer_id, meta.slot_mapping, meta.q_start)
@@ -187,9 +215,9 @@ class Attention(nn.Module):
         if meta.sink is not None:  # [num_layers, ...] for one sequence, [num_seqs, num_layers, ...] batched
             sink = tuple(x.reshape(-1, *x.shape[-3:])[:, self.layer_id] for x in meta.sink)
         if meta.is_decode:
-            out = dispatch.decode_attention(q, *args, self.sm_scale, sink, meta.provisional)
+            out = dispatch.decode_attention(q, *args, self.sm_scale, sink, meta.provisional, backend)
         else:
-            out = dispatch.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale, sink)
+            out = dispatch.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale, sink, backend)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -202,13 +230,17 @@ class MLP(nn.Module):
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``; ``fused``: :mod:`kvchat.kernels.triton_fused`'s SiLU·mul (one launch)."""
+        gate_up = self.gate_up(x)
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer."""
+    """Pre-norm decoder layer over the residual stream ``x + delta`` (see :meth:`forward`)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -217,13 +249,25 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, meta: AttnMetadata, pool: KVPool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, meta: AttnMetadata, pool: KVPool, backend: str | None = None,
+                fused: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on hidden states ``x + delta`` (``delta`` None: ``x``), ``[T, hidden]`` each; returns the
+        next ``(x, delta)``: the layer's output is their sum, which the next norm computes
+        (:meth:`RMSNorm.add_forward`: with ``fused``, in its own launch). ``backend``, ``fused``: see
+        :meth:`Attention.forward`."""
+        h, x = self.input_layernorm.add_forward(x, delta, fused)
+        h, x = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, meta, pool, backend, fused), fused)
+        return x, self.mlp(h, fused)
 
 
 class Transformer(nn.Module):
-    """The whole decoder. ``forward`` returns last-layer hidden states; ``logits`` projects them."""
+    """The whole decoder. ``forward`` returns last-layer hidden states; ``logits`` projects them.
+
+    ``kernels``: what the forwards run, decided once by the engine that loads the model
+    (:func:`kvchat.kernels.dispatch.kernel_choice`); None (a bare model): each call decides.
+    """
+
+    kernels: dispatch.KernelChoice | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -245,13 +289,18 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, pool: KVPool) -> torch.Tensor:
         """Run ``input_ids`` int64 ``[T]`` at ``positions`` ``[T]``; returns hidden ``[T, hidden_size]``.
 
-        Writes each layer's new K/V into ``pool`` at ``meta.slot_mapping``.
+        Writes each layer's new K/V into ``pool`` at ``meta.slot_mapping``. A decode step
+        (``meta.provisional``) runs :attr:`kernels`' fused kernels where there are any.
         """
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope(positions, x.dtype)
+        backend = fused = delta = None
+        if self.kernels is not None:
+            backend = self.kernels.backend
+            fused = self.kernels.fused if meta.provisional else None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, pool)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin, meta, pool, backend, fused)
+        return self.norm.add_forward(x, delta, fused)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size]`` -> float32 logits ``[T, vocab_size]``.

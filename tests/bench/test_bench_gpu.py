@@ -51,6 +51,9 @@ def test_gpu_script_tiny_runs_every_section_without_the_app_only_packages(tmp_pa
         assert [r["context"] for r in pool["runs"]] == [64, 160]
         assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_tok_s_eager"] > 0
                    and r["decode_graphs"].startswith("eager: no graphs on cpu") for r in pool["runs"])
+        # a decode step on the GPU path (the fused Triton kernels): at most 14 launches per decoder layer
+        assert all(0 < r["launches_per_layer"] <= 14 and r["launches_outside_layers"] > 0
+                   and "_rope_write_kernel" in r["layer_launch_ops"] for r in pool["runs"])
     # without sqlite-utils the restore section says why instead of crashing
     restore = sections["e_restore"]["result"]
     assert restore["status"] == "not run" and "sqlite_utils" in restore["reason"]

@@ -73,7 +73,7 @@ def _compile_only(cc: int) -> list:
     try:
         driver.set_active(CompileOnlyDriver())
         JITFunction.run = compile_only
-        for name in ("triton_decode", "triton_extend", "triton_write"):  # decorated under the fake driver
+        for name in ("triton_decode", "triton_extend", "triton_write", "triton_fused"):  # decorated under the fake driver
             importlib.import_module(f"kvchat.kernels.{name}")
     except Exception as exc:  # noqa: BLE001 - any mismatch of internals means "cannot check here"
         print(repr(exc), file=sys.stderr)
@@ -142,7 +142,7 @@ def _compile_all(cc: int) -> None:
     import torch
 
     compiled = _compile_only(cc)
-    from kvchat.kernels import triton_decode, triton_extend, triton_write
+    from kvchat.kernels import triton_decode, triton_extend, triton_fused, triton_write
 
     fp8 = torch.float8_e4m3fn
     bits = cc < 89  # no float8e4nv below sm_89: fp8 bytes converted with integer bit operations
@@ -152,6 +152,7 @@ def _compile_all(cc: int) -> None:
         (32, 8, 128, torch.bfloat16, fp8),
         (9, 3, 64, torch.bfloat16, fp8),
     ]
+    hidden = {32: (4096, 14336), 9: (576, 1536)}  # Llama-3-8B's and SmolLM2's hidden and MLP sizes
     for num_heads, num_kv_heads, head_dim, act, pool in cases:
         k_cache = torch.zeros(64, 16, num_kv_heads, head_dim, dtype=pool)
         v_cache = torch.zeros_like(k_cache)
@@ -159,6 +160,8 @@ def _compile_all(cc: int) -> None:
         sink = tuple(torch.zeros(4, num_kv_heads, head_dim) for _ in range(2)) if pool == fp8 else None
         kv = torch.zeros(40, num_kv_heads, head_dim, dtype=act)
         triton_write.write_kv(kv, kv, k_cache, v_cache, *scales, torch.arange(40))
+        shift = torch.zeros(num_kv_heads, head_dim, dtype=act) if pool == fp8 else None  # K centring: fp8 pools
+        triton_fused.warm_up(*hidden[num_heads], num_heads, act, (k_cache, v_cache, *scales), shift)
         table = torch.zeros(4, 13, dtype=torch.int32)
         seq_lens = torch.ones(4, dtype=torch.int32)
         for splits in (1, 5):
