@@ -15,7 +15,7 @@ Through :func:`decode_attention` the attention runs for decode steps only (:func
 ``provisional``); the compiled decoder layers (:mod:`kvchat.kernels.cpu_decode`) also run it for short chunks
 of one sequence, whose K/V are stored (every chunk of that size runs there, so the bits are the same cold or
 resumed). It needs ``head_dim`` a multiple of 16.
-Figures (decode step at 4,096 tokens, this 2-core machine) are in the README
+Figures (decode step at 4,096 tokens, this 2-core machine) are in docs/performance.md
 and ``kvchat bench engine``.
 
 Decode K/V are provisional (answers are recomputed as prefill chunks,

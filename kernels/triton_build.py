@@ -40,7 +40,11 @@ def launcher_problem() -> str | None:
 
 def is_build_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is Triton failing to build a host module: the compiler exited with an error, could
-    not be started, or was not found (``triton.runtime.build``'s RuntimeError names the compiler)."""
-    if isinstance(exc, (subprocess.CalledProcessError, FileNotFoundError)):
+    not be started, or was not found (``triton.runtime.build``'s RuntimeError: "Failed to find C compiler").
+    Other errors (a missing file of the model, a kernel's own bug) are not, so they never switch Triton off."""
+    if isinstance(exc, subprocess.CalledProcessError):
         return True
-    return isinstance(exc, RuntimeError) and "compiler" in str(exc).lower()
+    if isinstance(exc, FileNotFoundError):  # the compiler itself could not be started
+        compilers = {"gcc", "clang", "cc", Path(os.environ.get("CC") or "cc").name}
+        return Path(str(exc.filename or "")).name in compilers
+    return isinstance(exc, RuntimeError) and "failed to find c compiler" in str(exc).lower()

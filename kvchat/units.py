@@ -1,6 +1,6 @@
 """Sizes for people: one unit system (decimal: kB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12 bytes) in every view.
 
-The CLI, the TUI and every message that names a size of the disk cache, the disk or the KV pool use
+The CLI, the TUI and every message that names a size of the disk cache or the disk use
 :func:`size_text`, so one figure reads the same wherever it is shown (``KVCHAT_CACHE_BUDGET_GB`` is decimal GB too).
 """
 

@@ -9,7 +9,7 @@ loaded and one prefill chunk's activation peak is set aside. The peak is measure
 ``--gpu-memory F`` (``KVCHAT_GPU_MEMORY``, as vLLM's ``gpu_memory_utilization``) this process
 holds at most ``F`` of the GPU's total memory; without it the pool takes
 :data:`DEFAULT_FREE_SHARE` of what is still free, so a desktop, a browser or a second
-kvchat process keep room (taking 90 % of it, the old rule, left a second process an
+kvchat process keep room (taking 90 % of it would leave a second process an
 OOM at load or a one-block pool on which every prompt overflowed). A cap under
 :data:`MIN_POOL_TOKENS` tokens is one :class:`GPUMemoryError` line with the numbers and
 the flag, as is running out of memory while loading (:func:`load_oom_line`).

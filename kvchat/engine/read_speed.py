@@ -65,13 +65,18 @@ class ReadSpeed:
         return cls(clock=lambda: 0.0, bytes_per_s=bytes_per_s, measured_at=0.0)
 
     def record(self, nbytes: int, seconds: float) -> None:
-        """A read of ``nbytes`` that took ``seconds`` (a probe or a restore); it replaces the estimate."""
+        """A read of ``nbytes`` that took ``seconds`` (a probe or a restore); it replaces the estimate. A read
+        of nothing (an empty, damaged file) measures nothing and is ignored: a speed of 0 would stop every
+        restore until it went stale, where the damaged file is dropped by the read itself."""
+        if nbytes <= 0:
+            return
         self.bytes_per_s = nbytes / max(seconds, 1e-9)
         self.measured_at = self.clock()
 
-    def current(self, path: Path) -> float:
+    def current(self, path: Path) -> float | None:
         """Bytes/s, probed on ``path`` (a file the caller is about to read) first when the latest
-        measurement is missing or older than :data:`STALE_S`.
+        measurement is missing or older than :data:`STALE_S`; None when nothing was ever measured (the probe
+        read an empty file).
 
         Raises:
             OSError: the probe cannot read ``path`` (the restore would fail on it too).

@@ -109,6 +109,7 @@ def load_runtime(
     info = resolve_model(model)
     step(f"loading {info.name}: tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
+    step(f"loading {info.name}: weights ({weight_format})")
     reader = CheckpointReader(info.path)
     if progress is not None:
         reader.on_read = _weight_progress(reader, info.config.tie_word_embeddings, progress)
@@ -162,7 +163,8 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None,
             Hugging Face-named weights (benchmarks holding them: a temporary bf16-pool engine is built).
         tokenizer: its tokenizer (encodes the calibration text).
         device: where a temporary engine runs (``source`` weights only).
-        progress: gets ``(text, 0, 1)`` before computing and ``(text, 1, 1)`` after (None: one line on stderr).
+        progress: gets ``(text, 0, 1)`` before computing and ``(text, 1, 1)`` after; the step is also said through
+            :func:`kvchat.load_steps.step` (the TUI's status line, or one line on stderr at a CLI's first start).
     Raises:
         kvchat.texts.TextSourceError: the standard library has no sources to read text from.
     """

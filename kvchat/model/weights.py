@@ -11,7 +11,7 @@ second copy of the weights:
 - otherwise a tensor is read into a host staging buffer of its stored dtype
   in pieces of whole rows of at most :data:`STAGING_BYTES` (for CUDA one pinned
   buffer, reused, as large as the largest piece: an 8B checkpoint's 1 GiB
-  embedding no longer pins 1-2 GiB of host memory), each converted on the host
+  embedding does not pin 1-2 GiB of host memory), each converted on the host
   when the dtypes differ and copied to its rows of the parameter: one piece in
   flight, on the host. :meth:`CheckpointReader.close` (the engine calls it once
   the weights are in) frees the buffer and gives the pinned pages back.

@@ -60,7 +60,7 @@ def test_gpu_script_tiny_runs_every_section_without_the_app_only_packages(tmp_pa
 
 
 def test_kernel_bench_engine_step_runs_without_platformdirs(tmp_path):
-    """bench/gpu_kernels.py's step (d) imports the engine; it used to need platformdirs (settings at import)."""
+    """bench/gpu_kernels.py's step (d) imports the engine, which must not need platformdirs (settings at import)."""
     script = tmp_path / "step_d.py"
     script.write_text(
         "import importlib.util, sys, torch\n"

@@ -72,8 +72,8 @@ LLAMA_8B = KVCacheSpec(32, 8, 128, "fp8")  # ~66 KiB per token
 
 def test_the_default_leaves_half_of_a_shared_gpu_free():
     """A 24 GiB card with a desktop (1.5 GiB) and an 8B model's bf16 weights (15 GiB) held by this process:
-    7.5 GiB free, 1 GiB of it the activation peak. The default takes half of the 6.5 GiB left (the old rule
-    took 90 %, leaving 1.65 GiB free, less than a 1B model's 2 GiB of weights); a second kvchat process with a 1B
+    7.5 GiB free, 1 GiB of it the activation peak. The default takes half of the 6.5 GiB left (taking
+    90 % would leave 1.65 GiB free, less than a 1B model's 2 GiB of weights); a second kvchat process with a 1B
     model then loads beside it and gets a pool of its own."""
     free, act, total, held = int(7.5 * GIB), GIB, 24 * GIB, 15 * GIB
     assert gpu_pool_cap(free, act, total, held, None) == int(3.25 * GIB)
@@ -105,7 +105,7 @@ def test_a_pool_too_small_for_a_chat_is_one_line_with_the_numbers_and_the_flag()
         "at most the 6.5 GiB free), under the 0.13 GiB of 2,048 tokens; raise --gpu-memory, or free GPU memory")
     with pytest.raises(GPUMemoryError, match=r"^the KV pool would get 0\.00 GiB \(50% of the 0\.0 GiB free .*; pass "
                        r"--gpu-memory FRACTION \(this process's share of the GPU's 24\.0 GiB\), or free GPU memory$"):
-        gpu_plan(LLAMA_8B, 131072, 4, 0, GIB, 24 * GIB, 22 * GIB, None)  # the old rule: a one-block pool
+        gpu_plan(LLAMA_8B, 131072, 4, 0, GIB, 24 * GIB, 22 * GIB, None)  # 90 % of what is free would give a one-block pool
     small = KVCacheSpec(30, 3, 64, "fp8")  # a model whose context is under MIN_POOL_TOKENS needs only that much
     assert gpu_plan(small, 1024, 1, 3 * 1024 * small.bytes_per_token, 0, GIB, 0, None).bytes == 1024 * small.bytes_per_token
     assert MIN_POOL_TOKENS > 1024

@@ -89,3 +89,15 @@ def test_restore_pays_compares_read_time_with_prefill_time(read_bytes_per_s, res
     # 4,096 tokens of an 8B fp8 chat: 276 MB; an H200 prefills them in 0.2 s; read at 2 GB/s 0.14 s, at 1 GB/s 0.28 s
     tokens = 4096
     assert restore_pays(tokens * BYTES_PER_TOKEN_8B, tokens, read_bytes_per_s, H200_PREFILL_8B) is restore
+
+
+def test_an_empty_file_measures_nothing_and_never_stops_restores(tmp_path):
+    """A probe of an empty (damaged) chunk file reads 0 bytes: no speed of 0 B/s is recorded (it divided by zero
+    in the rule, then refused every restore until stale); the read drops the file instead."""
+    empty = tmp_path / "chunk"
+    empty.write_bytes(b"")
+    speed = ReadSpeed(clock=Ticks(10.0, 0.001))
+    assert speed.current(empty) is None
+    speed.record(5_000_000, 0.001)
+    speed.record(0, 0.001)  # a restore that read nothing
+    assert speed.bytes_per_s == pytest.approx(5e9)

@@ -1,5 +1,5 @@
 """A CUDA save copies its chunks out of the pool into pinned host memory only up to a bound
-(kvchat.engine.persistence.pinned_chunks): a 32K-token chat of an 8B model no longer pins ~2.2 GB at once."""
+(kvchat.engine.persistence.pinned_chunks): a 32K-token chat of an 8B model never pins its ~2.2 GB at once."""
 
 from __future__ import annotations
 

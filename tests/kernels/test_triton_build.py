@@ -41,6 +41,9 @@ def test_what_triton_raises_for_a_failed_build_is_recognised():
     assert is_build_failure(subprocess.CalledProcessError(1, ["gcc", "main.c"]))
     assert is_build_failure(FileNotFoundError(2, "No such file or directory", "/opt/cc"))
     assert is_build_failure(RuntimeError("Failed to find C compiler. Please specify via CC environment variable"))
+    # other errors never switch Triton off
+    assert not is_build_failure(FileNotFoundError(2, "No such file or directory", "/models/m/accelerate.json"))
+    assert not is_build_failure(RuntimeError("the compiler of a shape went wrong in a kernel"))
     assert not is_build_failure(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_build_failure(ValueError("compiler"))
 

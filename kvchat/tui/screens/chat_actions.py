@@ -233,5 +233,7 @@ class ChatActions:
         self.app.notify(f"continued in a new chat with {' and '.join(carried) or 'the system prompt alone'}",
                         markup=False)
         if message:  # this runs inside the continuation's own job, so nothing else can have started
-            self.query_one("#input").clear()
+            chat_input = self.query_one("#input")
+            if chat_input.text.startswith(message):  # given back before what was typed since: keep the rest
+                chat_input.text = chat_input.text[len(message):].removeprefix("\n")
             await self.start_turn("send", message)
