@@ -101,3 +101,8 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def ask_greedy(client, messages, **kw):
+    """A chat completion at temperature 0 on the default model with the ``openai`` client ``client``."""
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)

@@ -20,27 +20,16 @@ from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat
 from process_helpers import run_kvchat
-from server_helpers import API_KEY, MODEL, Server
+from server_helpers import API_KEY, MODEL, Server, ask_greedy
 
 pytestmark = pytest.mark.model
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
 TOPICS = ["cats", "the moon", "bread", "rivers", "chess", "music", "trains", "winter"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smol_info):
-    srv = Server(tmp_path_factory.mktemp("serve") / "home").start()
-    yield srv
-    srv.stop()
-
-
-def _ask(client, messages, **kw):
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
-
-
 def _stream_text(client, messages, **kw) -> tuple[str, dict]:
     parts, extra = [], {}
-    for chunk in _ask(client, messages, stream=True, **kw):
+    for chunk in ask_greedy(client, messages, stream=True, **kw):
         if chunk.choices and chunk.choices[0].delta.content:
             parts.append(chunk.choices[0].delta.content)
         extra.update(chunk.model_extra or {})
@@ -52,10 +41,10 @@ def test_resume_after_restart_and_kill9(tmp_path, smol_info, smol_dir):
     srv = Server(home).start()
     c = srv.client()
     msgs = [SYSTEM, {"role": "user", "content": "Name three colors of the rainbow."}]
-    r1 = _ask(c, msgs, max_tokens=24)
+    r1 = ask_greedy(c, msgs, max_tokens=24)
     msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
              {"role": "user", "content": "Which one is your favourite, and why?"}]
-    r2 = _ask(c, msgs, max_tokens=24)
+    r2 = ask_greedy(c, msgs, max_tokens=24)
     text2 = r2.choices[0].message.content
     streamed, extra = _stream_text(c, msgs, max_tokens=24)
     assert text2 and streamed == text2
@@ -65,7 +54,7 @@ def test_resume_after_restart_and_kill9(tmp_path, smol_info, smol_dir):
 
     # kill -9 mid-generation of turn 3
     got = []
-    stream = _ask(c, msgs, max_tokens=300, stream=True)
+    stream = ask_greedy(c, msgs, max_tokens=300, stream=True)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             got.append(chunk.choices[0].delta.content)
@@ -78,7 +67,7 @@ def test_resume_after_restart_and_kill9(tmp_path, smol_info, smol_dir):
 
     srv2 = Server(home).start()
     try:
-        r3 = _ask(srv2.client(), msgs, max_tokens=12)
+        r3 = ask_greedy(srv2.client(), msgs, max_tokens=12)
     finally:
         srv2.stop()
     k = r3.model_extra["kvchat"]
@@ -102,7 +91,7 @@ def test_resume_after_restart_and_kill9(tmp_path, smol_info, smol_dir):
 def _conversation(client, topic: str, turns: int = 5, counted: list | None = None) -> list[str]:
     msgs, out = [{"role": "user", "content": f"Tell me one fact about {topic}."}], []
     for k in range(turns):
-        r = _ask(client, msgs, max_tokens=6)
+        r = ask_greedy(client, msgs, max_tokens=6)
         text = r.choices[0].message.content
         out.append(text)
         if counted is not None:
@@ -138,7 +127,7 @@ def test_eight_concurrent_clients_get_their_single_client_answers(server):
 
 def test_disconnect_mid_stream_frees_blocks(server):
     assert server.wait_idle()["pool_blocks_used"] == 0
-    stream = _ask(server.client(), [{"role": "user", "content": "Write a long story about a dragon."}],
+    stream = ask_greedy(server.client(), [{"role": "user", "content": "Write a long story about a dragon."}],
                   max_tokens=400, stream=True)
     n = 0
     for chunk in stream:
@@ -201,7 +190,7 @@ def test_routes_models_and_client_errors(server):
         c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
-    r = _ask(c, [{"role": "user", "content": "Say the word yes."}], max_tokens=20, stop=["e"])
+    r = ask_greedy(c, [{"role": "user", "content": "Say the word yes."}], max_tokens=20, stop=["e"])
     assert "e" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
     assert API_KEY not in server.read_log() and "Say the word" not in server.read_log()  # prompts are not logged
 
@@ -211,7 +200,7 @@ def test_full_pool_queues_then_503(tmp_path, smol_info):
     try:
         limit = srv.health()["context_limit"]
         c = srv.client()
-        first = _ask(c, [{"role": "user", "content": "Count from 1 to 500, separated by commas."}],
+        first = ask_greedy(c, [{"role": "user", "content": "Count from 1 to 500, separated by commas."}],
                      max_tokens=limit - 40, stream=True)
         next(iter(first))
         code, err, headers = srv.request("POST", "/v1/chat/completions", _chat_body())

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat
 from process_helpers import assert_one_error_line, run_kvchat
-from server_helpers import MODEL, Server
+from server_helpers import MODEL, Server, ask_greedy
 
 pytestmark = pytest.mark.model
 
@@ -28,13 +28,9 @@ def server(tmp_path_factory, smol_info):
     srv.stop()
 
 
-def _ask(client, messages, **kw):
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
-
-
 def test_a_blank_first_message_is_answered_and_titled_new_chat(server):
     c = server.client()
-    r = _ask(c, [{"role": "user", "content": "  \n"}, {"role": "assistant", "content": "Hello!"},
+    r = ask_greedy(c, [{"role": "user", "content": "  \n"}, {"role": "assistant", "content": "Hello!"},
                  {"role": "user", "content": "Say yes."}], max_tokens=3)
     chat_id = r.model_extra["kvchat"]["chat_id"]
     db = sqlite3.connect(server.home / "kvchat.db")
@@ -60,7 +56,7 @@ def test_stop_strings_at_the_limits_are_accepted(server):
 def test_an_answer_cut_at_a_stop_string_is_reused_when_resent(server, smol_dir):
     c = server.client()
     msgs = [{"role": "user", "content": "Describe the sea in three sentences."}]
-    r1 = _ask(c, msgs, max_tokens=60, stop=["."])
+    r1 = ask_greedy(c, msgs, max_tokens=60, stop=["."])
     cut = r1.choices[0].message.content
     assert cut and "." not in cut and r1.choices[0].finish_reason == "stop" and r1.usage.completion_tokens < 60
     db = sqlite3.connect(server.home / "kvchat.db")
@@ -68,7 +64,7 @@ def test_an_answer_cut_at_a_stop_string_is_reused_when_resent(server, smol_dir):
                         [r1.model_extra["kvchat"]["chat_id"]]).fetchall()
     assert stored == [(cut,)]  # what the client got, not the generated text past the stop string
     msgs += [{"role": "assistant", "content": cut}, {"role": "user", "content": "And the sky?"}]
-    r2 = _ask(c, msgs, max_tokens=4)
+    r2 = ask_greedy(c, msgs, max_tokens=4)
     fmt = ChatFormat(AutoTokenizer.from_pretrained(smol_dir))
     history = r2.usage.prompt_tokens - len(fmt.user_turn_ids(msgs[-1]["content"]))
     assert r2.usage.prompt_tokens_details.cached_tokens >= history - 32, r2.model_extra["kvchat"]

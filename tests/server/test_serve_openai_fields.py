@@ -12,20 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat
-from server_helpers import MODEL, Server
+from server_helpers import MODEL, ask_greedy
 
 pytestmark = pytest.mark.model
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smol_info):
-    srv = Server(tmp_path_factory.mktemp("serve") / "home").start()
-    yield srv
-    srv.stop()
-
-
-def _ask(client, messages, **kw):
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
 
 
 def _stored_finish(server, chat_id: str) -> str | None:
@@ -39,11 +28,11 @@ def _stored_finish(server, chat_id: str) -> str | None:
 def test_finish_reason_is_stop_at_the_end_of_sequence_and_length_at_max_tokens(server):
     c = server.client()
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    eos = _ask(c, msgs, max_tokens=40)
+    eos = ask_greedy(c, msgs, max_tokens=40)
     assert eos.choices[0].finish_reason == "stop" and eos.usage.completion_tokens < 40
-    cut = _ask(c, msgs, max_tokens=2)
+    cut = ask_greedy(c, msgs, max_tokens=2)
     assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 2
-    reasons = [ch.choices[0].finish_reason for ch in _ask(c, msgs, max_tokens=2, stream=True) if ch.choices]
+    reasons = [ch.choices[0].finish_reason for ch in ask_greedy(c, msgs, max_tokens=2, stream=True) if ch.choices]
     assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
     assert _stored_finish(server, eos.model_extra["kvchat"]["chat_id"]) == "stop"
     assert _stored_finish(server, cut.model_extra["kvchat"]["chat_id"]) == "length"
@@ -52,32 +41,32 @@ def test_finish_reason_is_stop_at_the_end_of_sequence_and_length_at_max_tokens(s
 def test_response_format_text_is_accepted_and_json_is_refused_by_name(server):
     c = server.client()
     msgs = [{"role": "user", "content": "Say hi."}]
-    assert _ask(c, msgs, max_tokens=2, response_format={"type": "text"}).choices[0].message.content
+    assert ask_greedy(c, msgs, max_tokens=2, response_format={"type": "text"}).choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="response_format 'json_object' is not supported"):
-        _ask(c, msgs, max_tokens=2, response_format={"type": "json_object"})
+        ask_greedy(c, msgs, max_tokens=2, response_format={"type": "json_object"})
 
 
 def test_a_frequency_penalty_changes_the_answer_and_unknown_fields_are_refused(server):
     c = server.client()
     msgs = [{"role": "user", "content": "Write the word cat ten times."}]
-    plain = _ask(c, msgs, max_tokens=24).choices[0].message.content
-    penalized = _ask(c, msgs, max_tokens=24, frequency_penalty=2.0).choices[0].message.content
+    plain = ask_greedy(c, msgs, max_tokens=24).choices[0].message.content
+    penalized = ask_greedy(c, msgs, max_tokens=24, frequency_penalty=2.0).choices[0].message.content
     assert plain.lower().count("cat") > penalized.lower().count("cat"), (plain, penalized)
     with pytest.raises(openai.BadRequestError, match="unknown field 'repetition_penalty'"):
-        _ask(c, msgs, max_tokens=2, extra_body={"repetition_penalty": 1.1})
+        ask_greedy(c, msgs, max_tokens=2, extra_body={"repetition_penalty": 1.1})
     with pytest.raises(openai.BadRequestError, match="logit_bias is not supported"):
-        _ask(c, msgs, max_tokens=2, logit_bias={"42": 10})
+        ask_greedy(c, msgs, max_tokens=2, logit_bias={"42": 10})
 
 
 def test_consecutive_user_messages_are_joined_and_the_next_request_reuses_them(server, smol_dir):
     c = server.client()
     msgs = [{"role": "user", "content": "My name is Ada."}, {"role": "user", "content": "What is my name?"}]
-    r1 = _ask(c, msgs, max_tokens=12)
-    joined = _ask(c, [{"role": "user", "content": "My name is Ada.\n\nWhat is my name?"}], max_tokens=12)
+    r1 = ask_greedy(c, msgs, max_tokens=12)
+    joined = ask_greedy(c, [{"role": "user", "content": "My name is Ada.\n\nWhat is my name?"}], max_tokens=12)
     assert r1.choices[0].message.content == joined.choices[0].message.content  # the same prompt
     msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
              {"role": "user", "content": "And yours?"}, {"role": "user", "content": "Answer briefly."}]
-    r2 = _ask(c, msgs, max_tokens=4)
+    r2 = ask_greedy(c, msgs, max_tokens=4)
     fmt = ChatFormat(AutoTokenizer.from_pretrained(smol_dir))
     history = r2.usage.prompt_tokens - len(fmt.user_turn_ids("And yours?\n\nAnswer briefly."))
     assert r2.usage.prompt_tokens_details.cached_tokens >= history - 32, r2.model_extra["kvchat"]
