@@ -64,7 +64,8 @@ class KVScheme:
             return
         original = dispatch.write_kv
         scale = self.fixed_scale
-        dispatch.write_kv = lambda *args: write_fixed_scale(*args, scale=scale)
+        # the backend the model passes (every backend writes the same rows) does not apply to this scheme
+        dispatch.write_kv = lambda *args, backend=None: write_fixed_scale(*args[:7], scale=scale)
         try:
             yield
         finally:
