@@ -265,7 +265,10 @@ def _error_kind(exc: Exception) -> tuple[str, dict]:
     from kvchat.conversation.views import ContextFullError
     from kvchat.engine.runner import ContextOverflowError
     from kvchat.model.registry import ModelNotFoundError
+    from kvchat.store.errors import StoreError
 
+    if isinstance(exc, StoreError):  # damaged, newer, read-only or locked: the database, not the request
+        return "database_error", {}
     if isinstance(exc, ContextFullError):
         return "context_length_exceeded", {"needed_tokens": exc.needed, "context_limit": exc.limit}
     if isinstance(exc, ContextOverflowError):

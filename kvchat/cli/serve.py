@@ -62,6 +62,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if not args.queue_timeout > 0:
         raise ValueError(f"--queue-timeout must be > 0 seconds, got {args.queue_timeout}")
+    from kvchat.index import get_db
+
+    get_db()  # a damaged or newer database is one line now, as for every other command, not a 500 per request
     from kvchat.cpu_threads import checked_threads, on_own_thread
     from kvchat.model.loader import load_runtime, set_threads
     from kvchat.progress import print_start_progress

@@ -18,6 +18,7 @@ from kvchat.store.db import backups_dir, connect, database_error_line
 from kvchat.index import get_db
 
 from process_helpers import assert_one_error_line, run_kvchat, tree
+from server_helpers import free_port
 
 pytestmark = pytest.mark.fault
 
@@ -52,12 +53,15 @@ def test_a_database_with_garbage_in_its_middle_is_refused_by_every_command(kvcha
     shutil.copy(kvchat_home / "kvchat.db", backups_dir(kvchat_home / "kvchat.db") / "kvchat-1-before-m005.db")
     _garbage_in_the_middle(kvchat_home / "kvchat.db")
     before = tree(kvchat_home)
-    for argv in (["cache", "ls"], ["cache", "verify"], ["doc", "list"], ["ask", "hello", "--chat", ids[0]]):
+    for argv in (["cache", "ls"], ["cache", "verify"], ["doc", "list"], ["ask", "hello", "--chat", ids[0]],
+                 ["serve", "--port", str(free_port())]):
         proc = run_kvchat(kvchat_home, *argv)
         assert proc.returncode == 2, (argv, proc.stderr)
         assert proc.stdout == "", "nothing was generated or listed from a damaged index"
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "is damaged" in lines[0] and str(backups_dir(kvchat_home / "kvchat.db")) in lines[0], (argv, lines)
+    proc = run_kvchat(kvchat_home, "ask", "hello", "--chat", ids[0], "--json")
+    assert proc.returncode == 2 and json.loads(proc.stdout)["error"]["type"] == "database_error", proc.stdout
     proc = run_kvchat(kvchat_home)  # the TUI: one line before the model loads
     assert_one_error_line(proc, "is damaged")
     assert tree(kvchat_home) == before
