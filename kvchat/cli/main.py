@@ -267,14 +267,14 @@ def _error_kind(exc: Exception) -> tuple[str, dict]:
     from kvchat.model.registry import ModelNotFoundError
     from kvchat.store.errors import StoreError
 
-    if isinstance(exc, StoreError):  # damaged, newer, read-only or locked: the database, not the request
-        return "database_error", {}
     if isinstance(exc, ContextFullError):
         return "context_length_exceeded", {"needed_tokens": exc.needed, "context_limit": exc.limit}
     if isinstance(exc, ContextOverflowError):
         return "context_length_exceeded", {}
     if isinstance(exc, (LookupError, ModelNotFoundError)):
         return "not_found", {}
+    if isinstance(exc, StoreError):  # damaged, newer, read-only or locked: the database, not the request
+        return "database_error", {}
     return "invalid_request", {}
 
 
