@@ -205,13 +205,15 @@ async def test_real_model_message_sent_while_a_document_prefills_then_esc_and_qu
     from kvchat.tui.real_backend import RealBackend
 
     torch.set_num_threads(1)
-    # a 4,096-token pool: the ~2,500-token document prefills for seconds, as a 10 KB file does under load
-    h = Harness(RealBackend(str(smol_info.path), "fp8", pool_bytes=48 * 2**20, threads=1))
+    # a ~6,800-token pool holds the first chat and the second document beside it; each document is several
+    # 512-token chunks, so its prefill lasts past the key that follows the attach (Esc or quit land between
+    # chunks) even on an idle machine, as a 10 KB file does under load
+    h = Harness(RealBackend(str(smol_info.path), "fp8", pool_bytes=80 * 2**20, threads=1))
     backend, app = h.backend, h.app
     notes = tmp_path / "heron.txt"
     notes.write_text("Field notes. The grey heron nests in the alders by the old mill. " * 160)
     other = tmp_path / "otter.txt"
-    other.write_text("Survey. The otter holt lies under the willow roots by the weir. " * 45)
+    other.write_text("Survey. The otter holt lies under the willow roots by the weir. " * 150)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: h.screen.ready, timeout=120)
         h.screen.settings = SamplingParams(max_tokens=8)
