@@ -163,8 +163,16 @@ def connect_reader(path: Path) -> Database:
         _exclusive(conn)
     conn.execute("PRAGMA query_only = ON")
     db = Database(conn, execute_plugins=False)
+    db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    if _needs_migration(db, path):
+        return connect(path)
+    return db
+
+
+def _needs_migration(db: Database, path: Path) -> bool:
+    """Check a read-only connection ``db`` to ``path`` (:func:`_check_once`, the schema version); True, with
+    ``db`` closed, when the schema needs a migration. A damaged or newer database closes ``db`` and raises."""
     try:
-        db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         _check_once(db, path)
         pending = check_schema(db)
     except BaseException:
@@ -172,8 +180,7 @@ def connect_reader(path: Path) -> Database:
         raise
     if pending:
         db.close()
-        return connect(path)
-    return db
+    return bool(pending)
 
 
 def _check_once(db: Database, path: Path) -> None:
@@ -195,14 +202,7 @@ def _connect_read_only(path: Path) -> Database:
     wal = path.with_name(path.name + "-wal")
     uri = f"{path.resolve().as_uri()}?mode=ro" + ("" if wal.exists() else "&immutable=1")
     db = Database(sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=True), execute_plugins=False)
-    try:
-        _check_once(db, path)
-        pending = check_schema(db)
-    except BaseException:
-        db.close()
-        raise
-    if pending:
-        db.close()
+    if _needs_migration(db, path):
         raise ReadOnlyStoreError(f"the database {path} needs a schema upgrade but its data dir {path.parent} is "
                                  "read-only; make it writable once")
     return db
