@@ -11,6 +11,7 @@ import threading
 import pytest
 from textual.widgets import Input
 
+from kvchat.conversation.events import PrefillProgress
 from kvchat.engine.turn import SamplingParams
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.screens.busy import Act, Job, Verdict, decide
@@ -184,6 +185,24 @@ async def test_a_short_call_refuses_what_would_race_it(act, job, verdict):
     assert decide(Act.SEND, None, not_ready="the model is still loading").reason == "the model is still loading"
 
 
+def hold_prefills(backend) -> threading.Event:
+    """Hold every document prefill of the real ``backend`` after each chunk's progress event until the returned
+    gate is set (or the attach is cancelled), so a key typed during an attach lands during it on any machine."""
+    gate, new_chat = threading.Event(), backend.new_chat
+
+    def held_new_chat(system, paths, emit, cancel=None):
+        def held(event):
+            emit(event)
+            if isinstance(event, PrefillProgress):
+                while not gate.wait(timeout=0.01) and not (cancel is not None and cancel.is_set()):
+                    pass
+
+        return new_chat(system, paths, held, cancel)
+
+    backend.new_chat = held_new_chat
+    return gate
+
+
 def stored():
     """(conversations with their documents and messages, document titles) as the SQLite store holds them."""
     from kvchat.index import get_db
@@ -206,10 +225,10 @@ async def test_real_model_message_sent_while_a_document_prefills_then_esc_and_qu
 
     torch.set_num_threads(1)
     # a ~6,800-token pool holds the first chat and the second document beside it; each document is several
-    # 512-token chunks, so its prefill lasts past the key that follows the attach (Esc or quit land between
-    # chunks) even on an idle machine, as a 10 KB file does under load
+    # 512-token chunks, so Esc or quit land between chunks
     h = Harness(RealBackend(str(smol_info.path), "fp8", pool_bytes=80 * 2**20, threads=1))
     backend, app = h.backend, h.app
+    gate = hold_prefills(backend)
     notes = tmp_path / "heron.txt"
     notes.write_text("Field notes. The grey heron nests in the alders by the old mill. " * 160)
     other = tmp_path / "otter.txt"
@@ -221,19 +240,23 @@ async def test_real_model_message_sent_while_a_document_prefills_then_esc_and_qu
         assert "attaching heron.txt" in status(h)
         await type_and_send(pilot, h, "Summarize this.")
         assert h.screen.job is Job.ATTACH and "1 message waits" in status(h), "sent while the document prefills"
+        gate.set()
         await until(pilot, lambda: h.screen.job is None and backend.current().id is not None, timeout=180)
         [(docs, messages)], titles = stored()
         assert docs == ["heron.txt"] and titles == ["heron.txt"]
         assert messages[0] == ("user", "Summarize this.") and messages[1][0] == "assistant" and messages[1][1]
         assert h.blocks("assistant")[-1].text == messages[1][1]
 
+        gate.clear()
         await attach(pilot, h, other)
+        await until(pilot, lambda: "prefilling" in status(h), timeout=60)
         await pilot.press("escape")
         await until(pilot, lambda: h.screen.job is None, timeout=120)
         assert any("attach cancelled; nothing was stored" in n for n in h.notes), (h.notes, stored())
         assert stored() == ([(docs, messages)], titles), "no document row, no chat for the cancelled attach"
         assert [r.title for r in backend.list_documents()] == ["heron.txt"]
         await attach(pilot, h, other)
+        await until(pilot, lambda: "prefilling" in status(h), timeout=60)
         await pilot.press("ctrl+q")  # quit during a prefill: it stops, then the cache is flushed
-        await until(pilot, lambda: app._shut_down, timeout=60)
+        await until(pilot, lambda: app.return_code is not None, timeout=60)  # shut down and flushed
     assert app.return_code == 0 and stored() == ([(docs, messages)], titles)
