@@ -210,6 +210,10 @@ def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check
             ref = reference.decode_attention(q.cpu(), mirror.k_cache, mirror.v_cache, mirror.k_scale,
                                              mirror.v_scale, mirror.block_table, mirror.seq_lens, sm_scale)
             checks.append(Check(shape, "decode_attention (max abs err)", name, _err(out, ref), tol))
+            if pool.k_scale is not None and device.type == "cuda":  # the bit conversion GPUs below sm_89 run
+                out = triton_decode.paged_decode(q, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale,
+                                                 pool.block_table, pool.seq_lens, sm_scale, fp8_bits=True)
+                checks.append(Check(shape, "decode_attention fp8 bits (max abs err)", name, _err(out, ref), tol))
 
             ext = empty_pool([p + n for p, n in chunks], num_kv_heads, head_dim, pool_dtype, device, seed=1)
             write_sequences(kernels, ext, act)
@@ -221,6 +225,11 @@ def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check
             ref = reference.extend_attention(q.cpu(), ext_cpu.k_cache, ext_cpu.v_cache, ext_cpu.k_scale,
                                              ext_cpu.v_scale, ext_cpu.block_table, ext_cpu.seq_lens, cu, sm_scale)
             checks.append(Check(shape, "extend_attention (max abs err)", name, _err(out, ref), tol))
+            if ext.k_scale is not None and device.type == "cuda":
+                out = triton_extend.extend_attention(q, ext.k_cache, ext.v_cache, ext.k_scale, ext.v_scale,
+                                                     ext.block_table, ext.seq_lens, cu.to(device), sm_scale,
+                                                     fp8_bits=True)
+                checks.append(Check(shape, "extend_attention fp8 bits (max abs err)", name, _err(out, ref), tol))
     return checks
 
 
@@ -232,8 +241,13 @@ def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.cpu().float() - ref.float()).abs().max())
 
 
-def time_ms(fn, device: torch.device, reps: int) -> float:
-    """Median ms of ``fn()``; on CUDA with CUDA events and the L2 cache flushed before each call."""
+def time_ms(fn, device: torch.device, reps: int, graph: bool = False) -> float:
+    """Median ms of ``fn()``; on CUDA with CUDA events and the L2 cache flushed before each call.
+
+    ``graph``: time the replay of a CUDA graph of ``fn()`` instead of the call, as a decode step's graph runs
+    it: the device time alone, without the Python and launch time of the call (which, for a kernel of tens of
+    microseconds, the GPU otherwise waits on between the events).
+    """
     fn()
     if device.type != "cuda":
         times = []
@@ -242,6 +256,17 @@ def time_ms(fn, device: torch.device, reps: int) -> float:
             fn()
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
+    if graph:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()  # warm on the capturing stream (allocator pools, lazy inits)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+        fn()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
@@ -262,7 +287,8 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
 
 @dataclass(slots=True)
 class Row:
-    """One timing: decode-attention or cache-write."""
+    """One timing: decode-attention or cache-write. ``ms``: the device time (a CUDA graph's replay on a GPU);
+    ``ms_call``: one call from Python, its launch overhead included; ``gbps`` and ``frac_copy`` from ``ms``."""
 
     what: str
     kv_dtype: str
@@ -271,25 +297,75 @@ class Row:
     ms: float
     gbps: float
     frac_copy: float
+    ms_call: float | None = None
+    tiles: str = ""
+
+
+def _decode_setup(kernels: Kernels, device: torch.device, shape: str, kv_dtype, batch: int, context: int):
+    """A random pool of ``batch`` sequences of ``context`` tokens and a query: ``(args, bytes one call reads)``."""
+    num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    act = torch.bfloat16 if device.type == "cuda" else torch.float16
+    pool = empty_pool([context] * batch, num_kv_heads, head_dim, kv_dtype, device)
+    fill_random(pool)
+    q = torch.randn(batch, num_heads, head_dim, device=device).to(act)
+    args = (q, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, pool.block_table, pool.seq_lens, head_dim**-0.5)
+    return args, pool.kv_bytes() + 2 * q.numel() * q.element_size()
 
 
 def decode_table(kernels: Kernels, device: torch.device, contexts: list[int], batches: list[int],
                  shape: str, copy_gbps: float, reps: int) -> list[Row]:
-    """(c): time ``decode_attention`` per call over a random pool, all sequences at ``context`` tokens."""
-    num_heads, num_kv_heads, head_dim = SHAPES[shape]
-    act = torch.bfloat16 if device.type == "cuda" else torch.float16
+    """(c): time ``decode_attention`` over a random pool, all sequences at ``context`` tokens: the device time
+    (graph replay on CUDA) and one call's time."""
     rows = []
     for kv_dtype in kv_dtypes(device):
         for batch in batches:
             for context in contexts:
-                pool = empty_pool([context] * batch, num_kv_heads, head_dim, kv_dtype, device)
-                fill_random(pool)
-                q = torch.randn(batch, num_heads, head_dim, device=device).to(act)
-                args = (q, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, pool.block_table, pool.seq_lens,
-                        head_dim**-0.5)
-                ms = time_ms(functools.partial(kernels.decode.decode_attention, *args), device, reps)
-                gbps = (pool.kv_bytes() + 2 * q.numel() * q.element_size()) / ms / 1e6
-                rows.append(Row("decode", _name(kv_dtype), context, batch, ms, gbps, gbps / copy_gbps))
+                args, nbytes = _decode_setup(kernels, device, shape, kv_dtype, batch, context)
+                fn = functools.partial(kernels.decode.decode_attention, *args)
+                ms, call = time_ms(fn, device, reps, graph=device.type == "cuda"), time_ms(fn, device, reps)
+                gbps = nbytes / ms / 1e6
+                rows.append(Row("decode", _name(kv_dtype), context, batch, ms, gbps, gbps / copy_gbps, call))
+                if kv_dtype == FP8 and device.type == "cuda":  # the path of GPUs below sm_89 (RTX 3090, A100)
+                    fn = functools.partial(kernels.decode.paged_decode, *args, fp8_bits=True)
+                    ms = time_ms(fn, device, reps, graph=True)
+                    gbps = nbytes / ms / 1e6
+                    rows.append(Row("decode", "fp8-bits", context, batch, ms, gbps, gbps / copy_gbps))
+    return rows
+
+
+SWEEP_TILES = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3)]
+"""(block_n, num_warps, num_stages) of the sweep; the first is ``triton_decode.DEFAULT_TILES``."""
+SWEEP_WAVES = (1, 2, 4)
+
+
+def decode_sweep(kernels: Kernels, device: torch.device, contexts: list[int], batches: list[int],
+                 shape: str, copy_gbps: float, reps: int, tilings=SWEEP_TILES, waves_list=SWEEP_WAVES) -> list[Row]:
+    """(c): the split kernel's device time under other launches: tile size x warps x stages
+    (``tilings``, ``triton_decode.DecodeTiles``) and split waves (``waves_list``: splits for that many
+    programs per SM, ``triton_decode.splits_for``); ``tiles`` names each as ``n64w4s3x1``."""
+    dec = kernels.decode
+    sms = dec.num_sms(device)
+    rows = []
+    for kv_dtype in kv_dtypes(device):
+        for batch in batches:
+            for context in contexts:
+                args, nbytes = _decode_setup(kernels, device, shape, kv_dtype, batch, context)
+                num_kv_heads, capacity = args[1].shape[2], args[5].shape[1] * args[1].shape[1]
+                for block_n, warps, stages in tilings:
+                    for waves in waves_list:
+                        splits = dec.splits_for(batch, num_kv_heads, capacity, sms * waves)
+                        fn = functools.partial(dec.paged_decode, *args, num_splits=splits,
+                                               split_tokens=dec.MIN_TOKENS_PER_SPLIT,
+                                               tiles=dec.DecodeTiles(block_n, warps, stages))
+                        name = f"n{block_n}w{warps}s{stages}x{waves}"
+                        try:
+                            ms = time_ms(fn, device, reps, graph=device.type == "cuda")
+                        except Exception as exc:  # e.g. a tiling over the SM's shared memory: that row says so
+                            print(f"sweep {name}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                            continue
+                        gbps = nbytes / ms / 1e6
+                        rows.append(Row("sweep", _name(kv_dtype), context, batch, ms, gbps, gbps / copy_gbps,
+                                        tiles=name))
     return rows
 
 
@@ -305,7 +381,7 @@ def write_rows(kernels: Kernels, device: torch.device, num_tokens: int, shape: s
         v = torch.randn_like(k)
         slots = slots_of(pool, 0, torch.arange(num_tokens, device=device))
         args = (k, v, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots)
-        ms = time_ms(functools.partial(kernels.write.write_kv, *args), device, reps)
+        ms = time_ms(functools.partial(kernels.write.write_kv, *args), device, reps, graph=device.type == "cuda")
         nbytes = 2 * k.numel() * (k.element_size() + pool.k_cache.element_size()) + slots.numel() * 8
         if pool.k_scale is not None:
             nbytes += 2 * num_tokens * num_kv_heads * 4

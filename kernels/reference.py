@@ -44,7 +44,10 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``x ≈ q * scale``.
     """
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(FP8_EPS) / FP8_MAX
+    amax = xf.abs().amax(dim=-1).clamp_min(FP8_EPS)
+    # a tensor divisor: CUDA turns a division by a Python number into a product with its reciprocal, which
+    # differs from the kernels' correctly rounded division in the last bit of some scales
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

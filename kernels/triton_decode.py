@@ -38,6 +38,7 @@ so both read the pool and the sink identically.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -207,6 +208,20 @@ def _merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeTiles:
+    """How the split kernel is launched: ``block_n`` KV tokens per tile (a multiple of 32), and Triton's
+    ``num_warps`` and ``num_stages`` (software-pipelined tile loads in flight per program)."""
+
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_TILES = DecodeTiles()
+"""The launch of every decode: Triton's default warps and stages (``bench/gpu.py``'s (c) sweep times others)."""
+
+
 INTERPRETED: bool = isinstance(_decode_split_kernel, InterpretedFunction)
 """True when this module was imported with ``TRITON_INTERPRET=1`` (kernels then run on CPU tensors)."""
 
@@ -283,8 +298,9 @@ def paged_decode(
     num_splits: int | None = None,
     fp8_bits: bool | None = None,
     split_tokens: int | None = None,
+    tiles: DecodeTiles = DEFAULT_TILES,
 ) -> torch.Tensor:
-    """:func:`decode_attention` with an explicit split count and fp8 conversion.
+    """:func:`decode_attention` with an explicit split count, fp8 conversion and launch tiling.
 
     Args:
         num_splits: the launch's splits per sequence (``None``: :func:`choose_num_splits`, from the block
@@ -295,6 +311,7 @@ def paged_decode(
         fp8_bits: read fp8 bytes by integer bit conversion instead of Triton's
             float8e4nv cast (``None``: :func:`fp8_bits_default`; the switch lets
             the interpreter test the pre-8.9 path on CPU).
+        tiles: the split kernel's tile size, warps and stages.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -328,8 +345,9 @@ def paged_decode(
         kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         block_table.stride(0), stride_ks, stride_kh,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, DIRECT_OUT=num_splits == 1, IS_FP8=is_fp8, FP8_BITS=is_fp8 and fp8_bits,
+        BLOCK_N=tiles.block_n, DIRECT_OUT=num_splits == 1, IS_FP8=is_fp8, FP8_BITS=is_fp8 and fp8_bits,
         HAS_SINK=sink is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

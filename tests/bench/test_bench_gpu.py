@@ -38,7 +38,8 @@ def test_gpu_script_tiny_runs_every_section_without_the_app_only_packages(tmp_pa
     proc = _run([str(ROOT / "bench" / "gpu.py"), "--tiny", "--json", str(out)], tmp_path, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sections = json.loads(out.read_text())["sections"]
-    assert list(sections) == ["a_checks", "b_copy", "c_attention", "d_engine", "e_restore"]
+    assert list(sections) == ["a_checks", "b_copy", "c_attention", "c_sweep", "d_engine", "e_restore",
+                              "f_resume_large", "g_fit_24gb", "h_warm_start"]
     assert all(s["status"] == "ok" for s in sections.values()), {k: s["result"] for k, s in sections.items()}
     checks = sections["a_checks"]["result"]
     assert len(checks) == 6 and all(c["ok"] for c in checks)  # fp8 + fp16 pools x write/decode/extend
@@ -54,9 +55,15 @@ def test_gpu_script_tiny_runs_every_section_without_the_app_only_packages(tmp_pa
         # a decode step on the GPU path (the fused Triton kernels): at most 14 launches per decoder layer
         assert all(0 < r["launches_per_layer"] <= 14 and r["launches_outside_layers"] > 0
                    and "_rope_write_kernel" in r["layer_launch_ops"] for r in pool["runs"])
-    # without sqlite-utils the restore section says why instead of crashing
-    restore = sections["e_restore"]["result"]
-    assert restore["status"] == "not run" and "sqlite_utils" in restore["reason"]
+    sweep = sections["c_sweep"]["result"]
+    assert {r["tiles"] for r in sweep} == {"n64w4s3x1", "n64w4s3x2", "n64w4s2x1", "n64w4s2x2"}
+    assert all(r["what"] == "sweep" and r["ms"] > 0 for r in sweep)
+    for pool in pools.values():  # the large shape's extras run on the tiny one here
+        assert [b["batch"] for b in pool["batch"]] == [1, 2] and all(b["decode_tok_s_total"] > 0 for b in pool["batch"])
+    # without sqlite-utils the sections on the store say why instead of crashing
+    for name in ("e_restore", "f_resume_large", "g_fit_24gb", "h_warm_start"):
+        result = sections[name]["result"]
+        assert result["status"] == "not run" and "sqlite_utils" in result["reason"], (name, result)
 
 
 def test_kernel_bench_engine_step_runs_without_platformdirs(tmp_path):
