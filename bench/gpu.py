@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_sweep(rows: list[dict]) -> None:
     """Per (kv dtype, context, batch) of the sweep: the fastest launch beside the default one."""
-    default = "n{}w{}s{}x1".format(64, 4, 3)
+    default = "n128w4s3x2"  # triton_decode.DEFAULT_TILES, SPLIT_WAVES
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["kv_dtype"], r["context"], r["batch"]), []).append(r)

@@ -333,7 +333,7 @@ def decode_table(kernels: Kernels, device: torch.device, contexts: list[int], ba
     return rows
 
 
-SWEEP_TILES = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3)]
+SWEEP_TILES = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3)]
 """(block_n, num_warps, num_stages) of the sweep; the first is ``triton_decode.DEFAULT_TILES``."""
 SWEEP_WAVES = (1, 2, 4)
 
@@ -353,7 +353,7 @@ def decode_sweep(kernels: Kernels, device: torch.device, contexts: list[int], ba
                 num_kv_heads, capacity = args[1].shape[2], args[5].shape[1] * args[1].shape[1]
                 for block_n, warps, stages in tilings:
                     for waves in waves_list:
-                        splits = dec.splits_for(batch, num_kv_heads, capacity, sms * waves)
+                        splits = dec.splits_for(batch, num_kv_heads, capacity, sms, waves)
                         fn = functools.partial(dec.paged_decode, *args, num_splits=splits,
                                                split_tokens=dec.MIN_TOKENS_PER_SPLIT,
                                                tiles=dec.DecodeTiles(block_n, warps, stages))

@@ -12,7 +12,7 @@ Same signature and result as :func:`kvchat.kernels.reference.decode_attention`.
   each sequence's tokens are cut into ranges handled by separate programs,
   whose partial results are merged with their log-sum-exp, so one long
   sequence still fills the GPU. How many: :func:`splits_for` of the
-  sequence's own length, about one wave of programs over the SMs with at
+  sequence's own length, about :data:`SPLIT_WAVES` programs per SM with at
   least :data:`MIN_TOKENS_PER_SPLIT` tokens each. The launch grid has the
   count for the block table's capacity (host-side numbers only, so a CUDA
   graph replays it at any length); each sequence's programs compute its own
@@ -51,6 +51,7 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per tile: a multiple of 16 (and of 32 for 8-bit dot operands)
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 128  # splits per sequence at most (the merge kernel reads them as one tile)
+SPLIT_WAVES = 2  # split programs per SM aimed at (see DEFAULT_TILES for the measurement)
 NATIVE_FP8_CAPABILITY = (8, 9)  # Triton's float8e4nv needs sm_89+; below it the kernels convert fp8 bits
 
 
@@ -194,18 +195,21 @@ def _merge_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    row = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    top = tl.max(lse, axis=0)
+    d_mask = offs_d < head_dim
+    base = (seq.to(tl.int64) * num_heads + head) * num_splits
+    top = tl.max(tl.load(part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf")), axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights are all zero
-    w = tl.exp2(lse - top)
-    parts = tl.load(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=s_mask[:, None] & (offs_d < head_dim)[None, :], other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = 0.0
+    # summed in split order, not as a block reduction (whose order on a GPU follows the block's width): empty
+    # splits add exact zeros, so a sequence's output is the same bits under any grid and batch it runs in
+    for split in range(num_splits):
+        w = tl.exp2(tl.load(part_lse_ptr + base + split) - top)
+        acc += tl.load(part_out_ptr + (base + split) * BLOCK_D + offs_d, mask=d_mask, other=0.0) * w
+        total += w
+    out = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,33 +222,34 @@ class DecodeTiles:
     num_stages: int = 3
 
 
-DEFAULT_TILES = DecodeTiles()
-"""The launch of every decode: Triton's default warps and stages (``bench/gpu.py``'s (c) sweep times others)."""
+DEFAULT_TILES = DecodeTiles(block_n=128, num_warps=4, num_stages=3)
+"""The launch of every decode. Measured on an H200 (``bench/gpu.py``'s (c) sweep, Llama-3-8B layer, 4K and 32K
+tokens, batch 1 and 8, docs/performance.md): with :data:`SPLIT_WAVES` 2, 1.32x faster than 64-token tiles
+at one wave for fp8 pools and 1.26x for bf16 (geometric means over the four cases; up to 1.84x at 32K, batch 1)."""
 
 
 INTERPRETED: bool = isinstance(_decode_split_kernel, InterpretedFunction)
 """True when this module was imported with ``TRITON_INTERPRET=1`` (kernels then run on CPU tensors)."""
 
 
-def splits_for(num_seqs: int, num_kv_heads: int, length: int, num_sms: int) -> int:
-    """Splits of a sequence of ``length`` tokens: about one wave of programs over the SMs
-    (``num_seqs x num_kv_heads x splits`` close to ``num_sms``), each split at least
+def splits_for(num_seqs: int, num_kv_heads: int, length: int, num_sms: int, waves: int = SPLIT_WAVES) -> int:
+    """Splits of a sequence of ``length`` tokens: about ``waves`` programs per SM
+    (``num_seqs x num_kv_heads x splits`` close to ``waves x num_sms``), each split at least
     :data:`MIN_TOKENS_PER_SPLIT` tokens, 1 to :data:`MAX_SPLITS`.
 
-    ``max(1, min(ceil(num_sms / (num_seqs x num_kv_heads)), ceil(length / MIN_TOKENS_PER_SPLIT), MAX_SPLITS))``.
-    The split kernel holds ~250 registers per thread, so an SM runs about two of its programs at once: a
-    wave of one per SM with a few tiles each beats many programs of one or two tiles (4 per SM from the
-    block table's width gave a 4K-token chat 32 splits of 1-3 tiles on an H100). A launch's grid takes it
-    at the block table's capacity; the kernel takes it at each sequence's length, and since the length
-    term only grows with the length, ``min(grid count, ceil(length / MIN_TOKENS_PER_SPLIT))`` is this
-    function of the length (what the kernel computes).
+    ``max(1, min(ceil(waves x num_sms / (num_seqs x num_kv_heads)), ceil(length / MIN_TOKENS_PER_SPLIT),
+    MAX_SPLITS))``. A launch's grid takes it at the block table's capacity; the kernel takes it at each
+    sequence's length, and since the length term only grows with the length,
+    ``min(grid count, ceil(length / MIN_TOKENS_PER_SPLIT))`` is this function of the length (what the
+    kernel computes). :data:`SPLIT_WAVES` is measured (``bench/gpu.py``'s sweep, docs/performance.md).
 
     Args:
         num_seqs, num_kv_heads: the grid's first two dimensions.
         length: the sequence's tokens (for a launch grid: the block table's capacity, width x block_size).
         num_sms: the GPU's streaming multiprocessors (1 for the interpreter).
+        waves: programs per SM aimed at.
     """
-    wave = triton.cdiv(num_sms, max(1, num_seqs * num_kv_heads))
+    wave = triton.cdiv(num_sms * waves, max(1, num_seqs * num_kv_heads))
     return max(1, min(wave, triton.cdiv(length, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
 

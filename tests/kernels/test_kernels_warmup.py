@@ -59,16 +59,18 @@ def test_plan_for_smollm2_on_132_sms_by_hand():
 
 
 @pytest.mark.parametrize("length, num_sms, num_seqs, num_kv_heads, splits", [
-    (4096, 132, 1, 8, 16),  # Llama-3-8B at 4K on an H200: a wave is 17 per KV head, 16 splits of 256 tokens
-    (4096, 132, 1, 3, 16),  # SmolLM2 at 4K: 44 would fit the wave, the length allows 16 (was 32 splits of 1-3 tiles)
-    (32768, 132, 1, 8, 17),  # 32K: the wave caps it, 17 x 8 = 136 programs, ~30 tiles each
-    (32768, 132, 8, 8, 3),  # batch 8: 64 programs per split, 3 splits
+    (4096, 132, 1, 8, 16),  # Llama-3-8B at 4K on an H200: two waves are 33 per KV head, the length allows 16
+    (4096, 132, 1, 3, 16),  # SmolLM2 at 4K: 88 would fit the waves, the length allows 16
+    (32768, 132, 1, 8, 33),  # 32K: the waves cap it, 33 x 8 = 264 programs, 8 tiles of 128 each
+    (32768, 132, 8, 8, 5),  # batch 8: 64 programs per split, 5 splits
     (200, 132, 1, 8, 1),  # under 256 tokens: one split, no merge
     (1 << 20, 1000, 1, 1, triton_decode.MAX_SPLITS),
     (0, 132, 1, 8, 1),
 ])
-def test_split_count_is_one_wave_over_the_sms_from_the_length(length, num_sms, num_seqs, num_kv_heads, splits):
+def test_split_count_is_the_waves_over_the_sms_from_the_length(length, num_sms, num_seqs, num_kv_heads, splits):
+    assert triton_decode.SPLIT_WAVES == 2
     assert triton_decode.splits_for(num_seqs, num_kv_heads, length, num_sms) == splits
+    assert triton_decode.splits_for(num_seqs, num_kv_heads, length, 2 * num_sms, waves=1) == splits
 
 
 def test_split_count_grows_with_the_length_up_to_the_grids():
