@@ -17,6 +17,7 @@
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 - ``KVCHAT_API_KEY``: the key ``kvchat serve`` requires when ``--api-key`` is not given.
 - ``KVCHAT_SERVER``: the OpenAI-compatible server the TUI and ``kvchat ask`` use when ``--server`` is not given.
+- ``KVCHAT_SERVER_TIMEOUT_S``: the longest silence accepted from that server inside an answer, seconds.
 
 An empty value means unset. A value kvchat cannot use raises
 :class:`SettingError` where it is read, with a one-line message naming the
@@ -54,6 +55,8 @@ RESIDENT_CHATS = "KVCHAT_RESIDENT_CHATS"
 GPU_MEMORY = "KVCHAT_GPU_MEMORY"
 API_KEY = "KVCHAT_API_KEY"
 SERVER = "KVCHAT_SERVER"
+SERVER_TIMEOUT_S = "KVCHAT_SERVER_TIMEOUT_S"
+DEFAULT_SERVER_TIMEOUT_S = 300.0  # a long prompt's prefill on a busy server comes before its first byte
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 DEFAULT_RESIDENT_CHATS = 4
 WEIGHTS = "KVCHAT_WEIGHTS"
@@ -360,6 +363,17 @@ def server() -> str | None:
         raise SettingError(f"{SERVER} must be an http:// or https:// URL with a host, got {os.environ[SERVER]!r}") from None
 
 
+def server_timeout_s() -> float:
+    """``KVCHAT_SERVER_TIMEOUT_S``: how long kvchat waits for the next byte of a server's answer (the first
+    one included) before it drops the answer, in seconds, a positive number. Default:
+    :data:`DEFAULT_SERVER_TIMEOUT_S`.
+
+    Raises:
+        SettingError: not a positive finite number.
+    """
+    return _positive(SERVER_TIMEOUT_S, "seconds") or DEFAULT_SERVER_TIMEOUT_S
+
+
 def check() -> None:
     """Read every variable whose check needs no torch (all but ``KVCHAT_DEVICE``'s CUDA checks and
     whether Triton can run), so a bad value is refused before any work.
@@ -378,3 +392,4 @@ def check() -> None:
     cuda_graphs()
     cpu_kernel_enabled()
     server()
+    server_timeout_s()

@@ -41,7 +41,7 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     from kvchat.paths import db_path
     from kvchat.remote.address import plain_http_warning
     from kvchat.remote.chats import RemoteChats
-    from kvchat.remote.client import ServerClient, pick_model
+    from kvchat.remote.client import ServerClient, context_limit, pick_model
     from kvchat.store.conversations import get_conversation
     from kvchat.store.db import require_writable
     from kvchat.utf8 import require_utf8
@@ -67,9 +67,10 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
 
     client = ServerClient(server, key)
     try:
-        model = pick_model([m.id for m in client.models()], args.model or stored_model, server)
-        counters = client.counters()
-        chats = RemoteChats(client, model, counters.context_limit if counters else 0, batch_interval_s=0)
+        models = client.models()
+        model = pick_model([m.id for m in models], args.model or stored_model, server)
+        limit = context_limit(models, model, client.counters())
+        chats = RemoteChats(client, model, limit, batch_interval_s=0)
         if args.chat is not None:
             chats.open_chat(args.chat)
         else:

@@ -20,9 +20,9 @@ import httpx2
 from kvchat.conversation.views import ContextFullError
 from kvchat.engine.turn import SamplingParams
 from kvchat.remote.address import base_url
+from kvchat.settings import server_timeout_s
 
 CONNECT_TIMEOUT_S = 10.0
-READ_TIMEOUT_S = 300.0  # silence allowed between two bytes of an answer: a long prompt's prefill comes first
 CANCEL_POLL_S = 0.05  # how often a stream's watcher looks at the cancel flag (Esc closes the stream)
 
 
@@ -90,18 +90,16 @@ def _one_line(text) -> str:
 class ServerClient:
     """A server at ``url`` (:func:`base_url` form), with ``api_key`` sent as ``Authorization: Bearer``.
 
-    ``read_timeout_s``: the longest silence accepted inside a response; ``transport``: an httpx2 transport
-    (tests). Thread-safe as httpx2's ``Client`` is; one stream per call.
+    ``read_timeout_s``: the longest silence accepted inside a response (None:
+    :func:`kvchat.settings.server_timeout_s`). Thread-safe as httpx2's ``Client`` is; one stream per call.
     """
 
-    def __init__(self, url: str, api_key: str | None = None, read_timeout_s: float = READ_TIMEOUT_S,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S, transport: httpx2.BaseTransport | None = None):
+    def __init__(self, url: str, api_key: str | None = None, read_timeout_s: float | None = None):
         self.url = base_url(url)
-        self.read_timeout_s = read_timeout_s
+        self.read_timeout_s = read_timeout_s or server_timeout_s()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        timeout = httpx2.Timeout(read_timeout_s, connect=connect_timeout_s)
-        self._http = httpx2.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
-                                   trust_env=False)
+        timeout = httpx2.Timeout(self.read_timeout_s, connect=CONNECT_TIMEOUT_S)
+        self._http = httpx2.Client(base_url=self.url, headers=headers, timeout=timeout)
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -274,6 +272,14 @@ def pick_model(models: list[str], wanted: str | None, url: str) -> str:
     if wanted not in models:
         raise LookupError(f"the server at {url} has no model {wanted!r} (it has {', '.join(models)})")
     return wanted
+
+
+def context_limit(models: list[ServerModel], model: str, counters: Counters | None) -> int:
+    """``model``'s context limit in tokens: kvchat serve's ``/health`` figure, else the model list's
+    ``max_model_len``; 0 when the server says neither."""
+    if counters is not None:
+        return counters.context_limit
+    return next((m.context_limit for m in models if m.id == model), 0)
 
 
 def request_body(model: str, messages: list[dict], params: SamplingParams) -> dict:

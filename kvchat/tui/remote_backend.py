@@ -50,15 +50,13 @@ class RemoteBackend:
         url: the server, as :func:`kvchat.remote.address.base_url` records it.
         api_key: sent as ``Authorization: Bearer`` (None: none).
         model: the server's model to use (None: the first it lists).
-        read_timeout_s: the longest silence accepted inside an answer, seconds.
+        read_timeout_s: the longest silence accepted inside an answer, seconds (None: ``KVCHAT_SERVER_TIMEOUT_S``).
     """
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  read_timeout_s: float | None = None):
-        from kvchat.remote.client import READ_TIMEOUT_S
-
         self.url, self._api_key, self.model = url, api_key, model
-        self.read_timeout_s = read_timeout_s or READ_TIMEOUT_S
+        self.read_timeout_s = read_timeout_s
         self.models: list[str] = []  # the server's, once loaded
         self._turn_lane = _Lane("kvchat-remote")
         self._store_lane = _Lane("kvchat-store")
@@ -73,7 +71,7 @@ class RemoteBackend:
     def _load(self, emit: Emit) -> Status:
         from kvchat.remote.address import plain_http_warning
         from kvchat.remote.chats import RemoteChats
-        from kvchat.remote.client import ServerClient, pick_model
+        from kvchat.remote.client import ServerClient, context_limit, pick_model
         from kvchat.tui.store_open import open_store
 
         try:
@@ -92,9 +90,7 @@ class RemoteBackend:
             self._status = Status(phase="error", message=f"{exc}")
             raise
         self.models = [m.id for m in models]
-        limit = next((m.context_limit for m in models if m.id == chosen), 0)
-        limit = self._counters.context_limit if self._counters is not None else limit
-        self._chats = RemoteChats(client, chosen, limit)
+        self._chats = RemoteChats(client, chosen, context_limit(models, chosen, self._counters))
         warning = plain_http_warning(self.url)  # said once, until the first answer's line replaces it
         self._status = Status(phase="ready", message=f"warning: {warning}" if warning else f"connected to {self.url}")
         return self.status()
