@@ -13,11 +13,13 @@ the server it is written for.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tomllib
 from pathlib import Path
 
 KEYS_FILE = "server-keys.toml"
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def keys_file() -> Path:
@@ -32,10 +34,14 @@ def api_key(server: str, env_var: str | None) -> str | None:
     else the keys file's entry for it; None when neither has one (a server without a key).
 
     Raises:
-        ValueError: ``env_var`` is unset or empty; the keys file is readable by others than its owner, or
+        ValueError: ``env_var`` is not a variable name (a key typed in its place is not repeated in the
+            message) or is unset or empty; the keys file is readable by others than its owner, or
             not valid TOML, or its entry for ``server`` is not a string.
     """
     if env_var is not None:
+        if not ENV_NAME.fullmatch(env_var):
+            raise ValueError("--api-key-env takes the name of an environment variable that holds the key "
+                             "(export KVCHAT_SERVER_KEY=…; --api-key-env KVCHAT_SERVER_KEY), never the key itself")
         value = os.environ.get(env_var, "").strip()
         if not value:
             raise ValueError(f"--api-key-env names {env_var}, which is not set (export {env_var}=KEY first)")
