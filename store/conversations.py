@@ -269,15 +269,16 @@ def rewind_conversation(db: Database, conv_id: str, num_tokens: int, num_message
 
 
 def list_conversations(db: Database, *, limit: int | None = None,
-                       model_fingerprint: str | None = None) -> list[ConversationSummary]:
-    """Conversations, pinned first, then most recently updated first; only ``model_fingerprint``'s when given."""
-    where = " WHERE model_fingerprint = ?" if model_fingerprint is not None else ""
+                       fingerprint_prefix: str | None = None) -> list[ConversationSummary]:
+    """Conversations, pinned first, then most recently updated first; only those whose model fingerprint
+    starts with ``fingerprint_prefix`` when given."""
+    where = " WHERE substr(model_fingerprint, 1, ?) = ?" if fingerprint_prefix is not None else ""
     sql = (
         "SELECT id, title, model_name, created, updated, pinned, length(token_ids) / 4 AS num_tokens,"
         " (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id) AS num_messages"
         f" FROM conversations c{where} ORDER BY pinned DESC, updated DESC"
     )
-    params: list[Any] = [model_fingerprint] if model_fingerprint is not None else []
+    params: list[Any] = [len(fingerprint_prefix), fingerprint_prefix] if fingerprint_prefix is not None else []
     if limit is not None:
         sql += " LIMIT ?"
         params.append(limit)
@@ -308,6 +309,15 @@ def set_settings(db: Database, conv_id: str, settings: dict[str, Any]) -> None:
     Raises ConversationNotFoundError."""
     with write_transaction(db):
         _update_one(db, conv_id, "UPDATE conversations SET settings = ? WHERE id = ?", [json.dumps(settings), conv_id])
+
+
+def set_model(db: Database, conv_id: str, model_fingerprint: str, model_name: str) -> None:
+    """Record the model a conversation goes on with (in the caller's transaction when it holds one).
+
+    Raises ConversationNotFoundError."""
+    with write_transaction(db):
+        _update_one(db, conv_id, "UPDATE conversations SET model_fingerprint = ?, model_name = ? WHERE id = ?",
+                    [model_fingerprint, model_name, conv_id])
 
 
 def conversations_with_prefix(db: Database, token_ids: Sequence[int], model_fingerprint: str, *,

@@ -40,7 +40,7 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     from kvchat.index import get_db
     from kvchat.paths import db_path
     from kvchat.remote.address import plain_http_warning
-    from kvchat.remote.chats import RemoteChats
+    from kvchat.remote.chats import RemoteChats, require_remote
     from kvchat.remote.client import ServerClient, context_limit, pick_model
     from kvchat.store.conversations import get_conversation
     from kvchat.store.db import require_writable
@@ -60,7 +60,7 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     docs = [read_document(p) for p in args.doc]
     key = server_key(server, args)
     require_writable(db_path())  # the turn is stored: say so now, not after the answer
-    stored_model = get_conversation(get_db(), args.chat).model_name if args.chat is not None else None
+    stored = require_remote(get_conversation(get_db(), args.chat)) if args.chat is not None else None
     warning = plain_http_warning(server)
     if warning:
         print(f"kvchat: warning: {warning}", file=sys.stderr)
@@ -68,7 +68,9 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     client = ServerClient(server, key)
     try:
         models = client.models()
-        model = pick_model([m.id for m in models], args.model or stored_model, server)
+        ids = [m.id for m in models]
+        kept = stored.model_name if stored is not None and stored.model_name in ids else None  # else the first
+        model = pick_model(ids, args.model or kept, server)
         limit = context_limit(models, model, client.counters())
         chats = RemoteChats(client, model, limit, batch_interval_s=0)
         if args.chat is not None:

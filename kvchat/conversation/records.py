@@ -16,12 +16,8 @@ from kvchat.store.conversations import (Conversation, NewMessage, append_turn, c
                                         histories, list_conversations)
 from kvchat.store.documents import delete_document, list_documents
 from kvchat.store.db import write_transaction
-from kvchat.conversation.titles import UNTITLED, chat_title
+from kvchat.conversation.titles import UNTITLED, ChatModelMismatchError, chat_title
 from kvchat.remote.address import server_of
-
-class ChatModelMismatchError(ValueError):
-    """A stored chat was made with another model (its token ids mean nothing to this one)."""
-
 
 def new_settings(documents: list[str]) -> dict:
     """Settings pinned when a chat is created: the template date and the attached documents' titles."""

@@ -1,4 +1,5 @@
-"""A chat's title, from its first user message (local and remote chats alike; torch-free)."""
+"""What local and remote chats share without torch: a chat's title, and the error for a chat opened with a
+model it was not made with."""
 
 from __future__ import annotations
 
@@ -11,3 +12,8 @@ def chat_title(first_message: str) -> str:
     :data:`UNTITLED` when the message is blank (an API client may send empty content)."""
     line = next((ln.strip() for ln in first_message.splitlines() if ln.strip()), "")
     return line[:TITLE_CHARS] or UNTITLED
+
+
+class ChatModelMismatchError(ValueError):
+    """A stored chat was made with another model (its token ids mean nothing to this one), or is held with a
+    server (text only) where a local model opens it, or the other way round."""

@@ -1,7 +1,7 @@
 """Chats held with a server: kept in kvchat's SQLite store as text, each turn sent to the server whole.
 
-A remote chat is a conversation row whose ``model_fingerprint`` names the server
-(:func:`kvchat.remote.address.server_fingerprint`) and whose ``model_name`` is the server's model; it has
+A remote chat is a conversation row whose ``model_fingerprint`` names the server it went on with last
+(:func:`kvchat.remote.address.server_fingerprint`) and whose ``model_name`` is that server's model; it has
 no token ids (the server tokenizes, and its KV cache is its own). Its messages hold the text; its settings
 hold ``server_tokens`` (the context the server counted at the last turn), ``documents`` (attached
 documents' titles) and ``document_texts`` (their text, sent in the system message every turn). A turn is
@@ -21,22 +21,34 @@ from typing import Sequence
 from kvchat.conversation.events import Emit, TurnDone
 from kvchat.conversation.search import search_conversation_ids
 from kvchat.conversation.streaming import TokenBatcher
-from kvchat.conversation.titles import UNTITLED, chat_title
+from kvchat.conversation.titles import UNTITLED, ChatModelMismatchError, chat_title
 from kvchat.conversation.views import (SYSTEM_PROMPT_FIXED, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView,
                                        ContextFullError)
 from kvchat.documents import Document
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.index import get_db
-from kvchat.remote.address import server_fingerprint
+from kvchat.remote.address import SERVER_PREFIX, server_fingerprint, server_of
 from kvchat.remote.client import Reply, ServerClient
 from kvchat.remote.figures import reuse_line, turn_stats
-from kvchat.store.conversations import (NewMessage, append_turn, create_conversation, delete_conversation,
+from kvchat.store.conversations import (Conversation, NewMessage, append_turn, create_conversation, delete_conversation,
                                         get_conversation, list_conversations, pin_conversation, rename_conversation,
-                                        rewind_conversation, set_settings, settings_of)
+                                        rewind_conversation, set_model, set_settings, settings_of)
 from kvchat.store.db import write_transaction
-from kvchat.store.errors import ConversationNotFoundError
+
 
 NOT_HERE = "the KV cache of a chat held with a server is the server's"
+
+
+def require_remote(conv: Conversation) -> Conversation:
+    """``conv`` if it is held with a server.
+
+    Raises:
+        ChatModelMismatchError: it is a local model's chat (its history is that model's tokens, not text to send).
+    """
+    if server_of(conv.model_fingerprint) is None:
+        raise ChatModelMismatchError(f"chat {conv.id} belongs to the local model {conv.model_name!r} (its history "
+                                     "is that model's tokens); open it without --server")
+    return conv
 
 
 @dataclass(slots=True)
@@ -81,16 +93,13 @@ class RemoteChats:
         return self.view()
 
     def open_chat(self, chat_id: str) -> ChatView:
-        """Open a stored chat held with this server.
+        """Open a stored chat held with a server, this one or another (its text goes to this one from the next
+        turn, which records it under this server and model).
 
         Raises:
-            ConversationNotFoundError: no such chat, or it is not held with this server (it names where).
+            ConversationNotFoundError: no such chat. ChatModelMismatchError: a local model's chat.
         """
-        conv = get_conversation(get_db(), chat_id)
-        if conv.model_fingerprint != self.fingerprint:
-            where = conv.model_fingerprint or "a local model"
-            raise ConversationNotFoundError(f"chat {chat_id} is not held with the server {self.client.url} "
-                                            f"(it is {where.removeprefix('server:')}'s)")
+        conv = require_remote(get_conversation(get_db(), chat_id))
         messages = [ChatMessage(m.role, m.text, m.ttft_ms, m.decode_tokens_per_s, m.finish_reason or "")
                     for m in conv.messages]
         s = conv.settings
@@ -194,6 +203,7 @@ class RemoteChats:
             else:
                 chat_id, title, version = chat.id, chat.title, chat.version
                 set_settings(db, chat_id, settings)
+                set_model(db, chat_id, self.fingerprint, self.model)
             if redo:
                 version = rewind_conversation(db, chat_id, 0, len(chat.messages) - 2, expected_version=version)
             version = append_turn(db, chat_id, [], new, expected_version=version)
@@ -201,10 +211,11 @@ class RemoteChats:
 
     # --- the store -------------------------------------------------------------------------------
     def list_chats(self, query: str = "") -> list[ChatSummary]:
-        """This server's stored chats, pinned then most recent first; ``query`` searches titles and text.
-        Their KV is the server's, so each says ``none`` cached here."""
+        """The chats held with servers (this one or others: their text goes on with this one), pinned then
+        most recent first; ``query`` searches titles and text. Their KV is a server's, so each says ``none``
+        cached here. A local model's chats are not listed (their history is that model's tokens)."""
         db = get_db()
-        rows = list_conversations(db, model_fingerprint=self.fingerprint)
+        rows = list_conversations(db, fingerprint_prefix=SERVER_PREFIX)
         if query.strip():
             hits = search_conversation_ids(db, query)
             rows = [r for r in rows if r.id in hits]

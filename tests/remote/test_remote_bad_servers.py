@@ -177,3 +177,20 @@ async def test_tui_on_a_server_it_cannot_use_says_why_and_keeps_the_text(kvchat_
             assert screen.query_one(ChatInput).text == "Anyone there?" and app.is_running
             await pilot.press("ctrl+q")
     assert stored_chats(kvchat_home) == 0
+
+
+def test_a_chat_goes_on_with_another_server_and_a_local_chat_is_refused(kvchat_home):
+    with StubServer() as first, StubServer() as second:
+        out = json.loads(ask(kvchat_home, first.url, "--json").stdout)
+        proc = ask(kvchat_home, second.url, "--json", "--chat", out["chat_id"])
+        assert proc.returncode == 0, proc.stderr
+        assert [m["content"] for m in second.requests[0]["messages"]] == ["Tell me something.", "Half an answer",
+                                                                          "Tell me something."]
+    with sqlite3.connect(kvchat_home / "kvchat.db") as conn:
+        assert conn.execute("SELECT model_fingerprint FROM conversations").fetchall() == [(f"server:{second.url}",)]
+        conn.execute("INSERT INTO conversations (id, title, model_fingerprint, model_name, created, updated) "
+                     "VALUES ('c_local1', 'local', '8c1f6d79', 'SmolLM2-135M-Instruct', 0, 0)")
+    proc = ask(kvchat_home, "http://127.0.0.1:9", "--chat", "c_local1")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "kvchat: error: chat c_local1 belongs to the local model 'SmolLM2-135M-Instruct' (its history is that "
+        "model's tokens); open it without --server"), proc.stderr

@@ -97,6 +97,10 @@ async def test_tui_and_ask_resume_from_the_servers_disk_after_it_restarts(smol_i
     chats = {c["id"]: c for c in _stored(kvchat_home)}
     assert set(chats) == {tui_chat, outs[0]["chat_id"]} and all(c["messages"] == 8 for c in chats.values())
     assert all(c["model_name"] == MODEL and c["model_fingerprint"] == f"server:{server.url}" for c in chats.values())
+    local = run_kvchat(kvchat_home, "ask", "--chat", tui_chat, "Name a bird.")  # the local model: one line
+    assert local.returncode == 2 and local.stderr.strip() == (
+        f"kvchat: error: chat {tui_chat} is held with the server {server.url}; open it with kvchat --server "
+        f"{server.url}"), local.stderr
 
 
 def _stored(home) -> list[dict]:
