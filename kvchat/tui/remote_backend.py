@@ -57,7 +57,7 @@ class RemoteBackend:
                  read_timeout_s: float | None = None):
         self.url, self._api_key, self.model = url, api_key, model
         self.read_timeout_s = read_timeout_s
-        self.models: list[str] = []  # the server's, once loaded
+        self._models: list[str] = []  # the server's, once loaded
         self._turn_lane = _Lane("kvchat-remote")
         self._store_lane = _Lane("kvchat-store")
         self._chats = None  # kvchat.remote.chats.RemoteChats once loaded
@@ -89,7 +89,7 @@ class RemoteBackend:
             client.close()
             self._status = Status(phase="error", message=f"{exc}")
             raise
-        self.models = [m.id for m in models]
+        self._models = [m.id for m in models]
         self._chats = RemoteChats(client, chosen, context_limit(models, chosen, self._counters))
         warning = plain_http_warning(self.url)  # said once, until the first answer's line replaces it
         self._status = Status(phase="ready", message=f"warning: {warning}" if warning else f"connected to {self.url}")
@@ -167,6 +167,19 @@ class RemoteBackend:
 
     def current(self) -> ChatView | None:
         return self._chats.view() if self._chats is not None else None
+
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def use_model(self, name: str) -> Status:
+        def run() -> Status:
+            from kvchat.remote.client import pick_model
+
+            chats = self._require()
+            chats.model = pick_model(self._models, name, self.url)
+            return self.status()
+
+        return self._turn_lane.call(run)
 
     # --- store lane ------------------------------------------------------------------------------
     def _store(self, op: Callable[[Any], Any]) -> Any:

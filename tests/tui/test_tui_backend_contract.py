@@ -95,6 +95,15 @@ def test_status_after_load(backend):
     assert st.pool_bytes > 0 or isinstance(backend, RemoteBackend), "kvchat serve's /health has no pool bytes"
 
 
+def test_models_name_the_one_in_use_and_only_those_can_be_used(backend):
+    st = backend.status()
+    assert st.model in backend.models()
+    assert backend.use_model(st.model).model == st.model
+    with pytest.raises(LookupError):
+        backend.use_model("no-such-model")
+    assert backend.status().model == st.model
+
+
 def test_send_streams_batches_then_one_done(backend):
     backend.new_chat(None, [], lambda e: None)
     events, done = run(backend)
