@@ -167,7 +167,7 @@ class RemoteChats:
             reply = Reply("", "cancelled", 0.0, 0.0)
         else:
             try:
-                reply = self.client.chat(self.model, messages, params, cancel, batcher.add)
+                reply = self.client.chat(self.model, messages, params, cancel, batcher.add, batcher.flush)
             except ContextFullError as exc:
                 limit = self.context_limit or exc.limit
                 raise ContextFullError(str(exc), max(exc.needed, limit + 1), limit) from None

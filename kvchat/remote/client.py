@@ -9,6 +9,7 @@ connection or a 401 is said at once. A stream is read line by line as Server-Sen
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
 import time
@@ -153,11 +154,13 @@ class ServerClient:
 
     # --- the streamed completion -----------------------------------------------------------------
     def chat(self, model: str, messages: list[dict], params: SamplingParams, cancel: threading.Event,
-             on_text: Callable[[str], None]) -> Reply:
-        """``POST /v1/chat/completions`` streamed: ``on_text`` gets each piece of the answer as it comes.
+             on_text: Callable[[str], None], on_pause: Callable[[], None] = lambda: None) -> Reply:
+        """``POST /v1/chat/completions`` streamed: ``on_text`` gets each piece of the answer as it comes;
+        ``on_pause`` is called whenever nothing came for :data:`CANCEL_POLL_S` (a batching caller shows what
+        it holds back, so a stalled stream does not hide its last pieces).
 
-        ``cancel`` set: the stream is closed at once and the reply so far comes back with finish reason
-        ``cancelled``.
+        ``cancel`` set: the reply so far comes back at once (within :data:`CANCEL_POLL_S`) with finish reason
+        ``cancelled``; the stream is closed at its next event, which tells the server to stop.
 
         Raises:
             ContextFullError: the server says the conversation does not fit its context (400
@@ -165,45 +168,50 @@ class ServerClient:
             ServerError: unreachable, refused (401, 404, 429/503 with its ``Retry-After``, other 4xx), failed
                 (5xx), an error event or a cut connection mid-answer, no byte for ``read_timeout_s``.
         """
-        body = request_body(model, messages, params)
         t0 = time.perf_counter()
         pieces: list[str] = []
         first = last = None
         finish, usage, extra = "", {}, None
-        ended = threading.Event()
-        try:
-            with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    raise self._status_error(response.status_code, response.read(), response.headers)
-                watcher = threading.Thread(target=self._watch, args=(cancel, ended, response), daemon=True)
-                watcher.start()
-                done = False
-                for data in _sse_data(response.iter_lines()):
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    chunk = _json(data, self.url)
-                    if "error" in chunk:
-                        err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
-                        raise ServerError(f"the server at {self.url} cut the answer: "
-                                          f"{_one_line(err.get('message', err))}", "server_error")
-                    for choice in chunk.get("choices") or ():
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            last = time.perf_counter()
-                            first = first or last
-                            pieces.append(text)
-                            on_text(text)
-                        finish = choice.get("finish_reason") or finish
-                    usage = chunk.get("usage") or usage
-                    extra = chunk.get("kvchat") or extra
-                if not done and not cancel.is_set():
-                    raise ServerError(f"the connection to {self.url} ended mid-answer (no [DONE])", "server_error")
-        except httpx2.HTTPError as exc:
-            if not cancel.is_set():
-                raise self._transport_error(exc) from None
-        finally:
-            ended.set()
+        events: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        # the stream is read on its own thread: a read blocked on a silent server cannot be interrupted, and
+        # Esc must not wait for the read timeout
+        threading.Thread(target=self._read, args=(request_body(model, messages, params), events, stop),
+                         name="kvchat-stream", daemon=True).start()
+        while True:
+            try:
+                kind, value = events.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                if cancel.is_set():
+                    stop.set()
+                    break
+                on_pause()
+                continue
+            if kind == "error":
+                raise value
+            if kind == "end":
+                raise ServerError(f"the connection to {self.url} ended mid-answer (no [DONE])", "server_error")
+            if value == "[DONE]":
+                break
+            chunk = _json(value, self.url)
+            if "error" in chunk:
+                err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+                raise ServerError(f"the server at {self.url} cut the answer: {_one_line(err.get('message', err))}",
+                                  "server_error")
+            for choice in chunk.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    last = time.perf_counter()
+                    first = first or last
+                    pieces.append(text)
+                    on_text(text)
+                finish = choice.get("finish_reason") or finish
+            usage = chunk.get("usage") or usage
+            extra = chunk.get("kvchat") or extra
+            if cancel.is_set():
+                stop.set()
+                break
+        stop.set()  # whatever ended the loop, the reader stops at its next event
         if cancel.is_set() and not finish:
             finish = "cancelled"
         new = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else len(pieces)
@@ -211,13 +219,25 @@ class ServerClient:
         ttft = ((first or time.perf_counter()) - t0) * 1e3
         return Reply("".join(pieces), finish or "stop", ttft, rate, len(pieces), usage, extra)
 
-    @staticmethod
-    def _watch(cancel: threading.Event, ended: threading.Event, response: httpx2.Response) -> None:
-        """Close ``response`` as soon as ``cancel`` is set (a read blocked on a silent server ends too)."""
-        while not ended.is_set():
-            if cancel.wait(CANCEL_POLL_S):
-                response.close()
-                return
+    def _read(self, body: dict, events: queue.Queue, stop: threading.Event) -> None:
+        """Post ``body`` and put ``("data", event data)`` per stream event, then ``("end", None)`` when the
+        stream ends, or ``("error", exception)``; returns at the first event after ``stop`` is set."""
+        try:
+            with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    events.put(("error", self._status_error(response.status_code, response.read(), response.headers)))
+                    return
+                for data in _sse_data(response.iter_lines()):
+                    if stop.is_set():
+                        return
+                    events.put(("data", data))
+                    if data == "[DONE]":
+                        return
+            events.put(("end", None))
+        except httpx2.HTTPError as exc:
+            events.put(("error", self._transport_error(exc)))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
+            events.put(("error", exc))
 
     # --- errors ----------------------------------------------------------------------------------
     def _transport_error(self, exc: httpx2.HTTPError) -> ServerError:

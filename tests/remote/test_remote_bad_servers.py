@@ -194,3 +194,26 @@ def test_a_chat_goes_on_with_another_server_and_a_local_chat_is_refused(kvchat_h
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "kvchat: error: chat c_local1 belongs to the local model 'SmolLM2-135M-Instruct' (its history is that "
         "model's tokens); open it without --server"), proc.stderr
+
+
+@pytest.mark.asyncio
+@pytest.mark.tui
+async def test_esc_on_a_silent_server_keeps_the_partial_answer_at_once(kvchat_home, monkeypatch):
+    import time
+
+    monkeypatch.setenv("KVCHAT_SERVER_TIMEOUT_S", "60")  # the answer ends by Esc, not by the timeout
+    with StubServer(["silent"]) as stub:
+        app, backend, notes = harness(stub.url)
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen_stack[0]
+            await until(pilot, lambda: screen.ready)
+            await type_and_send(pilot, app, "Go on and on?")
+            await until(pilot, lambda: screen._answer is not None and screen._answer.text == "Half an "), "a stalled stream shows its last pieces"
+            t0 = time.monotonic()
+            await pilot.press("escape")
+            await until(pilot, lambda: not screen.generating, timeout=5)
+            assert time.monotonic() - t0 < 2, "Esc does not wait for the silent server's timeout"
+            [msg] = backend.current().messages[1:]
+            assert (msg.text, msg.finish_reason) == ("Half an ", "cancelled") and notes == []
+            await pilot.press("ctrl+q")
+    assert stored_chats(kvchat_home) == 3, "a stopped answer is kept, as a local one is"
