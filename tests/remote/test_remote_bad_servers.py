@@ -13,7 +13,9 @@ import sqlite3
 
 import pytest
 
+from kvchat.remote.chats import NOT_HERE
 from kvchat.tui.app import KvchatApp
+from kvchat.tui.screens.cache import CacheScreen
 from kvchat.tui.remote_backend import RemoteBackend
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.status_bar import StatusBar
@@ -154,6 +156,11 @@ async def test_tui_goes_on_after_each_failed_answer(kvchat_home):
             assert [m.text for m in backend.current().messages] == ["Last question?", "Half an answer"]
             assert [c.title for c in backend.list_chats()] == ["Last question?"]
             assert "the server reused 8 cached tokens of 11" in status(app)
+            await pilot.press("f5")  # the cache screen: the chat is listed, its KV said to be the server's
+            await until(pilot, lambda: isinstance(app.screen, CacheScreen) and app.screen.report.rows)
+            [row] = app.screen.report.rows
+            assert (row.title, row.disk_bytes, row.miss_reason) == ("Last question?", 0, NOT_HERE)
+            await pilot.press("escape")
             await pilot.press("ctrl+q")
         assert len(stub.requests) == len(FAILURES) + 1
         assert [m["content"] for m in stub.requests[-1]["messages"]] == ["Last question?"], "no failed turn resent"
