@@ -72,6 +72,8 @@ def test_ask_refused_connection_and_wrong_key(kvchat_home, json_out):
     with StubServer() as stub:
         assert_error(ask(kvchat_home, stub.url, *extra, key_env="WRONG_KEY"), "refused the API key (401: Incorrect "
                      "API key provided)", "authentication_error", json_out)
+        assert_error(ask(kvchat_home, stub.url + "/wrong/path", *extra), f"not found on the server at {stub.url}"
+                     "/wrong/path (404: Not Found)", "not_found", json_out)
         assert stub.requests == []
     assert stored_chats(kvchat_home) == 0
 
