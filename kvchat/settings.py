@@ -360,7 +360,8 @@ def server() -> str | None:
     try:
         return base_url(value)
     except ValueError:
-        raise SettingError(f"{SERVER} must be an http:// or https:// URL with a host, got {os.environ[SERVER]!r}") from None
+        raise SettingError(f"{SERVER} must be an http:// or https:// URL with a host, "
+                           f"got {os.environ[SERVER]!r}") from None
 
 
 def server_timeout_s() -> float:

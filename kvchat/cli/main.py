@@ -182,7 +182,8 @@ def error_object(message: str, kind: str, exit_status: int, **fields) -> dict:
     """``ask --json``'s error: ``{"error": {"message", "type", "exit_status", …fields}}``.
 
     ``kind``: ``usage_error``, ``invalid_request``, ``not_found``, ``context_length_exceeded``, ``database_error``,
-    ``interrupted``, ``internal_error`` or, with ``--server``, a :class:`kvchat.remote.client.ServerError`'s kind; ``fields``: figures of the error (``needed_tokens``, ``context_limit``)."""
+    ``interrupted``, ``internal_error`` or, with ``--server``, a :class:`kvchat.remote.client.ServerError`'s kind;
+    ``fields``: figures of the error (``needed_tokens``, ``context_limit``, ``retry_after_s``)."""
     return {"error": {"message": message, "type": kind, "exit_status": exit_status, **fields}}
 
 

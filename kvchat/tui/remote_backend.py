@@ -160,7 +160,8 @@ class RemoteBackend:
         if chats is None:
             return Status(phase=self._status.phase, message=self._status.message)
         view, last, c = chats.view(), chats.last, self._counters
-        return Status("ready", chats.last_line or self._status.message, chats.model, f"server {urlsplit(self.url).netloc}",
+        device = f"server {urlsplit(self.url).netloc}"
+        return Status("ready", chats.last_line or self._status.message, chats.model, device,
                       c.kv_dtype if c else "", c.pool_blocks_used if c else 0, c.pool_blocks_total if c else 0, 0,
                       view.num_tokens if view else 0, chats.context_limit, last and last.ttft_ms,
                       last and last.decode_tokens_per_s)
