@@ -1,8 +1,8 @@
 """``kvchat ask --server URL``: one question to a model served elsewhere, the chat kept in the local store.
 
 Checked before the server is asked anything, as the local ``ask`` is; the turn runs through
-:class:`kvchat.remote.chats.RemoteChats`. Ctrl-C before the answer's first text drops the turn (exit 130);
-during the answer it stops the stream and the partial answer is stored, as the local ``ask`` does.
+:class:`kvchat.remote.chats.RemoteChats`. Ctrl-C before the question is sent drops it (exit 130); once
+it is sent, Ctrl-C stops the stream and what was answered so far is stored (as Esc in the app).
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
             "context_tokens": done.context_used, "context_limit": done.context_limit, "server_reuse": chats.last_line,
         }))
     else:
-        print(f"kvchat: {chats.last_line} · TTFT {s.ttft_ms:.0f} ms · {s.decode_tokens_per_s:.1f} tok/s",
-              file=sys.stderr)
+        figures = [chats.last_line or f"the answer ended: {s.finish_reason}", f"TTFT {s.ttft_ms:.0f} ms",
+                   f"{s.decode_tokens_per_s:.1f} tok/s"]
+        print(f"kvchat: {' · '.join(figures)}", file=sys.stderr)
         print(f"[chat {done.chat_id}] continue with: kvchat ask --server {server} --chat {done.chat_id} \"...\"",
               file=sys.stderr)
     return 0

@@ -58,9 +58,9 @@ async def tui_turns(server_url: str, texts, chat_id: str | None = None) -> tuple
     return lines, chat_id
 
 
-def ask(home, url: str, text: str, chat_id: str | None = None) -> dict:
-    args = ["ask", "--server", url, "--api-key-env", "SERVE_KEY", "--json", "--max-tokens", str(MAX_TOKENS), text]
-    proc = run_kvchat(home, *args, *(["--chat", chat_id] if chat_id else []))
+def ask(home, url: str, text: str, chat_id: str | None = None, args: tuple[str, ...] = ()) -> dict:
+    argv = ["ask", "--server", url, "--api-key-env", "SERVE_KEY", "--json", "--max-tokens", str(MAX_TOKENS), text]
+    proc = run_kvchat(home, *argv, *args, *(["--chat", chat_id] if chat_id else []))
     assert proc.returncode == 0, proc.stderr + proc.stdout
     return json.loads(proc.stdout)
 
@@ -82,6 +82,13 @@ async def test_tui_and_ask_resume_from_the_servers_disk_after_it_restarts(smol_i
         assert len({o["chat_id"] for o in outs}) == 1 and outs[-1]["model"] == MODEL
         assert outs[2]["reused_tokens"] >= outs[1]["context_tokens"] - 16 and outs[2]["from_memory"] > 0
 
+        doc = tmp_path / "heron.txt"
+        doc.write_text("The blue heron nests near the old mill. " * 20)
+        with_doc = ask(kvchat_home, server.url, "Where does the heron nest?", args=("--doc", str(doc)))
+        again = ask(kvchat_home, server.url, "And the mill?", with_doc["chat_id"])
+        assert with_doc["prompt_tokens"] > 200, "the document went in the system message"
+        assert again["reused_tokens"] >= with_doc["context_tokens"] - 16, "the server reused the document's prefix"
+
         server.stop()
         server.start()  # same port and data dir: its pool is empty, its snapshots are on disk
 
@@ -95,7 +102,8 @@ async def test_tui_and_ask_resume_from_the_servers_disk_after_it_restarts(smol_i
         server.stop()
 
     chats = {c["id"]: c for c in _stored(kvchat_home)}
-    assert set(chats) == {tui_chat, outs[0]["chat_id"]} and all(c["messages"] == 8 for c in chats.values())
+    assert set(chats) == {tui_chat, outs[0]["chat_id"], with_doc["chat_id"]}
+    assert [chats[i]["messages"] for i in (tui_chat, outs[0]["chat_id"], with_doc["chat_id"])] == [8, 8, 4]
     assert all(c["model_name"] == MODEL and c["model_fingerprint"] == f"server:{server.url}" for c in chats.values())
     local = run_kvchat(kvchat_home, "ask", "--chat", tui_chat, "Name a bird.")  # the local model: one line
     assert local.returncode == 2 and local.stderr.strip() == (
