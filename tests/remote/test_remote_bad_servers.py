@@ -178,7 +178,7 @@ async def test_tui_on_a_server_it_cannot_use_says_why_and_keeps_the_text(kvchat_
         app, backend, notes = harness(url, key)
         async with app.run_test(size=SIZE) as pilot:
             screen = app.screen_stack[0]
-            await until(pilot, lambda: screen.load_error)
+            await until(pilot, lambda: screen.load_error and notes)
             words = "cannot reach the server" if case == "refused" else "refused the API key (401"
             assert words in status(app) and words in notes[0] and "\n" not in notes[0]
             await type_and_send(pilot, app, "Anyone there?")
