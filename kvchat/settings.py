@@ -16,6 +16,8 @@
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 - ``KVCHAT_API_KEY``: the key ``kvchat serve`` requires when ``--api-key`` is not given.
+- ``KVCHAT_SERVER``: the OpenAI-compatible server the TUI and ``kvchat ask`` use when ``--server`` is not given.
+- ``KVCHAT_SERVER_TIMEOUT_S``: the longest silence accepted from that server inside an answer, seconds.
 
 An empty value means unset. A value kvchat cannot use raises
 :class:`SettingError` where it is read, with a one-line message naming the
@@ -52,6 +54,9 @@ DTYPE = "KVCHAT_DTYPE"
 RESIDENT_CHATS = "KVCHAT_RESIDENT_CHATS"
 GPU_MEMORY = "KVCHAT_GPU_MEMORY"
 API_KEY = "KVCHAT_API_KEY"
+SERVER = "KVCHAT_SERVER"
+SERVER_TIMEOUT_S = "KVCHAT_SERVER_TIMEOUT_S"
+DEFAULT_SERVER_TIMEOUT_S = 300.0  # a long prompt's prefill on a busy server comes before its first byte
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 DEFAULT_RESIDENT_CHATS = 4
 WEIGHTS = "KVCHAT_WEIGHTS"
@@ -339,6 +344,37 @@ def api_key() -> str | None:
     return _raw(API_KEY)
 
 
+def server() -> str | None:
+    """``KVCHAT_SERVER``: the OpenAI-compatible server (``http://`` or ``https://`` URL, with or without
+    ``/v1``) the TUI and ``kvchat ask`` use instead of a local model when no ``--server`` is given (the
+    flag wins), as :func:`kvchat.remote.address.base_url` records it. Default (None): the local model.
+
+    Raises:
+        SettingError: not an http(s) URL with a host.
+    """
+    from kvchat.remote.address import base_url
+
+    value = _raw(SERVER)
+    if value is None:
+        return None
+    try:
+        return base_url(value)
+    except ValueError:
+        raise SettingError(f"{SERVER} must be an http:// or https:// URL with a host, "
+                           f"got {os.environ[SERVER]!r}") from None
+
+
+def server_timeout_s() -> float:
+    """``KVCHAT_SERVER_TIMEOUT_S``: how long kvchat waits for the next byte of a server's answer (the first
+    one included) before it drops the answer, in seconds, a positive number. Default:
+    :data:`DEFAULT_SERVER_TIMEOUT_S`.
+
+    Raises:
+        SettingError: not a positive finite number.
+    """
+    return _positive(SERVER_TIMEOUT_S, "seconds") or DEFAULT_SERVER_TIMEOUT_S
+
+
 def check() -> None:
     """Read every variable whose check needs no torch (all but ``KVCHAT_DEVICE``'s CUDA checks and
     whether Triton can run), so a bad value is refused before any work.
@@ -356,3 +392,5 @@ def check() -> None:
     weights()
     cuda_graphs()
     cpu_kernel_enabled()
+    server()
+    server_timeout_s()

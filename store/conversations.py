@@ -268,14 +268,17 @@ def rewind_conversation(db: Database, conv_id: str, num_tokens: int, num_message
     return version
 
 
-def list_conversations(db: Database, *, limit: int | None = None) -> list[ConversationSummary]:
-    """Conversations, pinned first, then most recently updated first."""
+def list_conversations(db: Database, *, limit: int | None = None,
+                       fingerprint_prefix: str | None = None) -> list[ConversationSummary]:
+    """Conversations, pinned first, then most recently updated first; only those whose model fingerprint
+    starts with ``fingerprint_prefix`` when given."""
+    where = " WHERE substr(model_fingerprint, 1, ?) = ?" if fingerprint_prefix is not None else ""
     sql = (
         "SELECT id, title, model_name, created, updated, pinned, length(token_ids) / 4 AS num_tokens,"
         " (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id) AS num_messages"
-        " FROM conversations c ORDER BY pinned DESC, updated DESC"
+        f" FROM conversations c{where} ORDER BY pinned DESC, updated DESC"
     )
-    params: list[Any] = []
+    params: list[Any] = [len(fingerprint_prefix), fingerprint_prefix] if fingerprint_prefix is not None else []
     if limit is not None:
         sql += " LIMIT ?"
         params.append(limit)
@@ -289,6 +292,32 @@ def histories(db: Database, conv_ids: Sequence[str]) -> dict[str, list[int]]:
     marks = ",".join("?" * len(conv_ids))
     rows = db.query(f"SELECT id, token_ids FROM conversations WHERE id IN ({marks})", list(conv_ids))
     return {r["id"]: decode_token_ids(r["token_ids"]) for r in rows}
+
+
+def settings_of(db: Database, conv_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per conversation of ``conv_ids`` that exists: its settings."""
+    if not conv_ids:
+        return {}
+    marks = ",".join("?" * len(conv_ids))
+    rows = db.query(f"SELECT id, settings FROM conversations WHERE id IN ({marks})", list(conv_ids))
+    return {r["id"]: json.loads(r["settings"] or "{}") for r in rows}
+
+
+def set_settings(db: Database, conv_id: str, settings: dict[str, Any]) -> None:
+    """Replace the conversation's settings (in the caller's transaction when it holds one).
+
+    Raises ConversationNotFoundError."""
+    with write_transaction(db):
+        _update_one(db, conv_id, "UPDATE conversations SET settings = ? WHERE id = ?", [json.dumps(settings), conv_id])
+
+
+def set_model(db: Database, conv_id: str, model_fingerprint: str, model_name: str) -> None:
+    """Record the model a conversation goes on with (in the caller's transaction when it holds one).
+
+    Raises ConversationNotFoundError."""
+    with write_transaction(db):
+        _update_one(db, conv_id, "UPDATE conversations SET model_fingerprint = ?, model_name = ? WHERE id = ?",
+                    [model_fingerprint, model_name, conv_id])
 
 
 def conversations_with_prefix(db: Database, token_ids: Sequence[int], model_fingerprint: str, *,

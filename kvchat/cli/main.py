@@ -80,11 +80,22 @@ def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
                    help="CPU threads for torch (default: all usable cores; more than that is capped, with a note)", **keep)
 
 
+def _add_server_args(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """``--server --api-key-env``; on ``ask`` they default to the top-level values."""
+    keep = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("--server", metavar="URL", help="use the model of this OpenAI-compatible server (kvchat serve, "
+                   "vLLM, llama.cpp) instead of a local one; chats stay in the local store (default: KVCHAT_SERVER)",
+                   **keep)
+    p.add_argument("--api-key-env", metavar="VAR", help="with --server: the environment variable holding its API "
+                   "key (default: the data dir's server-keys.toml, else no key)", **keep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree for every sub-command."""
     parser = _Parser(prog="kvchat", description="Local chat on a paged, FP8, persistent KV cache.")
     parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
     _add_model_args(parser, top=True)
+    _add_server_args(parser, top=True)
     sub = parser.add_subparsers(dest="command")
 
     ask = sub.add_parser("ask", help="ask one question (optionally about documents, or continuing a chat)")
@@ -103,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--seed", type=int, help="sampling seed (default: none, a new one each run)")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(ask)
+    _add_server_args(ask)
 
     model = sub.add_parser("model", help="import and list models")
     msub = model.add_subparsers(dest="model_command", required=True)
@@ -170,7 +182,8 @@ def error_object(message: str, kind: str, exit_status: int, **fields) -> dict:
     """``ask --json``'s error: ``{"error": {"message", "type", "exit_status", …fields}}``.
 
     ``kind``: ``usage_error``, ``invalid_request``, ``not_found``, ``context_length_exceeded``, ``database_error``,
-    ``interrupted`` or ``internal_error``; ``fields``: figures of the error (``needed_tokens``, ``context_limit``)."""
+    ``interrupted``, ``internal_error`` or, with ``--server``, a :class:`kvchat.remote.client.ServerError`'s kind;
+    ``fields``: figures of the error (``needed_tokens``, ``context_limit``, ``retry_after_s``)."""
     return {"error": {"message": message, "type": kind, "exit_status": exit_status, **fields}}
 
 
@@ -206,12 +219,24 @@ def main(argv: list[str] | None = None) -> int:
         from kvchat.settings import check
 
         check()  # a bad KVCHAT_* value is one line and exit 2, before any work
+        from kvchat.cli.remote import server_of_args
+
+        server = server_of_args(args) if args.command in (None, "ask") else None
         if args.command is None:
-            from kvchat.cpu_threads import checked_threads
             from kvchat.tui.app import run_app
+
+            if server is not None:
+                from kvchat.cli.remote import remote_backend
+
+                return run_app(backend=remote_backend(server, args))
+            from kvchat.cpu_threads import checked_threads
 
             return run_app(model=args.model, kv_dtype=args.kv_dtype, threads=checked_threads(args.threads))
         if args.command == "ask":
+            if server is not None:
+                from kvchat.cli.ask_remote import cmd_ask_remote
+
+                return cmd_ask_remote(args, server)
             from kvchat.cli.ask import cmd_ask
 
             return cmd_ask(args)
@@ -265,8 +290,11 @@ def _error_kind(exc: Exception) -> tuple[str, dict]:
     from kvchat.conversation.views import ContextFullError
     from kvchat.engine.runner import ContextOverflowError
     from kvchat.model.registry import ModelNotFoundError
+    from kvchat.remote.client import ServerError
     from kvchat.store.errors import StoreError
 
+    if isinstance(exc, ServerError):  # the server's failure, by kind (connection_error, authentication_error, …)
+        return exc.kind, {} if exc.retry_after_s is None else {"retry_after_s": exc.retry_after_s}
     if isinstance(exc, ContextFullError):
         return "context_length_exceeded", {"needed_tokens": exc.needed, "context_limit": exc.limit}
     if isinstance(exc, ContextOverflowError):

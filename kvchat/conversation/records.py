@@ -16,21 +16,8 @@ from kvchat.store.conversations import (Conversation, NewMessage, append_turn, c
                                         histories, list_conversations)
 from kvchat.store.documents import delete_document, list_documents
 from kvchat.store.db import write_transaction
-
-TITLE_CHARS = 60
-UNTITLED = "New chat"  # the title of a chat whose first message has no text
-
-
-def chat_title(first_message: str) -> str:
-    """A chat's title: the first non-blank line of its first user message, at most ``TITLE_CHARS`` characters;
-    :data:`UNTITLED` when the message is blank (an API client may send empty content)."""
-    line = next((ln.strip() for ln in first_message.splitlines() if ln.strip()), "")
-    return line[:TITLE_CHARS] or UNTITLED
-
-
-class ChatModelMismatchError(ValueError):
-    """A stored chat was made with another model (its token ids mean nothing to this one)."""
-
+from kvchat.conversation.titles import UNTITLED, ChatModelMismatchError, chat_title
+from kvchat.remote.address import server_of
 
 def new_settings(documents: list[str]) -> dict:
     """Settings pinned when a chat is created: the template date and the attached documents' titles."""
@@ -41,8 +28,13 @@ def session_from_store(rt: Runtime, conv: Conversation) -> Session:
     """Rebuild a chat's session from its stored token ids and segments.
 
     Raises:
-        ChatModelMismatchError: the chat belongs to a model with another fingerprint.
+        ChatModelMismatchError: the chat belongs to a model with another fingerprint, or is held with a server
+            (its history is text only).
     """
+    server = server_of(conv.model_fingerprint)
+    if server is not None:
+        raise ChatModelMismatchError(f"chat {conv.id} is held with the server {server}; open it with "
+                                     f"kvchat --server {server}")
     if conv.model_fingerprint and conv.model_fingerprint != rt.info.fingerprint:
         raise ChatModelMismatchError(
             f"chat {conv.id} was made with model {conv.model_name!r}; run it with --model {conv.model_name}"

@@ -31,6 +31,7 @@ ACTIONS = (
     Action("f8", "delete", "Delete chat", "Delete the open chat and its cache"),
     Action("f3", "system_prompt", "System prompt", "Set the system prompt of a new chat"),
     Action("ctrl+g", "settings", "Generation settings", "Temperature, top-p/k, max tokens, seed"),
+    Action("ctrl+l", "model", "Model", "Pick the model of the next turns"),
     Action("f9", "copy_last", "Copy last answer", "Copy the last answer to the clipboard"),
     Action("ctrl+s", "export", "Export to Markdown", "Write the open chat to a .md file"),
     Action("f5", "cache", "Cache", "Cache use per chat, pin/unpin, totals", show=True),

@@ -57,6 +57,14 @@ class Backend(Protocol):
     def status(self) -> Status:
         """Current counters; never blocks."""
 
+    def models(self) -> list[str]:
+        """The models :meth:`use_model` can switch to, the one in use among them (a local backend: its one
+        model; a server: those it lists); empty before :meth:`load` finished. Never blocks."""
+
+    def use_model(self, name: str) -> Status:
+        """Answer the next turns with ``name``, one of :meth:`models` (``LookupError`` otherwise; nothing changes).
+        A local backend has one model per run: any other name raises ``LookupError`` naming ``--model``."""
+
     def current(self) -> ChatView | None:
         """The open chat, if any."""
 

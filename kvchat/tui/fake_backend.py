@@ -9,6 +9,7 @@ until ``cancel`` is set, so a test can press Esc mid-answer deterministically.
 ``release()`` before the next (or the load) goes on, so a test can look at every step.
 ``prefill_gate`` holds a document attach open (after its "prefilling 0 / N" event) until the gate is set
 or the attach's ``cancel`` is, so a test can act while a document prefills.
+``model_names``: the models :meth:`FakeBackend.use_model` switches between (the status names the one in use).
 The contract suite (``tests/tui/test_tui_backend_contract.py``) runs the same
 checks against this and the real backend.
 """
@@ -70,8 +71,10 @@ class FakeBackend:
 
     def __init__(self, answers: Sequence[str] = (), context_limit: int = 4096, hold_after: int | None = None,
                  import_steps: Sequence[str] = (), step_gate: threading.Semaphore | None = None,
-                 prefill_gate: threading.Event | None = None):
+                 prefill_gate: threading.Event | None = None, model_names: Sequence[str] = ("fake-model",)):
         self.answers = list(answers)
+        self.model_names = tuple(model_names)
+        self.model = self.model_names[0]
         self.import_steps = list(import_steps)
         self.step_gate = step_gate
         self.context_limit = context_limit
@@ -102,9 +105,18 @@ class FakeBackend:
             return Status(phase="loading", message="starting")
         used = self.chat.num_tokens if self.chat else 0
         last = self._last
-        return Status("ready", "ready", "fake-model", "cpu", "fp8", -(-used // BLOCK_SIZE), POOL_BLOCKS,
+        return Status("ready", "ready", self.model, "cpu", "fp8", -(-used // BLOCK_SIZE), POOL_BLOCKS,
                       POOL_BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN, used, self.context_limit, last and last.ttft_ms,
                       last and last.decode_tokens_per_s, self._resume if self.chat else None)
+
+    def models(self) -> list[str]:
+        return list(self.model_names) if self.loaded else []
+
+    def use_model(self, name: str) -> Status:
+        if name not in self.models():
+            raise LookupError(f"no model {name!r} here (only {', '.join(self.model_names)})")
+        self.model = name
+        return self.status()
 
     def current(self) -> ChatView | None:
         c = self.chat

@@ -166,6 +166,15 @@ class RealBackend:
     def current(self) -> ChatView | None:
         return self._chats.view() if self._chats is not None else None
 
+    def models(self) -> list[str]:
+        return [self._chats.rt.info.name] if self._chats is not None else []
+
+    def use_model(self, name: str) -> Status:
+        if name not in self.models():
+            raise LookupError(f"this run's model is {', '.join(self.models()) or 'still loading'}; another "
+                              f"local model needs a new run: kvchat --model {name}")
+        return self.status()
+
     # --- store lane ---------------------------------------------------------------------------
     def _store(self, op: Callable[[Any], Any]) -> Any:
         """``op(kvchat.conversation.listing)`` on the store lane (SQLite imports stay off the UI thread)."""

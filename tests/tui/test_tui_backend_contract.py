@@ -1,8 +1,11 @@
-"""One contract, two backends: the scripted FakeBackend and the RealBackend on SmolLM2-135M.
+"""One contract, three backends: the scripted FakeBackend, the RealBackend on SmolLM2-135M, and the
+RemoteBackend on a real ``kvchat serve`` process running it.
 
-Every check here runs against both, so the fake the UI tests rely on cannot
+Every check here runs against each, so the fake the UI tests rely on cannot
 drift from the real engine. Real turns use ``max_tokens=8`` and a 1,024-token
-pool to stay fast on CPU.
+pool to stay fast on CPU. The checks of what only a local engine has (document
+prefill progress, snapshots here, carrying a chat over by its token counts) skip
+the remote backend, saying why.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from kvchat.documents import DocumentError
 from kvchat.conversation.views import AttachCancelled, ContextFullError
 from kvchat.conversation.events import AttachStep, PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.fake_backend import FakeBackend
+from kvchat.tui.remote_backend import RemoteBackend
 from kvchat.engine.turn import SamplingParams
+from server_helpers import API_KEY, Server
 
 POOL_BYTES = 12 * 2**20  # 64 blocks of SmolLM2-135M fp8 KV = 1,024 tokens of context
 GS = SamplingParams(max_tokens=8)
@@ -40,13 +45,34 @@ def real_backend(smol_info, tmp_path_factory):
     mp.undo()
 
 
-@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.model)])
+@pytest.fixture(scope="module")
+def remote_backend(smol_info, tmp_path_factory):
+    """A RemoteBackend on ``kvchat serve`` (its own data dir and key; the chats go to each test's data dir)."""
+    server = Server(tmp_path_factory.mktemp("contract-serve") / "home", env={"KVCHAT_KV_BUDGET_MB": "12"}).start()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVCHAT_HOME", str(tmp_path_factory.mktemp("contract-remote-home")))
+    backend = RemoteBackend(server.url, API_KEY)
+    backend.load(lambda event: None)
+    yield backend
+    backend.shutdown()
+    mp.undo()
+    server.stop()
+
+
+@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.model),
+                        pytest.param("remote", marks=pytest.mark.model)])
 def backend(request):
-    if request.param == "real":
-        return request.getfixturevalue("real_backend")
+    if request.param in ("real", "remote"):
+        return request.getfixturevalue(f"{request.param}_backend")
     fake = FakeBackend(context_limit=1024)
     fake.load(lambda event: None)
     return fake
+
+
+def engine_only(backend, why: str) -> None:
+    """Skip a check of what only a local engine has when ``backend`` is the remote one."""
+    if isinstance(backend, RemoteBackend):
+        pytest.skip(f"a chat held with a server: {why}")
 
 
 def run(backend, text="Count from one to ten.", cancel=None, op="send"):
@@ -65,7 +91,17 @@ def run(backend, text="Count from one to ten.", cancel=None, op="send"):
 def test_status_after_load(backend):
     st = backend.status()
     assert st.phase == "ready" and st.model and st.device and st.kv_dtype == "fp8"
-    assert st.pool_blocks_total > 0 and st.pool_bytes > 0 and st.context_limit > 0
+    assert st.pool_blocks_total > 0 and st.context_limit > 0
+    assert st.pool_bytes > 0 or isinstance(backend, RemoteBackend), "kvchat serve's /health has no pool bytes"
+
+
+def test_models_name_the_one_in_use_and_only_those_can_be_used(backend):
+    st = backend.status()
+    assert st.model in backend.models()
+    assert backend.use_model(st.model).model == st.model
+    with pytest.raises(LookupError):
+        backend.use_model("no-such-model")
+    assert backend.status().model == st.model
 
 
 def test_send_streams_batches_then_one_done(backend):
@@ -101,6 +137,9 @@ def test_reopen_restores_messages_and_reports_resume(backend):
     assert [(m.role, m.text) for m in view.messages] == [("user", "Name a fruit."), ("assistant", done.text)]
     assert view.messages[1].finish_reason == done.stats.finish_reason in ("stop", "length")
     assert view.num_tokens == done.context_used == backend.status().context_used
+    if isinstance(backend, RemoteBackend):  # opening reads no cache here: the next turn says what the server reused
+        assert view.resume is None and backend.status().resume is None
+        return
     assert view.resume is not None and 0 < view.resume.tokens <= view.num_tokens
     assert view.resume.source in ("memory", "disk") and backend.status().resume == view.resume
 
@@ -155,6 +194,7 @@ def test_bad_input_raises_and_changes_nothing(backend, tmp_path):
 
 
 def test_document_chat_prefills_with_progress_and_reuses_its_prefix(backend, tmp_path):
+    engine_only(backend, "the server prefills documents at the first turn, with no progress here")
     doc = tmp_path / "notes.txt"
     doc.write_text(f"Notes {tmp_path.name}. " + "The blue heron nests near the old mill. " * 30)
     events = []
@@ -172,6 +212,7 @@ def test_document_chat_prefills_with_progress_and_reuses_its_prefix(backend, tmp
 
 
 def test_an_attach_says_each_step_from_its_first_moment(backend, tmp_path):
+    engine_only(backend, "no tokenizing or prefill here")
     doc = tmp_path / "steps.txt"
     doc.write_text(f"Steps {tmp_path.name}. " + "The otter swims past the weir at dawn. " * 30)
     events = []
@@ -184,6 +225,7 @@ def test_an_attach_says_each_step_from_its_first_moment(backend, tmp_path):
 
 
 def test_a_cancelled_attach_keeps_nothing(backend, tmp_path):
+    engine_only(backend, "no prefill here to cancel")
     backend.new_chat(None, [], lambda e: None)
     _, done = run(backend, "Name a fruit.")
     before = (backend.current(), backend.list_chats(), backend.list_documents(), backend.status().pool_blocks_used)
@@ -222,6 +264,7 @@ def test_rename_search_pin_delete(backend):
 
 
 def test_turns_are_snapshotted_to_disk_and_purgeable(backend):
+    engine_only(backend, "its KV snapshots are the server's")
     backend.new_chat(None, [], lambda e: None)
     _, done = run(backend, "Name a fruit.")
     [row] = backend.cache_report().rows
@@ -233,6 +276,7 @@ def test_turns_are_snapshotted_to_disk_and_purgeable(backend):
 
 
 def test_continue_in_new_chat_carries_the_last_turns_that_fit(backend):
+    engine_only(backend, "carrying turns needs their token counts")
     backend.new_chat(None, [], lambda e: None)
     _, first = run(backend, "Name a fruit.")
     _, last = run(backend, "Name a tree.")
@@ -251,6 +295,7 @@ def test_continue_in_new_chat_carries_the_last_turns_that_fit(backend):
 
 
 def test_continue_without_the_documents_or_on_the_documents_alone(backend, tmp_path):
+    engine_only(backend, "carrying turns needs their token counts")
     doc = tmp_path / "notes.txt"
     doc.write_text(f"Notes {tmp_path.name}. " + "The blue heron nests near the old mill. " * 10)
     backend.new_chat(None, [str(doc)], lambda e: None)

@@ -173,6 +173,30 @@ class ChatActions:
 
         self.app.push_screen(SettingsScreen(self.settings), save)
 
+    def action_model(self) -> None:
+        """Pick among the backend's models (a server's list; a local run has its one model)."""
+        models, current = self.backend.models(), self.backend.status().model
+        if not models:
+            self.app.notify(self.not_ready() or "no model to pick yet", severity="warning", markup=False)
+            return
+        if len(models) == 1:
+            self.app.notify(f"{models[0]} is the only model here", markup=False)
+            return
+        if not self._may_change_chat():
+            return
+
+        def use(key: str | None) -> None:
+            if key is not None:
+                self.run_engine(self.backend.use_model, models[int(key)], then=lambda _: self.model_chosen())
+
+        labels = [(str(i), f"{m} (in use)" if m == current else m) for i, m in enumerate(models)]
+        self.app.push_screen(ChoiceScreen("Answer the next turns with:", labels, no="Keep"), use)
+
+    def model_chosen(self) -> None:
+        """After :meth:`action_model`: say which model answers now."""
+        self.update_status()
+        self.app.notify(f"the next turns go to {self.backend.status().model}", markup=False)
+
     def action_copy_last(self) -> None:
         view = self.backend.current()
         answers = [m.text for m in view.messages if m.role == "assistant"] if view else []

@@ -23,8 +23,12 @@ def status_text(st: Status, resume: bool = True) -> str:
     """Two lines: the counters, then the resume line (when ``resume``) or the current message."""
     if st.phase != "ready":
         return f"{st.phase}: {st.message}"
-    pool = f"pool {st.pool_blocks_used}/{st.pool_blocks_total} blk {size_text(st.pool_bytes)}"
-    first = [st.model, st.device, f"KV {st.kv_dtype}", pool, "ctx " + context_meter(st.context_used, st.context_limit)]
+    pool = f"pool {st.pool_blocks_used}/{st.pool_blocks_total} blk"
+    pool += f" {size_text(st.pool_bytes)}" if st.pool_bytes else ""
+    first = [st.model, st.device]  # a server that is not kvchat serve gives no KV dtype or pool figures
+    first += [f"KV {st.kv_dtype}"] if st.kv_dtype else []
+    first += [pool] if st.pool_blocks_total else []
+    first.append("ctx " + context_meter(st.context_used, st.context_limit))
     if st.last_ttft_ms is not None:
         first.append(f"TTFT {st.last_ttft_ms:,.0f} ms")
     if st.last_tokens_per_s:

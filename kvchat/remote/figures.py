@@ -1,0 +1,66 @@
+"""A remote turn's counters: what the server reports it reused (kvchat serve's ``kvchat`` object, else
+``usage.prompt_tokens_details.cached_tokens``) beside the times measured here, and the status line."""
+
+from __future__ import annotations
+
+from kvchat.engine.turn import TurnStats
+from kvchat.remote.client import Reply
+
+
+def _int(mapping: dict | None, key: str) -> int:
+    value = (mapping or {}).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def cached_tokens(reply: Reply) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` when the server sent it, else None."""
+    details = reply.usage.get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def turn_stats(reply: Reply) -> TurnStats:
+    """The turn's :class:`TurnStats`: token counts from the server's ``usage`` (without it: the prompt 0, the
+    answer its streamed pieces, one token each on these servers),
+    reuse from its ``kvchat`` object or ``cached_tokens``, TTFT and decode speed as measured by the client."""
+    k, usage = reply.kvchat, reply.usage
+    prompt = _int(usage, "prompt_tokens")
+    if k is not None:
+        memory, disk = _int(k, "from_memory"), _int(k, "from_disk")
+        reused, prefilled = memory + disk, _int(k, "prefilled_tokens")
+        restore = k.get("restore_ms") if isinstance(k.get("restore_ms"), (int, float)) else 0.0
+        miss = k.get("miss_reason") if isinstance(k.get("miss_reason"), str) else None
+    else:
+        memory = disk = 0
+        reused, restore, miss = cached_tokens(reply) or 0, 0.0, None
+        prefilled = max(prompt - reused, 0)
+    return TurnStats(prompt_tokens=prompt, reused_tokens=reused, from_memory=memory, from_disk=disk,
+                     restore_ms=float(restore), miss_reason=miss, prefilled_tokens=prefilled,
+                     new_tokens=_int(usage, "completion_tokens") or reply.pieces,
+                     ttft_ms=reply.ttft_ms, decode_tokens_per_s=reply.decode_tokens_per_s,
+                     finish_reason=reply.finish_reason)
+
+
+def reuse_line(reply: Reply) -> str:
+    """What the server reused for this turn, e.g. ``resumed 5,790 tokens from the server's disk in 56 ms``
+    (kvchat serve), ``the server reused 1,024 cached tokens of 1,090`` (``cached_tokens``), or that the
+    server does not say."""
+    k = reply.kvchat
+    if k is None:
+        cached = cached_tokens(reply)
+        if cached is None:
+            return "the server does not say which tokens it reused"
+        return f"the server reused {cached:,} cached tokens of {_int(reply.usage, 'prompt_tokens'):,}"
+    s = turn_stats(reply)
+    if not s.reused_tokens:
+        line = f"the server prefilled all {s.prefilled_tokens:,} tokens"
+    elif s.from_disk and s.from_memory:
+        line = (f"resumed {s.reused_tokens:,} tokens on the server ({s.from_memory:,} from memory, "
+                f"{s.from_disk:,} from disk in {s.restore_ms:.0f} ms)")
+    elif s.from_disk:
+        line = f"resumed {s.reused_tokens:,} tokens from the server's disk in {s.restore_ms:.0f} ms"
+    else:
+        line = f"resumed {s.reused_tokens:,} tokens from the server's memory"
+    if s.reused_tokens and s.prefilled_tokens:
+        line += f"; prefilled {s.prefilled_tokens:,}"
+    return line + (f" ({s.miss_reason})" if s.miss_reason else "")

@@ -1,0 +1,229 @@
+"""A server that fails (refused connection, wrong key, 503 with Retry-After, an error or a cut connection
+mid-answer, a stream that never ends): one line each from ``kvchat ask --server`` and the TUI, nothing stored
+half-done, and the TUI goes on (the typed text back in the box, the next question answered).
+
+The failing servers are a stub (:mod:`remote_stub`); the working conversation runs on a real kvchat serve
+in ``test_remote_serve.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from kvchat.remote.chats import NOT_HERE
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.screens.cache import CacheScreen
+from kvchat.tui.remote_backend import RemoteBackend
+from kvchat.tui.widgets.chat_input import ChatInput
+from kvchat.tui.widgets.status_bar import StatusBar
+from process_helpers import run_kvchat
+from remote_stub import KEY, MODEL, StubServer
+from server_helpers import free_port
+
+SIZE = (120, 40)
+FAILURES = {  # behaviour: (words of the error line, ask --json's error type)
+    "busy": ("is busy (503: the pool is full); retry after 7 s", "rate_limited"),
+    "error_event": ("cut the answer: internal error", "server_error"),
+    "cut": ("mid-answer", "server_error"),
+    "silent": ("sent nothing for 1 s; the answer was dropped", "timeout"),
+}
+
+
+@pytest.fixture(autouse=True)
+def short_timeout(monkeypatch):
+    """A silent stream is given up after 1 s (the default waits minutes), the right key in STUB_KEY."""
+    monkeypatch.setenv("KVCHAT_SERVER_TIMEOUT_S", "1")
+    monkeypatch.setenv("STUB_KEY", KEY)
+    monkeypatch.setenv("WRONG_KEY", "not-the-key")
+
+
+def stored_chats(home) -> int:
+    db = home / "kvchat.db"
+    if not db.exists():
+        return 0
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT count(*) FROM conversations").fetchone()[0] + \
+            conn.execute("SELECT count(*) FROM messages").fetchone()[0]
+
+
+def ask(home, url: str, *args: str, key_env: str = "STUB_KEY"):
+    return run_kvchat(home, "ask", "--server", url, "--api-key-env", key_env, "Tell me something.", *args)
+
+
+def assert_error(proc, words: str, kind: str, json_out: bool) -> None:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    if json_out:
+        err = json.loads(proc.stdout)["error"]
+        assert err["type"] == kind and words in err["message"] and "\n" not in err["message"], err
+        return
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("kvchat: error: ") and words in line, line
+
+
+@pytest.mark.parametrize("json_out", [False, True], ids=["text", "json"])
+def test_ask_refused_connection_and_wrong_key(kvchat_home, json_out):
+    extra = ("--json",) if json_out else ()
+    port = free_port()  # nothing listens there
+    assert_error(ask(kvchat_home, f"http://127.0.0.1:{port}", *extra), f"cannot reach the server at "
+                 f"http://127.0.0.1:{port} (Connection refused)", "connection_error", json_out)
+    with StubServer() as stub:
+        assert_error(ask(kvchat_home, stub.url, *extra, key_env="WRONG_KEY"), "refused the API key (401: Incorrect "
+                     "API key provided)", "authentication_error", json_out)
+        assert_error(ask(kvchat_home, stub.url + "/wrong/path", *extra), f"not found on the server at {stub.url}"
+                     "/wrong/path (404: Not Found)", "not_found", json_out)
+        assert stub.requests == []
+    assert stored_chats(kvchat_home) == 0
+
+
+@pytest.mark.parametrize("behaviour", FAILURES)
+def test_ask_on_a_failing_answer_says_one_line_and_stores_nothing(kvchat_home, behaviour):
+    words, kind = FAILURES[behaviour]
+    with StubServer([behaviour]) as stub:
+        json_out = kind == "rate_limited"  # --json's error object carries the Retry-After
+        proc = ask(kvchat_home, stub.url, *(["--json"] if json_out else []))
+        assert_error(proc, words, kind, json_out)
+        if json_out:
+            assert json.loads(proc.stdout)["error"]["retry_after_s"] == 7
+    assert stored_chats(kvchat_home) == 0
+
+
+def test_ask_on_a_server_that_is_not_kvchat_shows_its_cached_tokens(kvchat_home):
+    with StubServer() as stub:
+        proc = ask(kvchat_home, stub.url, "--json", "--max-tokens", "5")
+        assert proc.returncode == 0, proc.stderr
+        [body] = stub.requests
+    out = json.loads(proc.stdout)
+    assert out["text"] == "Half an answer" and out["model"] == MODEL and out["server"] == stub.url
+    assert out["server_reuse"] == "the server reused 8 cached tokens of 11" and out["reused_tokens"] == 8
+    assert (out["new_tokens"], out["context_tokens"], out["context_limit"]) == (3, 14, 4096)
+    assert body["max_tokens"] == 5 and body["stream"] and "top_k" not in body, "OpenAI's own API refuses top_k"
+    assert stored_chats(kvchat_home) == 3  # the chat, its question and its answer
+
+
+def harness(url: str, key: str | None = KEY):
+    backend = RemoteBackend(url, key)
+    app = KvchatApp(backend)
+    notes: list[str] = []
+    notify = app.notify
+
+    def record(message, **kwargs):
+        notes.append(message)
+        notify(message, **kwargs)
+
+    app.notify = record
+    return app, backend, notes
+
+
+async def until(pilot, condition, timeout=15.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await pilot.pause(0.02)
+
+
+def status(app) -> str:
+    return str(app.screen_stack[0].query_one(StatusBar).render())
+
+
+async def type_and_send(pilot, app, text: str) -> None:
+    box = app.screen_stack[0].query_one(ChatInput)
+    await pilot.click(ChatInput)
+    box.text = text
+    await pilot.press("enter")
+
+
+@pytest.mark.asyncio
+@pytest.mark.tui
+async def test_tui_goes_on_after_each_failed_answer(kvchat_home):
+    with StubServer(list(FAILURES)) as stub:
+        app, backend, notes = harness(stub.url)
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen_stack[0]
+            await until(pilot, lambda: screen.ready)
+            for i, (words, _) in enumerate(FAILURES.values()):
+                text = f"Question {i}?"
+                await type_and_send(pilot, app, text)
+                await until(pilot, lambda: len(notes) > i and not screen.generating)
+                assert words in notes[i] and "\n" not in notes[i], notes
+                assert screen.query_one(ChatInput).text == text, "the typed text is back in the box"
+                assert backend.list_chats() == [] and backend.current().messages == []
+                screen.query_one(ChatInput).text = ""
+            await type_and_send(pilot, app, "Last question?")
+            await until(pilot, lambda: backend.current().messages and not screen.generating)
+            assert [m.text for m in backend.current().messages] == ["Last question?", "Half an answer"]
+            assert [c.title for c in backend.list_chats()] == ["Last question?"]
+            assert "the server reused 8 cached tokens of 11" in status(app)
+            await pilot.press("f5")  # the cache screen: the chat is listed, its KV said to be the server's
+            await until(pilot, lambda: isinstance(app.screen, CacheScreen) and app.screen.report.rows)
+            [row] = app.screen.report.rows
+            assert (row.title, row.disk_bytes, row.miss_reason) == ("Last question?", 0, NOT_HERE)
+            await pilot.press("escape")
+            await pilot.press("ctrl+q")
+        assert len(stub.requests) == len(FAILURES) + 1
+        assert [m["content"] for m in stub.requests[-1]["messages"]] == ["Last question?"], "no failed turn resent"
+    assert stored_chats(kvchat_home) == 3
+
+
+@pytest.mark.asyncio
+@pytest.mark.tui
+@pytest.mark.parametrize("case", ["refused", "wrong key"])
+async def test_tui_on_a_server_it_cannot_use_says_why_and_keeps_the_text(kvchat_home, case):
+    with StubServer() as stub:
+        url, key = (f"http://127.0.0.1:{free_port()}", KEY) if case == "refused" else (stub.url, "not-the-key")
+        app, backend, notes = harness(url, key)
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen_stack[0]
+            await until(pilot, lambda: screen.load_error and notes)
+            words = "cannot reach the server" if case == "refused" else "refused the API key (401"
+            assert words in status(app) and words in notes[0] and "\n" not in notes[0]
+            await type_and_send(pilot, app, "Anyone there?")
+            await pilot.pause(0.1)
+            assert screen.query_one(ChatInput).text == "Anyone there?" and app.is_running
+            await pilot.press("ctrl+q")
+    assert stored_chats(kvchat_home) == 0
+
+
+def test_a_chat_goes_on_with_another_server_and_a_local_chat_is_refused(kvchat_home):
+    with StubServer() as first, StubServer() as second:
+        out = json.loads(ask(kvchat_home, first.url, "--json").stdout)
+        proc = ask(kvchat_home, second.url, "--json", "--chat", out["chat_id"])
+        assert proc.returncode == 0, proc.stderr
+        assert [m["content"] for m in second.requests[0]["messages"]] == ["Tell me something.", "Half an answer",
+                                                                          "Tell me something."]
+    with sqlite3.connect(kvchat_home / "kvchat.db") as conn:
+        assert conn.execute("SELECT model_fingerprint FROM conversations").fetchall() == [(f"server:{second.url}",)]
+        conn.execute("INSERT INTO conversations (id, title, model_fingerprint, model_name, created, updated) "
+                     "VALUES ('c_local1', 'local', '8c1f6d79', 'SmolLM2-135M-Instruct', 0, 0)")
+    proc = ask(kvchat_home, "http://127.0.0.1:9", "--chat", "c_local1")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "kvchat: error: chat c_local1 belongs to the local model 'SmolLM2-135M-Instruct' (its history is that "
+        "model's tokens); open it without --server"), proc.stderr
+
+
+@pytest.mark.asyncio
+@pytest.mark.tui
+async def test_esc_on_a_silent_server_keeps_the_partial_answer_at_once(kvchat_home, monkeypatch):
+    import time
+
+    monkeypatch.setenv("KVCHAT_SERVER_TIMEOUT_S", "60")  # the answer ends by Esc, not by the timeout
+    with StubServer(["silent"]) as stub:
+        app, backend, notes = harness(stub.url)
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen_stack[0]
+            await until(pilot, lambda: screen.ready)
+            await type_and_send(pilot, app, "Go on and on?")
+            # a stalled stream shows the pieces the batcher held back
+            await until(pilot, lambda: screen._answer is not None and screen._answer.text == "Half an ")
+            t0 = time.monotonic()
+            await pilot.press("escape")
+            await until(pilot, lambda: not screen.generating, timeout=5)
+            assert time.monotonic() - t0 < 2, "Esc does not wait for the silent server's timeout"
+            [msg] = backend.current().messages[1:]
+            assert (msg.text, msg.finish_reason) == ("Half an ", "cancelled") and notes == []
+            await pilot.press("ctrl+q")
+    assert stored_chats(kvchat_home) == 3, "a stopped answer is kept, as a local one is"
