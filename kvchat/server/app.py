@@ -128,9 +128,10 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
         if first[0] == "error":
             return _error(first[1])
         if not req.stream:
-            item = first
+            item, pieces = first, []
             try:
                 while item is not None and item[0] == "text":
+                    pieces.append(item[2])
                     item = await pushes.next()
             finally:
                 job.cancel.set()  # no-op once finished; a client gone mid-answer stops it
@@ -139,21 +140,23 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
             if item[0] == "error":
                 return _error(item[1])
             done: Finished = item[1]
+            logprobs = _joined_logprobs([*pieces, done.logprobs])
             return JSONResponse(completion_body(cid, model_name, done.text, done.finish_reason,
-                                                usage_block(done.stats), _kvchat(done)))
+                                                usage_block(done.stats), _kvchat(done), logprobs))
 
         async def sse():
             item = first
             try:
                 yield _sse(chunk_body(cid, model_name, {"role": "assistant", "content": ""}))
                 while item[0] == "text":
-                    yield _sse(chunk_body(cid, model_name, {"content": item[1]}))
+                    yield _sse(chunk_body(cid, model_name, {"content": item[1]}, logprobs=item[2]))
                     item = await events.get()
                 if item[0] == "error":
                     yield _sse(item[1].body())
                     return  # no [DONE]: the answer is not complete
                 done: Finished = item[1]
-                yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done)))
+                yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done),
+                                      logprobs=done.logprobs))
                 if req.include_usage:
                     yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
                                           kvchat=_kvchat(done)))  # docs/server.md: stats on the last chunk too
@@ -202,6 +205,13 @@ class _Pushes:
                     return None
         finally:
             getter.cancel()  # no-op once it has its result
+
+
+def _joined_logprobs(blocks: list[dict | None]) -> dict | None:
+    """One ``logprobs`` object from a stream's pieces (None when the request did not ask for them)."""
+    if blocks[-1] is None:
+        return None
+    return {"content": [entry for block in blocks for entry in block["content"]], "refusal": None}
 
 
 def _kvchat(done: Finished) -> dict:

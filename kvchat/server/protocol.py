@@ -13,6 +13,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from kvchat.engine.grammar import Grammar, GrammarError, json_schema_grammar
+from kvchat.engine.token_rules import MAX_TOP_LOGPROBS, TokenLogprob
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.utf8 import NotUtf8Error, require_utf8
 
@@ -23,12 +25,12 @@ MAX_STOP_CHARS = 256  # characters per stop sequence at most: holding back a par
 # (``top_k`` is not OpenAI's: vLLM and llama.cpp's server take it, and clients written for them send it)
 USED_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "response_format",
-               "logprobs", "modalities")
+               "logprobs", "top_logprobs", "logit_bias", "modalities")
 # OpenAI fields that leave the answer as it is: accepted and not used
 NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                     "parallel_tool_calls")
 # OpenAI fields that would change the answer and that kvchat does not implement: refused unless null or empty
-REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "top_logprobs", "audio",
+REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "audio",
                   "prediction", "reasoning_effort", "verbosity", "web_search_options")
 
 
@@ -67,6 +69,9 @@ class ChatRequest:
         stop: strings that end the answer (not included in it).
         stream: answer as Server-Sent Events.
         include_usage: streaming: a last chunk with ``usage`` (``stream_options.include_usage``).
+        grammar: what the answer must match (``response_format`` json_object / json_schema), or None.
+        logit_bias: token id -> value added to its logit (ids not yet checked against the vocabulary).
+        top_logprobs: ``logprobs: true``: alternatives per token (0–20); None: no log-probabilities.
     """
 
     model: str
@@ -78,6 +83,9 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    grammar: Grammar | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int | None = None
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -130,8 +138,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
 
     Raises:
         ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
-            features (``n`` > 1, the fields of :data:`REFUSED_FIELDS`, a ``response_format`` other than text,
-            unknown fields, roles other than system/developer/user/assistant, a conversation that does not
+            features (``n`` > 1, the fields of :data:`REFUSED_FIELDS`, unknown fields), a ``response_format``
+            whose schema cannot be compiled, roles other than system/developer/user/assistant, a conversation that does not
             start and end with a user message). Consecutive messages of one role are joined (blank line).
     """
     try:
@@ -194,25 +202,83 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         raise _bad("top_p must be > 0", "top_p")
     texts = [t for _, t, _ in seq]
     return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
-                       stop, stream, bool(options.get("include_usage")))
+                       stop, stream, bool(options.get("include_usage")), _response_format(body.get("response_format")),
+                       _logit_bias(body.get("logit_bias")), _top_logprobs(body))
+
+
+def _response_format(fmt) -> Grammar | None:
+    """The grammar of ``response_format``: None for ``text``, any JSON object for ``json_object``, the
+    schema's documents for ``json_schema`` (enforced whether ``strict`` is true or not).
+
+    Raises:
+        ApiError: 400 for another type, a malformed ``json_schema`` object, or a schema llguidance cannot
+            compile (the message names the keyword).
+    """
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar({"type": "object"}, "response_format")
+    if kind != "json_schema":
+        raise _bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _bad("response_format.json_schema must be an object with a name", "response_format")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise _bad("response_format.json_schema.strict must be a boolean", "response_format")
+    schema = spec.get("schema", {"type": "object"})
+    try:
+        return json_schema_grammar(schema, "response_format.json_schema.schema")
+    except GrammarError as exc:
+        raise _bad(f"invalid JSON schema: {exc}", "response_format", "invalid_json_schema") from None
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """``logit_bias`` as ``{token id: value}`` (OpenAI's keys are token ids as strings; values in [-100, 100]).
+
+    Raises:
+        ApiError: 400 for a key that is not a non-negative integer or a value out of range.
+    """
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias must be an object mapping token ids to numbers in [-100, 100]", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise _bad(f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise _bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+def _top_logprobs(body: dict) -> int | None:
+    """Alternatives per token when ``logprobs`` is true (``top_logprobs``, default 0); None otherwise.
+
+    Raises:
+        ApiError: 400 when ``logprobs`` is not a boolean, ``top_logprobs`` is out of [0, 20] or set without
+            ``logprobs: true`` (as the OpenAI API).
+    """
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _bad("logprobs must be a boolean", "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _refuse_unknown(body: dict) -> None:
     """Refuse (400) a field kvchat does not implement that would change the answer: a field of
-    :data:`REFUSED_FIELDS` that is set, ``logprobs: true``, a ``response_format`` other than text, or a
-    field that is none of the known ones."""
+    :data:`REFUSED_FIELDS` that is set, or a field that is none of the known ones."""
     for name in REFUSED_FIELDS:
         if body.get(name):
             raise _bad(f"{name} is not supported by kvchat serve", name)
-    if body.get("logprobs") not in (None, False):
-        raise _bad("logprobs is not supported by kvchat serve", "logprobs")
     if body.get("modalities") not in (None, [], ["text"]):
         raise _bad(f"modalities {body['modalities']!r} is not supported by kvchat serve (only [\"text\"])", "modalities")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise _bad(f"response_format {kind!r} is not supported by kvchat serve (only {{\"type\": \"text\"}})",
-                   "response_format")
     unknown = sorted(set(body) - {*USED_FIELDS, *NO_EFFECT_FIELDS, *REFUSED_FIELDS})
     if unknown:
         raise _bad(f"unknown field {unknown[0]!r} (kvchat serve accepts {', '.join(USED_FIELDS + NO_EFFECT_FIELDS)})",
@@ -245,18 +311,36 @@ def usage_block(stats: TurnStats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.reused_tokens}}
 
 
-def completion_body(cid: str, model: str, text: str, finish: str, usage: dict, kvchat: dict) -> dict:
-    """A non-streaming ``chat.completion`` object."""
+def logprobs_block(entries: list[TokenLogprob], token_bytes) -> dict:
+    """A choice's ``logprobs`` in OpenAI's shape: ``{"content": [{token, logprob, bytes, top_logprobs}],
+    "refusal": None}``. ``token_bytes(id)``: the bytes a token stands for (a token holding part of a UTF-8
+    character shows it as U+FFFD in ``token``; ``bytes`` are exact)."""
+    def item(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_body(cid: str, model: str, text: str, finish: str, usage: dict, kvchat: dict,
+                    logprobs: dict | None = None) -> dict:
+    """A non-streaming ``chat.completion`` object (``logprobs``: :func:`logprobs_block`, when asked for)."""
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                         "finish_reason": finish}],
             "usage": usage, "kvchat": kvchat}
 
 
 def chunk_body(cid: str, model: str, delta: dict, finish: str | None = None, usage: dict | None = None,
-               kvchat: dict | None = None) -> dict:
-    """One ``chat.completion.chunk`` of a stream (``choices`` empty on the usage-only last chunk)."""
+               kvchat: dict | None = None, logprobs: dict | None = None) -> dict:
+    """One ``chat.completion.chunk`` of a stream (``choices`` empty on the usage-only last chunk;
+    ``logprobs``: the delta's tokens, :func:`logprobs_block`)."""
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     body = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            "choices": [] if delta is None else [choice]}
     if usage is not None:
         body["usage"] = usage
     if kvchat is not None:
