@@ -25,7 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvchat.server.host_check import HostCheck
-from kvchat.server.protocol import ApiError, chunk_body, completion_body, kvchat_block, parse_chat_request, usage_block
+from kvchat.server.protocol import (ApiError, answer_message, chunk_body, completion_body, kvchat_block, parse_chat_request,
+                                    usage_block)
 from kvchat.server.scheduler import Finished, Job
 
 DISCONNECT_POLL_S = 0.25  # a client waiting for a whole answer is checked for a closed connection this often
@@ -141,22 +142,37 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
                 return _error(item[1])
             done: Finished = item[1]
             logprobs = _joined_logprobs([*pieces, done.logprobs])
-            return JSONResponse(completion_body(cid, model_name, done.text, done.finish_reason,
-                                                usage_block(done.stats), _kvchat(done), logprobs))
+            message, finish = answer_message(req, done.text, done.finish_reason)
+            return JSONResponse(completion_body(cid, model_name, message, finish, usage_block(done.stats),
+                                                _kvchat(done), logprobs))
+
+        # with tools offered an answer may turn out to be calls: it is held back and sent whole at its end
+        held = bool(req.tools) and req.tool_choice != "none"
 
         async def sse():
-            item = first
+            item, pieces = first, []
             try:
                 yield _sse(chunk_body(cid, model_name, {"role": "assistant", "content": ""}))
                 while item[0] == "text":
-                    yield _sse(chunk_body(cid, model_name, {"content": item[1]}, logprobs=item[2]))
+                    if held:
+                        pieces.append(item[2])
+                    else:
+                        yield _sse(chunk_body(cid, model_name, {"content": item[1]}, logprobs=item[2]))
                     item = await events.get()
                 if item[0] == "error":
                     yield _sse(item[1].body())
                     return  # no [DONE]: the answer is not complete
                 done: Finished = item[1]
-                yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done),
-                                      logprobs=done.logprobs))
+                finish, logprobs = done.finish_reason, done.logprobs
+                if held:
+                    message, finish = answer_message(req, done.text, finish)
+                    delta = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
+                             if "tool_calls" in message else {"content": done.text})
+                    if message["content"] is not None and "tool_calls" in message:
+                        delta["content"] = message["content"]
+                    yield _sse(chunk_body(cid, model_name, delta, logprobs=_joined_logprobs([*pieces, logprobs])))
+                    logprobs = None  # all went with the delta
+                yield _sse(chunk_body(cid, model_name, {}, finish, kvchat=_kvchat(done), logprobs=logprobs))
                 if req.include_usage:
                     yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
                                           kvchat=_kvchat(done)))  # docs/server.md: stats on the last chunk too
