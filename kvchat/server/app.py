@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvchat.server.choices import several_choices
 from kvchat.server.host_check import HostCheck
 from kvchat.server.protocol import (ApiError, answer_message, chunk_body, completion_body, kvchat_block, parse_chat_request,
                                     usage_block)
@@ -114,6 +115,10 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
         if req.model != model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist (this server runs {model_name!r})",
                            param="model", code="model_not_found")
+        if req.n > 1:
+            body, err = await several_choices(req, state["scheduler"].submit, "chatcmpl-" + secrets.token_hex(12),
+                                              model_name)
+            return _error(err) if err is not None else JSONResponse(body)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
         state["scheduler"].submit(job)

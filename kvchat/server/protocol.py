@@ -23,6 +23,7 @@ from kvchat.utf8 import NotUtf8Error, require_utf8
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_STOP = 4  # stop sequences at most (as the OpenAI API)
+MAX_CHOICES = 8  # n at most: the largest decode batch bucket, so a request's choices decode in one step
 MAX_STOP_CHARS = 256  # characters per stop sequence at most: holding back a partial match costs O(length^2) a token
 # the request's fields kvchat uses (README's server section says what each does)
 # (``top_k`` is not OpenAI's: vLLM and llama.cpp's server take it, and clients written for them send it)
@@ -79,6 +80,7 @@ class ChatRequest:
         tool_choice: ``none``, ``auto``, ``required`` or ``function`` (``tool_name``); ``required`` and
             ``function`` have their call's grammar in ``grammar``.
         tool_name: the function ``tool_choice`` names.
+        n: choices to generate (:mod:`kvchat.server.choices`).
     """
 
     model: str
@@ -96,6 +98,7 @@ class ChatRequest:
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str = "none"
     tool_name: str | None = None
+    n: int = 1
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -148,7 +151,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
 
     Raises:
         ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
-            features (``n`` > 1, the fields of :data:`REFUSED_FIELDS`, unknown fields), a ``response_format``
+            features (``n`` > :data:`MAX_CHOICES` or streamed, the fields of :data:`REFUSED_FIELDS`, unknown fields), a ``response_format``
             whose schema cannot be compiled, roles other than system/developer/user/assistant, a conversation that does not
             start and end with a user message). Consecutive messages of one role are joined (blank line).
     """
@@ -167,7 +170,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
     _refuse_unknown(body)
-    _int(body, "n", 1, 1)  # one choice only
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
     system, seq = [], []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -204,6 +207,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")
+    if stream and n > 1:
+        raise _bad("n > 1 is not supported with stream: true", "n")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
@@ -230,7 +235,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         system.append(tools_prompt(tools))
     return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
                        stop, stream, bool(options.get("include_usage")), grammar, _logit_bias(body.get("logit_bias")),
-                       _top_logprobs(body), tools, choice, name)
+                       _top_logprobs(body), tools, choice, name, n)
 
 
 def _assistant_calls(m: dict, where: str) -> str:

@@ -99,6 +99,8 @@ class Job:
     ``("done", Finished)`` or ``("error", ApiError)`` (also after text: an answer cut by a shutdown or a
     failure); it must be thread-safe.
     ``cancel``: set by the handler when the client goes away.
+    ``after``: another choice of the same request (``n`` > 1, :mod:`kvchat.server.choices`): this job is
+    admitted only once that one's prompt is prefilled, so its prompt comes from the prefix cache.
     """
 
     request: ChatRequest
@@ -120,6 +122,7 @@ class Job:
     answered: bool = False  # the "done" was pushed (the turn is stored); its recompute may still run
     rules: TokenRules | None = None  # the sampler's API hook: logit bias, grammar, log-probabilities
     logprobs_sent: int = 0  # entries of rules.logprobs already pushed
+    after: "Job | None" = None
 
 
 class Scheduler:
@@ -240,6 +243,8 @@ class Scheduler:
                 continue
             if job.service is None and hold:
                 continue
+            if job.after is not None and not self._prefilled(job.after):
+                continue
             if job.service is None:
                 try:
                     self._prepare(job)
@@ -260,6 +265,12 @@ class Scheduler:
                 job.push(("error", ApiError(503, f"the KV pool is full ({total} blocks promised to running requests); "
                                                  "retry later", "server_error", code="pool_full",
                                             headers={"Retry-After": str(RETRY_AFTER_S)})))
+
+    def _prefilled(self, job: Job) -> bool:
+        """``job``'s prompt is in the pool (it decodes or has answered), or it will never be (it ended)."""
+        running = job in self.running
+        return job.answered or (running and isinstance(job.waiting, DecodeStep)) or \
+            not (running or job in self.queued or job in self._inbox)
 
     def _prepare(self, job: Job) -> None:
         """Render the messages (mapping answers back to generated ids), open or start the chat, size the job.

@@ -110,3 +110,23 @@ def test_logprobs_with_five_alternatives_streaming_and_not(server):
     assert ask_greedy(c, msgs, max_tokens=2).choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match=r"top_logprobs must be an integer in \[0, 20\]"):
         ask_greedy(c, msgs, max_tokens=2, logprobs=True, top_logprobs=50)
+
+
+def test_n_choices_share_one_prefill_and_each_equals_its_seed_alone(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "Write one sentence about a small boat on a quiet lake at dawn."}]
+    kw = dict(model=MODEL, messages=msgs, temperature=1.0, max_tokens=16, seed=1234)
+    r = c.chat.completions.create(n=3, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    kv = r.model_extra["kvchat"]
+    prefilled = [ch["prefilled_tokens"] for ch in kv["choices"]]
+    assert prefilled[0] == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens, kv
+    # the others wait for it and take from the pool what a cold run would compute the same way (here the
+    # system prompt; the user turn's own chunk is computed again: docs/server.md, n > 1)
+    assert all(p < r.usage.prompt_tokens for p in prefilled[1:]), kv
+    assert len({ch["chat_id"] for ch in kv["choices"]}) == 3  # each choice is its own stored chat
+    alone = [c.chat.completions.create(**{**kw, "seed": 1234 + i}) for i in range(3)]
+    assert [ch.message.content for ch in r.choices] == [a.choices[0].message.content for a in alone]
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens  # counted once
+    assert len({ch.message.content for ch in r.choices}) > 1  # the seeds differ, so do the choices
