@@ -13,10 +13,10 @@ In-process on the loaded model, greedy, one sequence:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
+from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import format_table
 
 # a nested object, an enum, a bounded array and bounded integers (as the server's structured-output test)
@@ -106,7 +106,7 @@ def cmd_bench_grammar(args: argparse.Namespace) -> int:
     ids = [t for t in runs[0][0] if t not in grammars.stop_ids]
     masks = sorted(_mask_times_us(grammars, grammar, ids, vocab))
     result = {
-        "model": rt.info.name, "threads": torch.get_num_threads(), "answer_tokens": len(ids),
+        "run": run_info(threads=torch.get_num_threads()), "model": rt.info.name, "answer_tokens": len(ids),
         "answer": rt.tokenizer.decode(ids),
         "tokenizer_view_ms": (t1 - t0) * 1e3, "schema_compile_ms": (t2 - t1) * 1e3,
         "mask_us_median": statistics.median(masks), "mask_us_mean": statistics.fmean(masks),
@@ -124,6 +124,5 @@ def cmd_bench_grammar(args: argparse.Namespace) -> int:
     ]))
     print(f"answer: {result['answer']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
