@@ -2,9 +2,10 @@
 
 Choice ``i`` is the request with seed ``seed + i`` (no seed: each its own random one), so it equals the
 same request sent with ``n = 1`` and that seed. Choice 0 runs first; the others are admitted once its
-prompt is prefilled (:attr:`kvchat.server.scheduler.Job.after`), so they take the prompt's blocks from
-the pool's prefix cache (shared, copied on write) instead of computing them again, then all decode in the
-same batched steps. Each choice is stored as its own chat (a branch when the history continues one).
+prompt is prefilled (:attr:`kvchat.server.scheduler.Job.after`) and fork its blocks and last logits
+(:class:`kvchat.engine.shared_prompt.SharedPrompt`: shared, copied on write), computing nothing of the
+prompt, then all decode in the same batched steps. Each choice is stored as its own chat (a branch when
+the history continues one).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.server.protocol import ChatRequest, answer_message, completion_body, kvchat_block, usage_block
 from kvchat.server.scheduler import Finished, Job
 
@@ -36,9 +38,10 @@ async def several_choices(req: ChatRequest, submit, cid: str, model: str) -> tup
     loop = asyncio.get_running_loop()
     queues = [asyncio.Queue() for _ in range(req.n)]
     jobs: list[Job] = []
+    shared = SharedPrompt()
     for q, sub in zip(queues, choice_requests(req)):
         jobs.append(Job(sub, lambda item, q=q: loop.call_soon_threadsafe(q.put_nowait, item),
-                        after=jobs[0] if jobs else None))
+                        after=jobs[0] if jobs else None, shared=shared))
     for job in jobs:
         submit(job)
     done: list[Finished] = []

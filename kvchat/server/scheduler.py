@@ -57,6 +57,7 @@ from kvchat.engine.persistence import KVPersist
 from kvchat.engine.runner import PREFILL_CHUNK_TOKENS, ContextOverflowError
 from kvchat.engine.sampling import sample_rows
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.engine.token_rules import TokenLogprob, TokenRules
 from kvchat.engine.turn import TurnStats
 from kvchat.model.chat_format import ChatTemplateError, UserTurn
@@ -100,7 +101,7 @@ class Job:
     failure); it must be thread-safe.
     ``cancel``: set by the handler when the client goes away.
     ``after``: another choice of the same request (``n`` > 1, :mod:`kvchat.server.choices`): this job is
-    admitted only once that one's prompt is prefilled, so its prompt comes from the prefix cache.
+    admitted only once that one's prompt is prefilled, and forks its blocks through ``shared``.
     """
 
     request: ChatRequest
@@ -123,6 +124,7 @@ class Job:
     rules: TokenRules | None = None  # the sampler's API hook: logit bias, grammar, log-probabilities
     logprobs_sent: int = 0  # entries of rules.logprobs already pushed
     after: "Job | None" = None
+    shared: SharedPrompt | None = None  # the prompt the request's choices share (None: n = 1)
 
 
 class Scheduler:
@@ -257,7 +259,8 @@ class Scheduler:
                 self.queued.remove(job)
                 job.steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
                                                    lambda ev, job=job: self._on_event(job, ev),
-                                                   lambda text, job=job: text[: job.stop_at], job.user, job.rules)
+                                                   lambda text, job=job: text[: job.stop_at], job.user, job.rules,
+                                                   job.shared)
                 self.running.append(job)
             elif time.perf_counter() - job.received > self.queue_timeout_s:
                 self.queued.remove(job)
