@@ -3,8 +3,9 @@ results as text in the conversation, the grammar that forces a call, and the par
 
 The format (the Hermes/Qwen2.5 convention, which small instruction-tuned models have seen):
 
-- the system prompt ends with a ``# Tools`` block listing each function's definition as one JSON line
-  inside ``<tools></tools>``, and how to call one;
+- the system prompt ends with a ``# Tools: <names>`` block listing each function's definition as one JSON
+  line inside ``<tools></tools>``, and how to call one (``kvchat doc list`` shows such a stored prefix as
+  ``tools: <names>``);
 - an assistant call is ``<tool_call>\\n{"name":NAME,"arguments":ARGS}\\n</tool_call>`` (several calls one per
   line), ``ARGS`` the arguments' JSON text exactly as generated, so a client resending the call renders the
   ids kvchat generated and the history is reused token-exactly;
@@ -22,6 +23,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from kvchat.conversation.pasted import TOOLS_HEADING
 from kvchat.engine.grammar import JSON_OPTIONS, Grammar, lark_grammar
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -57,7 +59,8 @@ def tools_prompt(tools: list[Tool]) -> str:
     lines = [json.dumps({"type": "function", "function": {"name": t.name, "description": t.description,
                                                           "parameters": t.parameters}}, ensure_ascii=False)
              for t in tools]
-    return ("# Tools\n\nYou may call one or more of these functions. Their definitions, one per line:\n"
+    return (TOOLS_HEADING + ", ".join(t.name for t in tools) + "\n\n"
+            "You may call one or more of these functions. Their definitions, one per line:\n"
             "<tools>\n" + "\n".join(lines) + "\n</tools>\n\n"
             f"To call a function, answer with its name and arguments as a JSON object in {CALL_OPEN} tags:\n"
             f'{CALL_OPEN}\n{{"name":"function name","arguments":{{...}}}}\n{CALL_CLOSE}')

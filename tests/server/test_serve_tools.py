@@ -35,6 +35,14 @@ def _many_tools(n: int) -> list[dict]:
         for i in range(n)]
 
 
+def _titles(server) -> list[str]:
+    db = sqlite3.connect(server.home / "kvchat.db")
+    try:
+        return [title for (title,) in db.execute("SELECT title FROM documents")]
+    finally:
+        db.close()
+
+
 def _rows(server) -> int:
     db = sqlite3.connect(server.home / "kvchat.db")
     try:
@@ -84,6 +92,9 @@ def test_tool_definitions_and_a_tool_conversation_are_reused_from_memory_and_fro
     first = ask_greedy(c, [{"role": "user", "content": "Which tool finds stock levels?"}], max_tokens=8,
                        tools=tools, tool_choice="none")
     assert first.usage.prompt_tokens >= 2000, first.usage
+    server.wait_idle()
+    titles = _titles(server)  # what `kvchat doc list` shows
+    assert [t for t in titles if t.startswith("tools: get_weather, get_time, tool_0, ")], titles
     other = ask_greedy(c, [{"role": "user", "content": "How warm is it in Oslo?"}], max_tokens=60, tools=tools,
                        tool_choice=NAMED)
     assert other.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32, other.usage

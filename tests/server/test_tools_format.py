@@ -47,7 +47,7 @@ def test_tool_messages_and_assistant_calls_render_into_the_conversation():
                                           {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}])
     assert req.turns == [("Weather in Oslo?", call_text("get_weather", '{"city":"Oslo"}'))]
     assert req.user == "<tool_response>\n21 C\n</tool_response>"
-    assert req.system.startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in req.system
+    assert req.system.startswith("Be brief.\n\n# Tools: get_weather\n") and '"name": "get_weather"' in req.system
     assert req.tool_choice == "auto" and req.grammar is None
     with pytest.raises(ApiError, match="tool_call_id is required"):
         _request(messages=[{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
