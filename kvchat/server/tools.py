@@ -47,10 +47,9 @@ class ToolCall:
     name: str
     arguments: str
 
-    def body(self, index: int | None = None) -> dict:
-        """OpenAI's ``tool_calls`` entry (with ``index`` in a streamed delta)."""
-        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return out if index is None else {"index": index, **out}
+    def body(self) -> dict:
+        """OpenAI's ``tool_calls`` entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def tools_prompt(tools: list[Tool]) -> str:
