@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -24,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvchat.server.choices import several_choices
+from kvchat.server.choices import SeveralChoices
 from kvchat.server.host_check import HostCheck
-from kvchat.server.protocol import (ApiError, answer_message, chunk_body, completion_body, kvchat_block, parse_chat_request,
-                                    usage_block)
+from kvchat.server.protocol import (ApiError, answer_message, chunk_body, completion_body, held_delta, joined_logprobs,
+                                    kvchat_block, parse_chat_request, sse_line, usage_block)
 from kvchat.server.scheduler import Finished, Job
 
 DISCONNECT_POLL_S = 0.25  # a client waiting for a whole answer is checked for a closed connection this often
@@ -116,8 +115,14 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
             raise ApiError(404, f"the model {req.model!r} does not exist (this server runs {model_name!r})",
                            param="model", code="model_not_found")
         if req.n > 1:
-            body, err = await several_choices(req, state["scheduler"].submit, "chatcmpl-" + secrets.token_hex(12),
-                                              model_name)
+            choices = SeveralChoices(req, state["scheduler"].submit, "chatcmpl-" + secrets.token_hex(12), model_name)
+            if req.stream:
+                err = await choices.started()
+                if err is not None:
+                    return _error(err)
+                return StreamingResponse(choices.stream(), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            body, err = await choices.whole()
             return _error(err) if err is not None else JSONResponse(body)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
@@ -146,7 +151,7 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
             if item[0] == "error":
                 return _error(item[1])
             done: Finished = item[1]
-            logprobs = _joined_logprobs([*pieces, done.logprobs])
+            logprobs = joined_logprobs([*pieces, done.logprobs])
             message, finish = answer_message(req, done.text, done.finish_reason)
             return JSONResponse(completion_body(cid, model_name, message, finish, usage_block(done.stats),
                                                 _kvchat(done), logprobs))
@@ -157,29 +162,25 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
         async def sse():
             item, pieces = first, []
             try:
-                yield _sse(chunk_body(cid, model_name, {"role": "assistant", "content": ""}))
+                yield sse_line(chunk_body(cid, model_name, {"role": "assistant", "content": ""}))
                 while item[0] == "text":
                     if held:
                         pieces.append(item[2])
                     else:
-                        yield _sse(chunk_body(cid, model_name, {"content": item[1]}, logprobs=item[2]))
+                        yield sse_line(chunk_body(cid, model_name, {"content": item[1]}, logprobs=item[2]))
                     item = await events.get()
                 if item[0] == "error":
-                    yield _sse(item[1].body())
+                    yield sse_line(item[1].body())
                     return  # no [DONE]: the answer is not complete
                 done: Finished = item[1]
                 finish, logprobs = done.finish_reason, done.logprobs
                 if held:
-                    message, finish = answer_message(req, done.text, finish)
-                    delta = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
-                             if "tool_calls" in message else {"content": done.text})
-                    if message["content"] is not None and "tool_calls" in message:
-                        delta["content"] = message["content"]
-                    yield _sse(chunk_body(cid, model_name, delta, logprobs=_joined_logprobs([*pieces, logprobs])))
+                    delta, finish = held_delta(req, done.text, finish)
+                    yield sse_line(chunk_body(cid, model_name, delta, logprobs=joined_logprobs([*pieces, logprobs])))
                     logprobs = None  # all went with the delta
-                yield _sse(chunk_body(cid, model_name, {}, finish, kvchat=_kvchat(done), logprobs=logprobs))
+                yield sse_line(chunk_body(cid, model_name, {}, finish, kvchat=_kvchat(done), logprobs=logprobs))
                 if req.include_usage:
-                    yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
+                    yield sse_line(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
                                           kvchat=_kvchat(done)))  # docs/server.md: stats on the last chunk too
                 yield "data: [DONE]\n\n"
             finally:
@@ -228,16 +229,5 @@ class _Pushes:
             getter.cancel()  # no-op once it has its result
 
 
-def _joined_logprobs(blocks: list[dict | None]) -> dict | None:
-    """One ``logprobs`` object from a stream's pieces (None when the request did not ask for them)."""
-    if blocks[-1] is None:
-        return None
-    return {"content": [entry for block in blocks for entry in block["content"]], "refusal": None}
-
-
 def _kvchat(done: Finished) -> dict:
     return kvchat_block(done.stats, done.ttft_ms, done.miss_reason, done.chat_id)
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"

@@ -14,7 +14,8 @@ import asyncio
 import dataclasses
 
 from kvchat.engine.shared_prompt import SharedPrompt
-from kvchat.server.protocol import ChatRequest, answer_message, completion_body, kvchat_block, usage_block
+from kvchat.server.protocol import (ApiError, ChatRequest, answer_message, chunk_body, completion_body, held_delta,
+                                    joined_logprobs, kvchat_block, sse_line, usage_block)
 from kvchat.server.scheduler import Finished, Job
 
 
@@ -27,49 +28,116 @@ def choice_requests(req: ChatRequest) -> list[ChatRequest]:
     return out
 
 
-async def several_choices(req: ChatRequest, submit, cid: str, model: str) -> tuple[dict | None, object]:
-    """Run the ``n`` choices of ``req`` through ``submit`` (the scheduler's) and build the completion.
+class SeveralChoices:
+    """The ``n`` jobs of one request, submitted at construction (on the event loop), and their answer, whole
+    (:meth:`whole`) or streamed (:meth:`started`, then :meth:`stream`). A failed choice fails the request;
+    the others are then cancelled, as they are when the answer ends or the client goes away."""
 
-    Returns ``(body, None)``, or ``(None, ApiError)`` when a choice failed (the others are cancelled).
-    ``usage`` counts the prompt once (``prompt_tokens`` and ``cached_tokens`` are choice 0's) and the
-    completion tokens of every choice; ``kvchat`` is choice 0's plus ``choices``: each choice's
-    ``prefilled_tokens`` and ``chat_id``.
-    """
-    loop = asyncio.get_running_loop()
-    queues = [asyncio.Queue() for _ in range(req.n)]
-    jobs: list[Job] = []
-    shared = SharedPrompt()
-    for q, sub in zip(queues, choice_requests(req)):
-        jobs.append(Job(sub, lambda item, q=q: loop.call_soon_threadsafe(q.put_nowait, item),
-                        after=jobs[0] if jobs else None, shared=shared))
-    for job in jobs:
-        submit(job)
-    done: list[Finished] = []
-    logprobs: list[list] = []
-    try:
-        for q in queues:
-            pieces = []
-            item = await q.get()
-            while item[0] == "text":
-                pieces.append(item[2])
-                item = await q.get()
-            if item[0] == "error":
-                return None, item[1]
-            done.append(item[1])
-            logprobs.append([*pieces, item[1].logprobs])
-    finally:
-        for job in jobs:
-            job.cancel.set()  # no-op once finished; an error or a gone client stops the rest
-    choices = []
-    for i, (d, blocks) in enumerate(zip(done, logprobs)):
-        message, finish = answer_message(req, d.text, d.finish_reason)
-        lp = None if blocks[-1] is None else {"content": [e for b in blocks for e in b["content"]], "refusal": None}
-        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
-    usage = usage_block(done[0].stats)
-    usage["completion_tokens"] = sum(d.stats.new_tokens for d in done)
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    kv = kvchat_block(done[0].stats, done[0].ttft_ms, done[0].miss_reason, done[0].chat_id)
-    kv["choices"] = [{"prefilled_tokens": d.stats.prefilled_tokens, "chat_id": d.chat_id} for d in done]
-    body = completion_body(cid, model, choices[0]["message"], choices[0]["finish_reason"], usage, kv)
-    body["choices"] = choices
-    return body, None
+    def __init__(self, req: ChatRequest, submit, cid: str, model: str):
+        loop = asyncio.get_running_loop()
+        self.req, self.cid, self.model = req, cid, model
+        self._events: asyncio.Queue = asyncio.Queue()  # (choice index, the scheduler's push)
+        self._early: list[tuple[int, tuple]] = []  # pushes read by started(), not yet handled
+        shared = SharedPrompt()
+        self.jobs: list[Job] = []
+        for i, sub in enumerate(choice_requests(req)):
+            self.jobs.append(Job(sub, lambda item, i=i: loop.call_soon_threadsafe(self._events.put_nowait, (i, item)),
+                                 after=self.jobs[0] if self.jobs else None, shared=shared))
+        for job in self.jobs:
+            submit(job)
+
+    def cancel(self) -> None:
+        """Stop every choice still running (a no-op for those finished)."""
+        for job in self.jobs:
+            job.cancel.set()
+
+    async def _next(self) -> tuple[int, tuple]:
+        return self._early.pop(0) if self._early else await self._events.get()
+
+    async def started(self) -> ApiError | None:
+        """Wait for choice 0's first push: its error (the request fails before any byte is sent), or None."""
+        while True:
+            i, item = await self._events.get()
+            self._early.append((i, item))
+            if i == 0:
+                if item[0] == "error":
+                    self.cancel()
+                    return item[1]
+                return None
+
+    async def whole(self) -> tuple[dict | None, ApiError | None]:
+        """``(the chat.completion, None)`` once every choice is answered, or ``(None, the first error)``."""
+        pieces: list[list] = [[] for _ in self.jobs]
+        done: dict[int, Finished] = {}
+        try:
+            while len(done) < len(self.jobs):
+                i, item = await self._next()
+                if item[0] == "text":
+                    pieces[i].append(item[2])
+                elif item[0] == "error":
+                    return None, item[1]
+                else:
+                    done[i] = item[1]
+        finally:
+            self.cancel()
+        choices = []
+        for i in range(len(self.jobs)):
+            message, finish = answer_message(self.req, done[i].text, done[i].finish_reason)
+            choices.append({"index": i, "message": message, "finish_reason": finish,
+                            "logprobs": joined_logprobs([*pieces[i], done[i].logprobs])})
+        usage, kv = self._totals(done)
+        body = completion_body(self.cid, self.model, choices[0]["message"], choices[0]["finish_reason"], usage, kv)
+        body["choices"] = choices
+        return body, None
+
+    async def stream(self):
+        """The Server-Sent Events of every choice, interleaved as their tokens come (each chunk names its
+        choice's ``index``); an answer that may be calls (tools offered) is sent whole at its end. The last
+        finish chunk (and the usage chunk) carry the totals; an error ends the stream without ``[DONE]``."""
+        req, cid, model = self.req, self.cid, self.model
+        held = bool(req.tools) and req.tool_choice != "none"
+        pieces: list[list] = [[] for _ in self.jobs]
+        done: dict[int, Finished] = {}
+        try:
+            for i in range(len(self.jobs)):
+                yield sse_line(chunk_body(cid, model, {"role": "assistant", "content": ""}, index=i))
+            while len(done) < len(self.jobs):
+                i, item = await self._next()
+                if item[0] == "text":
+                    if held:
+                        pieces[i].append(item[2])
+                    else:
+                        yield sse_line(chunk_body(cid, model, {"content": item[1]}, logprobs=item[2], index=i))
+                    continue
+                if item[0] == "error":
+                    yield sse_line(item[1].body())
+                    return  # no [DONE]: the answer is not complete
+                done[i] = d = item[1]
+                finish, logprobs = d.finish_reason, d.logprobs
+                if held:
+                    delta, finish = held_delta(req, d.text, finish)
+                    yield sse_line(chunk_body(cid, model, delta, logprobs=joined_logprobs([*pieces[i], logprobs]),
+                                              index=i))
+                    logprobs = None  # all went with the delta
+                last = len(done) == len(self.jobs)
+                yield sse_line(chunk_body(cid, model, {}, finish, logprobs=logprobs, index=i,
+                                          kvchat=self._totals(done)[1] if last else None))
+            if req.include_usage:
+                usage, kv = self._totals(done)
+                yield sse_line(chunk_body(cid, model, None, usage=usage, kvchat=kv))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.cancel()  # the client went away (or the stream ended): stop generating
+
+    def _totals(self, done: dict[int, Finished]) -> tuple[dict, dict]:
+        """``usage`` counting the prompt once (choice 0's ``prompt_tokens`` and ``cached_tokens``) and the
+        completion tokens of every choice; ``kvchat``: choice 0's, plus ``choices``: each choice's
+        ``prefilled_tokens`` and ``chat_id``."""
+        first = done[0]
+        usage = usage_block(first.stats)
+        usage["completion_tokens"] = sum(d.stats.new_tokens for d in done.values())
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        kv = kvchat_block(first.stats, first.ttft_ms, first.miss_reason, first.chat_id)
+        kv["choices"] = [{"prefilled_tokens": done[i].stats.prefilled_tokens, "chat_id": done[i].chat_id}
+                         for i in sorted(done)]
+        return usage, kv

@@ -151,7 +151,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
 
     Raises:
         ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
-            features (``n`` > :data:`MAX_CHOICES` or streamed, the fields of :data:`REFUSED_FIELDS`, unknown fields), a ``response_format``
+            features (``n`` > :data:`MAX_CHOICES`, the fields of :data:`REFUSED_FIELDS`, unknown fields), a ``response_format``
             whose schema cannot be compiled, roles other than system/developer/user/assistant, a conversation that does not
             start and end with a user message). Consecutive messages of one role are joined (blank line).
     """
@@ -207,8 +207,6 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")
-    if stream and n > 1:
-        raise _bad("n > 1 is not supported with stream: true", "n")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
@@ -459,6 +457,14 @@ def answer_message(req: ChatRequest, text: str, finish: str) -> tuple[dict, str]
     return {"role": "assistant", "content": text}, finish
 
 
+def joined_logprobs(blocks: list[dict | None]) -> dict | None:
+    """One ``logprobs`` object from a stream's pieces (:func:`logprobs_block` each; the last is None when the
+    request did not ask for them)."""
+    if blocks[-1] is None:
+        return None
+    return {"content": [entry for block in blocks for entry in block["content"]], "refusal": None}
+
+
 def completion_body(cid: str, model: str, message: dict, finish: str, usage: dict, kvchat: dict,
                     logprobs: dict | None = None) -> dict:
     """A non-streaming ``chat.completion`` object (``message``: :func:`answer_message`'s; ``logprobs``:
@@ -468,11 +474,24 @@ def completion_body(cid: str, model: str, message: dict, finish: str, usage: dic
             "usage": usage, "kvchat": kvchat}
 
 
+def held_delta(req: ChatRequest, text: str, finish: str) -> tuple[dict, str]:
+    """A held-back answer (tools offered, so it may be calls) as the one stream delta that carries it, and
+    its ``finish_reason``: ``tool_calls`` (each with its ``index``, and the text before them as
+    ``content`` if any) or ``content``."""
+    message, finish = answer_message(req, text, finish)
+    if "tool_calls" not in message:
+        return {"content": text}, finish
+    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+    if message["content"] is not None:
+        delta["content"] = message["content"]
+    return delta, finish
+
+
 def chunk_body(cid: str, model: str, delta: dict, finish: str | None = None, usage: dict | None = None,
-               kvchat: dict | None = None, logprobs: dict | None = None) -> dict:
+               kvchat: dict | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
     """One ``chat.completion.chunk`` of a stream (``choices`` empty on the usage-only last chunk;
-    ``logprobs``: the delta's tokens, :func:`logprobs_block`)."""
-    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    ``logprobs``: the delta's tokens, :func:`logprobs_block`; ``index``: the choice, with ``n`` > 1)."""
+    choice = {"index": index, "delta": delta, "finish_reason": finish}
     if logprobs is not None:
         choice["logprobs"] = logprobs
     body = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
@@ -482,3 +501,8 @@ def chunk_body(cid: str, model: str, delta: dict, finish: str | None = None, usa
     if kvchat is not None:
         body["kvchat"] = kvchat
     return body
+
+
+def sse_line(obj: dict) -> str:
+    """One Server-Sent Event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj)}\n\n"

@@ -93,13 +93,13 @@ def test_consecutive_messages_of_one_role_are_joined_with_a_blank_line():
                            b'{"role": "user", "content": "b"}]}')
 
 
-def test_n_is_one_to_eight_and_not_streamed_and_each_choice_gets_its_seed():
+def test_n_is_one_to_eight_and_each_choice_gets_its_seed():
     from kvchat.server.choices import choice_requests
 
     req = _parse(n=3, seed=7)
     assert req.n == 3 and [r.params.seed for r in choice_requests(req)] == [7, 8, 9]
     assert [r.params.seed for r in choice_requests(_parse(n=2))] == [None, None]
-    for fields in ({"n": 9}, {"n": 0}, {"n": 2, "stream": True}):
+    for fields in ({"n": 9}, {"n": 0}, {"n": 1.5}):
         with pytest.raises(ApiError) as err:
             _parse(**fields)
         assert err.value.param == "n", fields

@@ -128,3 +128,11 @@ def test_n_choices_share_one_prefill_and_each_equals_its_seed_alone(server):
     assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
     assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens  # counted once
     assert len({ch.message.content for ch in r.choices}) > 1  # the seeds differ, so do the choices
+    texts, finishes, usage = ["", "", ""], [None] * 3, None
+    for chunk in c.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+        usage = chunk.usage or usage
+    assert texts == [ch.message.content for ch in r.choices] and finishes == [ch.finish_reason for ch in r.choices]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
