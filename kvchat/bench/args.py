@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from kvchat.bench.grammar import add_grammar_args
 from kvchat.bench.load import add_load_args
 from kvchat.bench.memory import add_memory_args
 from kvchat.bench.peers import add_peers_args
@@ -58,6 +59,7 @@ COMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...]
     ("startup", "time to first frame and to ready, in fresh processes", add_startup_args),
     ("load", "peak RSS and time of loading a random checkpoint; fingerprint hash speed", add_load_args),
     ("serve", "kvchat serve through HTTP: TTFT of turn N cold/warm/after restart, tok/s at 1-8 streams", add_serve_bench_args),
+    ("grammar", "response_format json_schema: llguidance mask cost per token, decode tok/s with and without", add_grammar_args),
     ("memory", "KV bytes/token per dtype (allocated tensors), chats that fit, paged waste", add_memory_args),
     ("peers", "llama.cpp (llama-cpp-python) vs kvchat: tok/s and resume TTFT, same GGUF and threads", add_peers_args),
     ("all", "every benchmark on the default model: one JSON each plus PNG plots in --out", add_all_args),

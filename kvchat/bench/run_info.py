@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 PACKAGES = ("kvchat", "torch", "transformers", "tokenizers", "safetensors", "numpy", "triton",
-            "matplotlib", "llama_cpp_python")
+            "matplotlib", "llama_cpp_python", "llguidance")
 
 
 def cpu_model() -> str:

@@ -28,6 +28,10 @@ from kvchat.index import get_db
 from kvchat.model.chat_format import PASTED_DOCUMENT_TOKENS
 from kvchat.store.documents import upsert_document
 
+# the first line of the tool definitions block an API request's tools add to its system prompt
+# (kvchat/server/tools.py writes it, followed by the functions' names); such a prefix is listed as tools
+TOOLS_HEADING = "# Tools: "
+
 if TYPE_CHECKING:
     from kvchat.conversation.service import ChatService
 
@@ -48,7 +52,7 @@ def register_turn_documents(service: ChatService, user_text: str, first_turn: bo
     found: list[tuple[str, int]] = []  # (title, prefix end)
     prefix = session.segments[0]
     if first_turn and not chat.settings.get("documents") and prefix.end - prefix.start >= PASTED_DOCUMENT_TOKENS:
-        found.append(("system prompt: " + chat_title(chat.system), prefix.end))
+        found.append((_prefix_title(chat.system), prefix.end))
     turn = session.last_turn
     user = turn.user
     if user is not None and user.question and user.document_end is not None and turn.user_span[0] == prefix.end:
@@ -61,3 +65,11 @@ def register_turn_documents(service: ChatService, user_text: str, first_turn: bo
         ids.append(did)
     return ids
 
+
+def _prefix_title(system: str) -> str:
+    """A stored system prompt's listing: ``tools: <names>`` when it holds an API request's tool block, else
+    ``system prompt: <its first line>``."""
+    at = system.find(TOOLS_HEADING)
+    if at >= 0 and (at == 0 or system[at - 1] == "\n"):
+        return "tools: " + chat_title(system[at + len(TOOLS_HEADING):])
+    return "system prompt: " + chat_title(system)

@@ -33,6 +33,8 @@ from kvchat.conversation.pasted import register_turn_documents
 from kvchat.conversation.continuation import ANSWER_ROOM_TOKENS, CarryWay, Continuation, answer_room
 from kvchat.conversation.rewind import carry_over, turn_spans
 from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
+from kvchat.engine.shared_prompt import SharedPrompt
+from kvchat.engine.token_rules import TokenRules
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.model.chat_format import UserTurn, append_segment
@@ -318,7 +320,8 @@ class ChatService:
         return done
 
     def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
-                   answer_text: Callable[[str], str] | None = None, user: UserTurn | None = None):
+                   answer_text: Callable[[str], str] | None = None, user: UserTurn | None = None,
+                   rules: TokenRules | None = None, shared: SharedPrompt | None = None):
         """:meth:`send` as engine steps (:meth:`kvchat.engine.session.Session.turn`), for a scheduler that
         runs several chats at once: it answers each ``DecodeStep`` with logits; the generator returns the
         :class:`TurnDone`. Same checks, storing and rollback as :meth:`send`, but the ``TurnDone`` is emitted
@@ -330,9 +333,11 @@ class ChatService:
         stop string, as its client saw it; a cut answer's ``finish_reason`` is ``stop``); the ids stay those
         generated, so a resent history maps the text back to them (:mod:`kvchat.server.prefix`). ``user``:
         ``text`` already rendered as the open chat renders it
-        (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`), not tokenized again."""
+        (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`), not tokenized again. ``rules``: the request's
+        logit bias, grammar and log-probabilities (:class:`kvchat.engine.token_rules.TokenRules`); ``shared``: the
+        prompt its other choices share (:class:`kvchat.engine.shared_prompt.SharedPrompt`)."""
         return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text, user=user,
-                                answer_early=True)
+                                answer_early=True, rules=rules, shared=shared)
 
     def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
@@ -352,7 +357,8 @@ class ChatService:
 
     def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
                     rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None,
-                    user: UserTurn | None = None, answer_early: bool = False):
+                    user: UserTurn | None = None, answer_early: bool = False, rules: TokenRules | None = None,
+                    shared: SharedPrompt | None = None):
         session, stored = chat.session, chat.stored_len
         try:
             user = session.check_turn_fits(text, user)
@@ -362,7 +368,8 @@ class ChatService:
         self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
         try:
             batcher = TokenBatcher(emit, self.batch_interval_s)
-            steps, reply, settle = session.turn(text, SamplingParams(**asdict(gs)), cancel, user), None, None
+            steps, reply, settle = session.turn(text, SamplingParams(**asdict(gs)), cancel, user, rules,
+                                                       shared), None, None
             while True:
                 try:
                     item = steps.send(reply)

@@ -21,6 +21,8 @@ from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.runner import ContextOverflowError, Engine, last_cut, prefill_start
 from kvchat.engine.persistence import chain
 from kvchat.engine.sampling import Sampler
+from kvchat.engine.shared_prompt import SharedPrompt
+from kvchat.engine.token_rules import TokenRules
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence, drive_prefill
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.utf8 import require_utf8
@@ -244,8 +246,9 @@ class Session:
         params: SamplingParams,
         cancel: threading.Event | None = None,
         progress: Callable[[int, int], None] | None = None,
+        rules: TokenRules | None = None,
     ) -> Iterator[str]:
-        """Add a user message and stream the answer as text pieces.
+        """Add a user message and stream the answer as text pieces (``rules``: as :meth:`turn`).
 
         After exhaustion :attr:`last_turn` holds the text, spans and stats.
         The generated ids are kept as produced; a turn ended by cancellation,
@@ -255,7 +258,7 @@ class Session:
             EmptyPromptError, ContextOverflowError: before anything changes.
             kvchat.engine.block_manager.PoolFullError: the pool cannot hold the conversation.
         """
-        steps = self.turn(text, params, cancel)
+        steps = self.turn(text, params, cancel, rules=rules)
         reply = None
         while True:
             try:
@@ -273,28 +276,39 @@ class Session:
                 yield item
 
     def turn(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
-             user: UserTurn | None = None):
+             user: UserTurn | None = None, rules: TokenRules | None = None, shared: SharedPrompt | None = None):
         """:meth:`send` as steps: yields text pieces, :class:`PrefillChunk` after each prefill chunk, and
         :class:`DecodeStep` whenever it needs logits, which the caller sends back (float32 ``[vocab_size]``),
         or the id it sampled from them with the step's sampler.
         ``user``: ``text`` as :meth:`check_turn_fits` rendered it, for this token list (else rendered here).
+        ``rules``: an API request's logit bias, grammar and log-probabilities (the sampler's hook).
+        ``shared``: a prompt prefilled once for several sequences (an API request's choices): a sequence
+        with no blocks yet forks it when it is published with these ids, else publishes its own prefill.
 
         Raises: as :meth:`send`.
         """
         t0 = time.perf_counter()
-        sampler = Sampler(params)
+        sampler = Sampler(params, rules)
         user = user or self.check_turn_fits(text)
         user_start = len(self.token_ids)
         self.append_user(user)
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        try:
-            result = yield from self._reuse_and_prefill_steps(stats)
-        except BaseException:  # pool full, interrupted: the conversation is as before
-            self._undo_turn(user_start)
-            raise
+        forked = shared.take(self.engine.blocks, self.token_ids) if shared and not self.seq.block_table else None
+        if forked is not None:
+            self.seq, logits = forked
+            stats.reused_tokens = stats.from_memory = len(self.token_ids)
+        else:
+            try:
+                result = yield from self._reuse_and_prefill_steps(stats)
+            except BaseException:  # pool full, interrupted: the conversation is as before
+                self._undo_turn(user_start)
+                raise
+            logits = result.logits
+            if shared is not None:
+                shared.publish(self.token_ids, self.seq, logits)
         gen_start = len(self.token_ids)
         generated: list[int] = []
-        logits, stop_id, shown = result.logits, None, ""
+        stop_id, shown = None, ""
         t_first = t_last = None
         while True:
             token = logits if isinstance(logits, int) else sampler(logits)  # a batch's caller may have sampled

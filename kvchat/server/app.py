@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -24,8 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvchat.server.choices import SeveralChoices
 from kvchat.server.host_check import HostCheck
-from kvchat.server.protocol import ApiError, chunk_body, completion_body, kvchat_block, parse_chat_request, usage_block
+from kvchat.server.protocol import (ApiError, answer_message, chunk_body, completion_body, held_delta, joined_logprobs,
+                                    kvchat_block, parse_chat_request, sse_line, usage_block)
 from kvchat.server.scheduler import Finished, Job
 
 DISCONNECT_POLL_S = 0.25  # a client waiting for a whole answer is checked for a closed connection this often
@@ -113,6 +114,16 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
         if req.model != model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist (this server runs {model_name!r})",
                            param="model", code="model_not_found")
+        if req.n > 1:
+            choices = SeveralChoices(req, state["scheduler"].submit, "chatcmpl-" + secrets.token_hex(12), model_name)
+            if req.stream:
+                err = await choices.started()
+                if err is not None:
+                    return _error(err)
+                return StreamingResponse(choices.stream(), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            body, err = await choices.whole()
+            return _error(err) if err is not None else JSONResponse(body)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
         state["scheduler"].submit(job)
@@ -128,9 +139,10 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
         if first[0] == "error":
             return _error(first[1])
         if not req.stream:
-            item = first
+            item, pieces = first, []
             try:
                 while item is not None and item[0] == "text":
+                    pieces.append(item[2])
                     item = await pushes.next()
             finally:
                 job.cancel.set()  # no-op once finished; a client gone mid-answer stops it
@@ -139,23 +151,36 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
             if item[0] == "error":
                 return _error(item[1])
             done: Finished = item[1]
-            return JSONResponse(completion_body(cid, model_name, done.text, done.finish_reason,
-                                                usage_block(done.stats), _kvchat(done)))
+            logprobs = joined_logprobs([*pieces, done.logprobs])
+            message, finish = answer_message(req, done.text, done.finish_reason)
+            return JSONResponse(completion_body(cid, model_name, message, finish, usage_block(done.stats),
+                                                _kvchat(done), logprobs))
+
+        # with tools offered an answer may turn out to be calls: it is held back and sent whole at its end
+        held = bool(req.tools) and req.tool_choice != "none"
 
         async def sse():
-            item = first
+            item, pieces = first, []
             try:
-                yield _sse(chunk_body(cid, model_name, {"role": "assistant", "content": ""}))
+                yield sse_line(chunk_body(cid, model_name, {"role": "assistant", "content": ""}))
                 while item[0] == "text":
-                    yield _sse(chunk_body(cid, model_name, {"content": item[1]}))
+                    if held:
+                        pieces.append(item[2])
+                    else:
+                        yield sse_line(chunk_body(cid, model_name, {"content": item[1]}, logprobs=item[2]))
                     item = await events.get()
                 if item[0] == "error":
-                    yield _sse(item[1].body())
+                    yield sse_line(item[1].body())
                     return  # no [DONE]: the answer is not complete
                 done: Finished = item[1]
-                yield _sse(chunk_body(cid, model_name, {}, done.finish_reason, kvchat=_kvchat(done)))
+                finish, logprobs = done.finish_reason, done.logprobs
+                if held:
+                    delta, finish = held_delta(req, done.text, finish)
+                    yield sse_line(chunk_body(cid, model_name, delta, logprobs=joined_logprobs([*pieces, logprobs])))
+                    logprobs = None  # all went with the delta
+                yield sse_line(chunk_body(cid, model_name, {}, finish, kvchat=_kvchat(done), logprobs=logprobs))
                 if req.include_usage:
-                    yield _sse(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
+                    yield sse_line(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
                                           kvchat=_kvchat(done)))  # docs/server.md: stats on the last chunk too
                 yield "data: [DONE]\n\n"
             finally:
@@ -206,7 +231,3 @@ class _Pushes:
 
 def _kvchat(done: Finished) -> dict:
     return kvchat_block(done.stats, done.ttft_ms, done.miss_reason, done.chat_id)
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"

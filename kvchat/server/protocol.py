@@ -10,25 +10,31 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
+from kvchat.engine.grammar import Grammar, GrammarError, json_schema_grammar
+from kvchat.engine.token_rules import MAX_TOP_LOGPROBS, TokenLogprob
 from kvchat.engine.turn import SamplingParams, TurnStats
+from kvchat.server.tools import Tool, call_grammar, call_text, parse_calls, result_text, tools_prompt
 from kvchat.utf8 import NotUtf8Error, require_utf8
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_STOP = 4  # stop sequences at most (as the OpenAI API)
+MAX_CHOICES = 8  # n at most: the largest decode batch bucket, so a request's choices decode in one step
 MAX_STOP_CHARS = 256  # characters per stop sequence at most: holding back a partial match costs O(length^2) a token
 # the request's fields kvchat uses (README's server section says what each does)
 # (``top_k`` is not OpenAI's: vLLM and llama.cpp's server take it, and clients written for them send it)
 USED_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "response_format",
-               "logprobs", "modalities")
+               "logprobs", "top_logprobs", "logit_bias", "modalities", "tools", "tool_choice")
 # OpenAI fields that leave the answer as it is: accepted and not used
 NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                     "parallel_tool_calls")
 # OpenAI fields that would change the answer and that kvchat does not implement: refused unless null or empty
-REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "top_logprobs", "audio",
+REFUSED_FIELDS = ("functions", "function_call", "audio",
                   "prediction", "reasoning_effort", "verbosity", "web_search_options")
 
 
@@ -67,6 +73,14 @@ class ChatRequest:
         stop: strings that end the answer (not included in it).
         stream: answer as Server-Sent Events.
         include_usage: streaming: a last chunk with ``usage`` (``stream_options.include_usage``).
+        grammar: what the answer must match (``response_format`` json_object / json_schema), or None.
+        logit_bias: token id -> value added to its logit (ids not yet checked against the vocabulary).
+        top_logprobs: ``logprobs: true``: alternatives per token (0–20); None: no log-probabilities.
+        tools: the functions offered (their block is already at the end of ``system``).
+        tool_choice: ``none``, ``auto``, ``required`` or ``function`` (``tool_name``); ``required`` and
+            ``function`` have their call's grammar in ``grammar``.
+        tool_name: the function ``tool_choice`` names.
+        n: choices to generate (:mod:`kvchat.server.choices`).
     """
 
     model: str
@@ -78,6 +92,13 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    grammar: Grammar | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int | None = None
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str = "none"
+    tool_name: str | None = None
+    n: int = 1
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -130,8 +151,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
 
     Raises:
         ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
-            features (``n`` > 1, the fields of :data:`REFUSED_FIELDS`, a ``response_format`` other than text,
-            unknown fields, roles other than system/developer/user/assistant, a conversation that does not
+            features (``n`` > :data:`MAX_CHOICES`, the fields of :data:`REFUSED_FIELDS`, unknown fields), a ``response_format``
+            whose schema cannot be compiled, roles other than system/developer/user/assistant, a conversation that does not
             start and end with a user message). Consecutive messages of one role are joined (blank line).
     """
     try:
@@ -149,19 +170,27 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
     _refuse_unknown(body)
-    _int(body, "n", 1, 1)  # one choice only
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
     system, seq = [], []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}", where)
-        text = _text(m.get("content"), where)
-        if m["role"] in ("system", "developer"):
+        role = m["role"]
+        if role == "assistant" and m.get("tool_calls"):
+            text = _assistant_calls(m, where)
+        elif role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise _bad(f"{where}.tool_call_id is required (a string) in a tool message", where)
+            role, text = "user", result_text(_text(m.get("content"), where))
+        else:
+            text = _text(m.get("content"), where)
+        if role in ("system", "developer"):
             if seq:
                 raise _bad(f"{where}: system messages are supported only before the first user message", where)
             system.append(text)
         else:
-            seq.append((m["role"], text, where))
+            seq.append((role, text, where))
     seq = _join_runs(seq)
     if seq and seq[0][0] != "user":
         raise _bad(f"{seq[0][2]}: the first message after the system prompt must be a user message", seq[0][2])
@@ -193,26 +222,184 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if params.top_p == 0:
         raise _bad("top_p must be > 0", "top_p")
     texts = [t for _, t, _ in seq]
+    tools = _tools(body.get("tools"))
+    choice, name = _tool_choice(body.get("tool_choice"), tools)
+    grammar = _response_format(body.get("response_format"))
+    if choice in ("required", "function"):
+        if grammar is not None:
+            raise _bad("response_format cannot be combined with a tool_choice that forces a call", "response_format")
+        grammar = _tool_grammar(tools, name)
+    if tools:
+        system.append(tools_prompt(tools))
     return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
-                       stop, stream, bool(options.get("include_usage")))
+                       stop, stream, bool(options.get("include_usage")), grammar, _logit_bias(body.get("logit_bias")),
+                       _top_logprobs(body), tools, choice, name, n)
+
+
+def _assistant_calls(m: dict, where: str) -> str:
+    """An assistant message with ``tool_calls`` as the text the model writes: its content (if any), then
+    each call (:func:`kvchat.server.tools.call_text`), one per line.
+
+    Raises:
+        ApiError: 400 for a call without a function name or with arguments that are not JSON object text.
+    """
+    content = "" if m.get("content") is None else _text(m["content"], where)
+    calls = m["tool_calls"]
+    if not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls must be a list", where)
+    texts = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise _bad(f"{where}.tool_calls[{j}] must have function.name and function.arguments (strings)", where)
+        try:
+            arguments = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise _bad(f"{where}.tool_calls[{j}].function.arguments must be a JSON object's text", where)
+        texts.append(call_text(fn["name"], fn["arguments"]))
+    return "\n".join(([content] if content else []) + texts)
+
+
+def _tools(value) -> list[Tool]:
+    """``tools`` as :class:`Tool` objects (a function's ``parameters`` default to any object).
+
+    Raises:
+        ApiError: 400 (``param: tools``) for a malformed entry, a missing or invalid name, a name given twice,
+            or ``parameters`` llguidance cannot enforce (the message names the keyword).
+    """
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _bad("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    tools, seen = [], set()
+    for i, entry in enumerate(value):
+        fn = entry.get("function") if isinstance(entry, dict) and entry.get("type") == "function" else None
+        if not isinstance(fn, dict):
+            raise _bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        name = fn.get("name")
+        if not (isinstance(name, str) and TOOL_NAME.fullmatch(name)):
+            raise _bad(f"tools[{i}].function.name is required: 1 to 64 letters, digits, _ or -", "tools")
+        if name in seen:
+            raise _bad(f"tools[{i}]: the function {name!r} is defined twice", "tools")
+        description = fn.get("description", "")
+        parameters = fn.get("parameters", {"type": "object"})
+        if not isinstance(description, str) or not isinstance(parameters, dict):
+            raise _bad(f"tools[{i}].function: description must be a string and parameters an object", "tools")
+        tool = Tool(name, description, parameters)
+        try:
+            call_grammar([tool])
+        except GrammarError as exc:
+            raise _bad(f"tools[{i}].function.parameters: {exc}", "tools", "invalid_json_schema") from None
+        seen.add(name)
+        tools.append(tool)
+    return tools
+
+
+def _tool_choice(value, tools: list[Tool]) -> tuple[str, str | None]:
+    """``(none | auto | required | function, the named function)``; default ``auto`` with tools, ``none``
+    without (as the OpenAI API).
+
+    Raises:
+        ApiError: 400 (``param: tool_choice``) for another value, a choice other than none without tools,
+            or a function name not among ``tools``.
+    """
+    if value is None:
+        return ("auto" if tools else "none"), None
+    if value in ("none", "auto", "required"):
+        if value != "none" and not tools:
+            raise _bad(f"tool_choice {value!r} needs tools", "tool_choice")
+        return value, None
+    fn = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+        raise _bad("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                   "{\"name\": ...}}", "tool_choice")
+    if fn["name"] not in {t.name for t in tools}:
+        raise _bad(f"tool_choice names the function {fn['name']!r}, which is not in tools", "tool_choice")
+    return "function", fn["name"]
+
+
+def _tool_grammar(tools: list[Tool], name: str | None) -> Grammar:
+    try:
+        return call_grammar(tools, name)
+    except GrammarError as exc:  # each function's parameters compiled alone; together they may still not
+        raise _bad(f"tools: {exc}", "tools", "invalid_json_schema") from None
+
+
+def _response_format(fmt) -> Grammar | None:
+    """The grammar of ``response_format``: None for ``text``, any JSON object for ``json_object``, the
+    schema's documents for ``json_schema`` (enforced whether ``strict`` is true or not).
+
+    Raises:
+        ApiError: 400 for another type, a malformed ``json_schema`` object, or a schema llguidance cannot
+            compile (the message names the keyword).
+    """
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar({"type": "object"}, "response_format")
+    if kind != "json_schema":
+        raise _bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _bad("response_format.json_schema must be an object with a name", "response_format")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise _bad("response_format.json_schema.strict must be a boolean", "response_format")
+    schema = spec.get("schema", {"type": "object"})
+    try:
+        return json_schema_grammar(schema, "response_format.json_schema.schema")
+    except GrammarError as exc:
+        raise _bad(f"invalid JSON schema: {exc}", "response_format", "invalid_json_schema") from None
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """``logit_bias`` as ``{token id: value}`` (OpenAI's keys are token ids as strings; values in [-100, 100]).
+
+    Raises:
+        ApiError: 400 for a key that is not a non-negative integer or a value out of range.
+    """
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias must be an object mapping token ids to numbers in [-100, 100]", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise _bad(f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise _bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+def _top_logprobs(body: dict) -> int | None:
+    """Alternatives per token when ``logprobs`` is true (``top_logprobs``, default 0); None otherwise.
+
+    Raises:
+        ApiError: 400 when ``logprobs`` is not a boolean, ``top_logprobs`` is out of [0, 20] or set without
+            ``logprobs: true`` (as the OpenAI API).
+    """
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _bad("logprobs must be a boolean", "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _refuse_unknown(body: dict) -> None:
     """Refuse (400) a field kvchat does not implement that would change the answer: a field of
-    :data:`REFUSED_FIELDS` that is set, ``logprobs: true``, a ``response_format`` other than text, or a
-    field that is none of the known ones."""
+    :data:`REFUSED_FIELDS` that is set, or a field that is none of the known ones."""
     for name in REFUSED_FIELDS:
         if body.get(name):
             raise _bad(f"{name} is not supported by kvchat serve", name)
-    if body.get("logprobs") not in (None, False):
-        raise _bad("logprobs is not supported by kvchat serve", "logprobs")
     if body.get("modalities") not in (None, [], ["text"]):
         raise _bad(f"modalities {body['modalities']!r} is not supported by kvchat serve (only [\"text\"])", "modalities")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise _bad(f"response_format {kind!r} is not supported by kvchat serve (only {{\"type\": \"text\"}})",
-                   "response_format")
     unknown = sorted(set(body) - {*USED_FIELDS, *NO_EFFECT_FIELDS, *REFUSED_FIELDS})
     if unknown:
         raise _bad(f"unknown field {unknown[0]!r} (kvchat serve accepts {', '.join(USED_FIELDS + NO_EFFECT_FIELDS)})",
@@ -245,20 +432,77 @@ def usage_block(stats: TurnStats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.reused_tokens}}
 
 
-def completion_body(cid: str, model: str, text: str, finish: str, usage: dict, kvchat: dict) -> dict:
-    """A non-streaming ``chat.completion`` object."""
+def logprobs_block(entries: list[TokenLogprob], token_bytes) -> dict:
+    """A choice's ``logprobs`` in OpenAI's shape: ``{"content": [{token, logprob, bytes, top_logprobs}],
+    "refusal": None}``. ``token_bytes(id)``: the bytes a token stands for (a token holding part of a UTF-8
+    character shows it as U+FFFD in ``token``; ``bytes`` are exact)."""
+    def item(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def answer_message(req: ChatRequest, text: str, finish: str) -> tuple[dict, str]:
+    """The assistant ``message`` and ``finish_reason`` of an answer: with tools offered (``tool_choice`` not
+    ``none``) an answer that ended by itself and holds calls to offered functions is
+    ``{"content": text before the calls or None, "tool_calls": [...]}`` with ``finish_reason: tool_calls``;
+    any other answer is its text."""
+    if req.tools and req.tool_choice != "none" and finish == "stop":
+        parsed = parse_calls(text, req.tools)
+        if parsed is not None:
+            content, calls = parsed
+            return {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}, "tool_calls"
+    return {"role": "assistant", "content": text}, finish
+
+
+def joined_logprobs(blocks: list[dict | None]) -> dict | None:
+    """One ``logprobs`` object from a stream's pieces (:func:`logprobs_block` each; the last is None when the
+    request did not ask for them)."""
+    if blocks[-1] is None:
+        return None
+    return {"content": [entry for block in blocks for entry in block["content"]], "refusal": None}
+
+
+def completion_body(cid: str, model: str, message: dict, finish: str, usage: dict, kvchat: dict,
+                    logprobs: dict | None = None) -> dict:
+    """A non-streaming ``chat.completion`` object (``message``: :func:`answer_message`'s; ``logprobs``:
+    :func:`logprobs_block`, when asked for)."""
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage, "kvchat": kvchat}
 
 
+def held_delta(req: ChatRequest, text: str, finish: str) -> tuple[dict, str]:
+    """A held-back answer (tools offered, so it may be calls) as the one stream delta that carries it, and
+    its ``finish_reason``: ``tool_calls`` (each with its ``index``, and the text before them as
+    ``content`` if any) or ``content``."""
+    message, finish = answer_message(req, text, finish)
+    if "tool_calls" not in message:
+        return {"content": text}, finish
+    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+    if message["content"] is not None:
+        delta["content"] = message["content"]
+    return delta, finish
+
+
 def chunk_body(cid: str, model: str, delta: dict, finish: str | None = None, usage: dict | None = None,
-               kvchat: dict | None = None) -> dict:
-    """One ``chat.completion.chunk`` of a stream (``choices`` empty on the usage-only last chunk)."""
+               kvchat: dict | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
+    """One ``chat.completion.chunk`` of a stream (``choices`` empty on the usage-only last chunk;
+    ``logprobs``: the delta's tokens, :func:`logprobs_block`; ``index``: the choice, with ``n`` > 1)."""
+    choice = {"index": index, "delta": delta, "finish_reason": finish}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     body = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            "choices": [] if delta is None else [choice]}
     if usage is not None:
         body["usage"] = usage
     if kvchat is not None:
         body["kvchat"] = kvchat
     return body
+
+
+def sse_line(obj: dict) -> str:
+    """One Server-Sent Event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj)}\n\n"

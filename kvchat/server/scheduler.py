@@ -52,15 +52,18 @@ from kvchat.conversation.service import ChatService, ConversationConflictError
 from kvchat.conversation.views import ContextFullError
 from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.grammar import GrammarCompiler, GrammarError
 from kvchat.engine.persistence import KVPersist
 from kvchat.engine.runner import PREFILL_CHUNK_TOKENS, ContextOverflowError
 from kvchat.engine.sampling import sample_rows
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.engine.shared_prompt import SharedPrompt
+from kvchat.engine.token_rules import TokenLogprob, TokenRules
 from kvchat.engine.turn import TurnStats
 from kvchat.model.chat_format import ChatTemplateError, UserTurn
 from kvchat.model.loader import Runtime
 from kvchat.server.prefix import render
-from kvchat.server.protocol import ApiError, ChatRequest
+from kvchat.server.protocol import ApiError, ChatRequest, logprobs_block
 
 DEFAULT_MAX_TOKENS = 512  # when a request names none (as `kvchat ask`)
 IDLE_WAIT_S = 0.5  # the thread sleeps at most this long with nothing to do
@@ -76,7 +79,8 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
 @dataclass(slots=True)
 class Finished:
     """A request's answer: its text (cut at a stop string), why it ended (an OpenAI ``finish_reason``:
-    ``stop`` or ``length``), the turn's counters."""
+    ``stop`` or ``length``), the turn's counters; ``logprobs``: the OpenAI ``logprobs`` object of the tokens
+    not yet pushed with text, when the request asked for them."""
 
     text: str
     finish_reason: str
@@ -84,16 +88,20 @@ class Finished:
     ttft_ms: float
     miss_reason: str | None
     chat_id: str | None
+    logprobs: dict | None = None
 
 
 @dataclass(eq=False)
 class Job:
     """One request in the scheduler.
 
-    ``push`` is called from the scheduler thread with ``("text", str)``, then one
+    ``push`` is called from the scheduler thread with ``("text", str, logprobs)`` (``logprobs``: the OpenAI
+    ``logprobs`` object of the tokens generated since the last push, or None when not asked for), then one
     ``("done", Finished)`` or ``("error", ApiError)`` (also after text: an answer cut by a shutdown or a
     failure); it must be thread-safe.
     ``cancel``: set by the handler when the client goes away.
+    ``after``: another choice of the same request (``n`` > 1, :mod:`kvchat.server.choices`): this job is
+    admitted only once that one's prompt is prefilled, and forks its blocks through ``shared``.
     """
 
     request: ChatRequest
@@ -113,6 +121,10 @@ class Job:
     # was found by the same rendering's ids, so its own format renders the message the same)
     user: UserTurn | None = None
     answered: bool = False  # the "done" was pushed (the turn is stored); its recompute may still run
+    rules: TokenRules | None = None  # the sampler's API hook: logit bias, grammar, log-probabilities
+    logprobs_sent: int = 0  # entries of rules.logprobs already pushed
+    after: "Job | None" = None
+    shared: SharedPrompt | None = None  # the prompt the request's choices share (None: n = 1)
 
 
 class Scheduler:
@@ -134,6 +146,8 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self.decode_steps = 0  # batched forwards run (health and bench)
+        self.grammars = GrammarCompiler(rt.tokenizer, rt.chat_format(new_settings([])).stop_token_ids,
+                                        rt.engine.cfg.vocab_size)
         self._thread = threading.Thread(target=self._loop, name="kvchat-scheduler", daemon=True)
         self._thread.start()
 
@@ -231,6 +245,8 @@ class Scheduler:
                 continue
             if job.service is None and hold:
                 continue
+            if job.after is not None and not self._prefilled(job.after):
+                continue
             if job.service is None:
                 try:
                     self._prepare(job)
@@ -243,7 +259,8 @@ class Scheduler:
                 self.queued.remove(job)
                 job.steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
                                                    lambda ev, job=job: self._on_event(job, ev),
-                                                   lambda text, job=job: text[: job.stop_at], job.user)
+                                                   lambda text, job=job: text[: job.stop_at], job.user, job.rules,
+                                                   job.shared)
                 self.running.append(job)
             elif time.perf_counter() - job.received > self.queue_timeout_s:
                 self.queued.remove(job)
@@ -251,6 +268,12 @@ class Scheduler:
                 job.push(("error", ApiError(503, f"the KV pool is full ({total} blocks promised to running requests); "
                                                  "retry later", "server_error", code="pool_full",
                                             headers={"Retry-After": str(RETRY_AFTER_S)})))
+
+    def _prefilled(self, job: Job) -> bool:
+        """``job``'s prompt is in the pool (it decodes or has answered), or it will never be (it ended)."""
+        running = job in self.running
+        return job.answered or (running and isinstance(job.waiting, DecodeStep)) or \
+            not (running or job in self.queued or job in self._inbox)
 
     def _prepare(self, job: Job) -> None:
         """Render the messages (mapping answers back to generated ids), open or start the chat, size the job.
@@ -275,6 +298,7 @@ class Scheduler:
             raise ApiError(400, f"the conversation is {prompt} tokens; {rt.engine.context_limit_text}",
                            param="messages", code="context_length_exceeded")
         req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
+        job.rules = self._rules(req)
         service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store,
                               branch_on_conflict=True)  # another process changed the chat: branch, as below
         if req.turns and self.store:  # the chat's last turn may still be on its way to disk: its snapshot
@@ -290,6 +314,36 @@ class Scheduler:
         job.service = service
         need = rt.engine.blocks.blocks_needed(prompt + req.params.max_tokens + 2) + 1  # + a block copied on write
         job.need_blocks = min(need, rt.engine.pool.num_blocks)
+
+    def _rules(self, req: ChatRequest) -> TokenRules | None:
+        """The sampler's hook for the request's ``logit_bias``, ``response_format`` and ``logprobs`` (None when
+        it uses none of them).
+
+        Raises:
+            ApiError: 400 for a ``logit_bias`` id outside the vocabulary or a grammar this tokenizer refuses.
+        """
+        if not (req.logit_bias or req.grammar or req.top_logprobs is not None):
+            return None
+        vocab = self.grammars.vocab_size
+        bad = [i for i in req.logit_bias if i >= vocab]
+        if bad:
+            raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})",
+                           param="logit_bias")
+        try:
+            constraint = self.grammars.constraint(req.grammar) if req.grammar else None
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), param="response_format", code="invalid_json_schema") from None
+        return TokenRules(req.logit_bias, constraint, req.top_logprobs)
+
+    def _new_logprobs(self, job: Job) -> dict | None:
+        """The OpenAI ``logprobs`` object of the tokens picked since the last push (None: not asked for); the
+        end-of-answer id is no text, so it has no entry (as OpenAI's)."""
+        if job.rules is None or job.rules.top_logprobs is None:
+            return None
+        entries: list[TokenLogprob] = job.rules.logprobs[job.logprobs_sent:]
+        job.logprobs_sent += len(entries)
+        stops = self.grammars.stop_ids
+        return logprobs_block([e for e in entries if e.token_id not in stops], self.grammars.token_bytes)
 
     def _decode(self, jobs: list[Job]) -> None:
         try:
@@ -348,7 +402,7 @@ class Scheduler:
 
     def _push_text(self, job: Job, upto: int) -> None:
         if upto > job.sent:
-            job.push(("text", job.text[job.sent:upto]))
+            job.push(("text", job.text[job.sent:upto], self._new_logprobs(job)))
             job.sent = upto
 
     def _finish(self, job: Job, done) -> None:
@@ -379,7 +433,7 @@ class Scheduler:
         miss = stats.miss_reason
         if job.drift and stats.reused_tokens < stats.prompt_tokens - self.rt.engine.spec.block_size:
             miss = job.drift if miss is None else f"{job.drift}; {miss}"
-        job.push(("done", Finished(text, finish, stats, ttft, miss, done.chat_id)))
+        job.push(("done", Finished(text, finish, stats, ttft, miss, done.chat_id, self._new_logprobs(job))))
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         if job in self.running:

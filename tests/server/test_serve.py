@@ -152,7 +152,7 @@ def _chat_body(**kw) -> bytes:
     (_chat_body(messages="hi"), {}, 400, "messages"),
     (_chat_body(temperature="hot"), {}, 400, "temperature"),
     (_chat_body(max_tokens=0), {}, 400, "max_tokens"),
-    (_chat_body(n=2), {}, 400, "n"),
+    (_chat_body(n=9), {}, 400, "n"),
     (_chat_body(messages=[{"role": "tool", "content": "x"}]), {}, 400, "messages[0]"),
     (_chat_body(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]), {}, 400, "messages"),
     (_chat_body(model="gpt-4"), {}, 404, "model"),

@@ -1,0 +1,69 @@
+"""kvchat's generic tool format: a call written as the model writes it parses back to the same call (and
+renders to the same text, so a resent call maps to the generated ids), ``auto`` answers that are not calls
+stay text, tool messages and assistant calls render into the conversation, and ``required`` or a named
+function get the forced-call grammar (its effect on the model: tests/server/test_serve_tools.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvchat.server.protocol import ApiError, answer_message, parse_chat_request
+from kvchat.server.tools import Tool, call_text, parse_calls
+
+WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+
+
+def _request(**fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return parse_chat_request(json.dumps(body).encode())
+
+
+def test_a_call_parses_back_and_renders_to_the_text_it_came_from():
+    text = call_text("get_weather", '{"city":"Oslo"}')
+    content, [call] = parse_calls(text, [WEATHER])
+    assert content is None and (call.name, call.arguments) == ("get_weather", '{"city":"Oslo"}')
+    assert call_text(call.name, call.arguments) == text
+    content, calls = parse_calls("Let me check.\n" + text + "\n" + call_text("get_weather", '{"city":"Rome"}'),
+                                 [WEATHER])
+    assert content == "Let me check." and [json.loads(c.arguments)["city"] for c in calls] == ["Oslo", "Rome"]
+
+
+@pytest.mark.parametrize("text", ["It is sunny.", call_text("unknown", "{}"), "<tool_call>\n{not json}\n</tool_call>",
+                                  call_text("get_weather", "[1]")])
+def test_an_answer_that_is_not_a_valid_call_is_text(text):
+    assert parse_calls(text, [WEATHER]) is None
+    req = _request(tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}])
+    assert answer_message(req, text, "stop") == ({"role": "assistant", "content": text}, "stop")
+
+
+def test_tool_messages_and_assistant_calls_render_into_the_conversation():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+    req = _request(tools=tools, messages=[{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Weather in Oslo?"},
+                                          {"role": "assistant", "content": None, "tool_calls": [call]},
+                                          {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}])
+    assert req.turns == [("Weather in Oslo?", call_text("get_weather", '{"city":"Oslo"}'))]
+    assert req.user == "<tool_response>\n21 C\n</tool_response>"
+    assert req.system.startswith("Be brief.\n\n# Tools: get_weather\n") and '"name": "get_weather"' in req.system
+    assert req.tool_choice == "auto" and req.grammar is None
+    with pytest.raises(ApiError, match="tool_call_id is required"):
+        _request(messages=[{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
+    with pytest.raises(ApiError, match="arguments must be a JSON object"):
+        _request(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [
+            {"id": "x", "type": "function", "function": {"name": "f", "arguments": "[]"}}]},
+                           {"role": "user", "content": "b"}])
+
+
+def test_required_and_named_choices_force_a_call_and_other_choices_do_not():
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    assert _request(tools=tools, tool_choice="required").grammar.source == "tool call"
+    assert _request(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}}).tool_name \
+        == "get_weather"
+    assert _request(tools=tools, tool_choice="none").grammar is None
+    with pytest.raises(ApiError, match="tool_choice 'required' needs tools"):
+        _request(tool_choice="required")
+    with pytest.raises(ApiError, match="cannot be combined"):
+        _request(tools=tools, tool_choice="required", response_format={"type": "json_object"})
