@@ -178,10 +178,11 @@ def prefill_decode(engine, context: int, decode_steps: int) -> dict:
     one more step's kernel launches."""
     from kvchat.bench.launch_count import decode_step_launches
     from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.loop import run_alone
 
     ids = _ids(context, engine.cfg.vocab_size, 1)
     seq = SeqBlocks()
-    res = engine.prefill(seq, ids)
+    res = run_alone(engine, engine.prefill_steps(seq, ids))
     graphs = engine.decode_graphs
     tok_s, logits = _decode_tok_s(engine, seq, ids, res.logits, decode_steps)
     if graphs is not None:
@@ -251,6 +252,7 @@ def section_restore(device: torch.device, tiny: bool, workdir: Path) -> dict:
         return {"status": "not run", "reason": f"{exc} (pass --wheels DIR with sqlite-utils' wheels)"}
     from kvchat.bench.page_cache import drop_file_cache
     from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.loop import EngineLoop, run_alone
     from kvchat.store.snapshot import kv_dir
 
     ck = workdir / ("ck-tiny" if tiny else "ck-smollm2-135m")
@@ -261,7 +263,7 @@ def section_restore(device: torch.device, tiny: bool, workdir: Path) -> dict:
     engine, _ = load_engine(ck, device, kv, tokens + 2 * QUESTION_TOKENS + 64)
     persist = KVPersist(engine)
     seq = SeqBlocks()
-    cold = engine.prefill(seq, ids)
+    cold = run_alone(engine, engine.prefill_steps(seq, ids))
     persist.save(seq, ids, [], owner=None)
     persist.flush()
     persist.close()
@@ -275,12 +277,13 @@ def section_restore(device: torch.device, tiny: bool, workdir: Path) -> dict:
         engine, _ = load_engine(ck, device, kv, tokens + 2 * QUESTION_TOKENS + 64)
         persist = KVPersist(engine)
         persist.read_speed = ReadSpeed.fixed(float("inf"))  # always read: the measurement, not the engine's choice
-        seq = SeqBlocks()
+        seq, loop = SeqBlocks(), EngineLoop(engine, thread=False, snapshots=False)  # TTFT: restore + prefill
         t0 = time.perf_counter()
         res = persist.restore(seq, ids + question)
-        first = engine.prefill(seq, ids + question)
+        first = loop.run(engine.prefill_steps(seq, ids + question))
         int(first.logits.argmax())  # the first token on the host: TTFT ends here
         ttft_ms = (time.perf_counter() - t0) * 1e3
+        loop.close()
         out[mode] = {"restore_ms": res.restore_ms, "from_disk": res.from_disk, "bytes_read": res.bytes_read,
                      "ttft_ms": ttft_ms, "prefilled_after_restore": first.prefilled_tokens}
         persist.close()

@@ -1,7 +1,7 @@
 """``kvchat ask``: one question (optionally about documents, or continuing a stored chat), streamed or as JSON.
 
 Everything is checked before the model loads; the turn runs through
-:class:`kvchat.conversation.service.ChatService`.
+:class:`kvchat.conversation.service.ChatService`, on an engine loop driven by this (main) thread.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Sequence
 from sqlite_utils import Database
 
 from kvchat.model.chat_format import PASTED_DOCUMENT_TOKENS, Segment
-from kvchat.model.loader import Runtime
+from kvchat.runtime import Runtime
 from kvchat.engine.session import Session
 from kvchat.documents import PASTED_PATH, prefix_doc_id
 from kvchat.store.conversations import (Conversation, NewMessage, append_turn, create_conversation, delete_conversation,
