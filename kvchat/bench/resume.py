@@ -168,7 +168,7 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
         spec_path.write_text(json.dumps(spec))
     spec = json.loads(spec_path.read_text())
     session = _session(rt, spec)
-    loop = EngineLoop(rt.engine, thread=False)
+    loop = EngineLoop(rt.engine, thread=False, snapshots=False)  # the snapshot's store lives only for its save
     try:
         return _cold_and_in_memory(rt, loop, session, spec, n_tokens, save)
     finally:
@@ -180,7 +180,7 @@ def _cold_and_in_memory(rt, loop, session, spec: dict, n_tokens: int, save: bool
     import torch
 
     from kvchat.engine.kv_pool import KVCacheSpec
-    from kvchat.engine.persistence import find_chain
+    from kvchat.engine.persistence import KVPersist, find_chain
     from kvchat.engine.sampling import SamplingParams
     from kvchat.index import get_db
 
@@ -190,10 +190,10 @@ def _cold_and_in_memory(rt, loop, session, spec: dict, n_tokens: int, save: bool
            "turns": sum(1 for s in spec["segments"] if s[0] == "user")}
     if not save:
         return out
-    persist = loop.persist
+    persist = KVPersist(rt.engine)
     session.persist = persist
     session.save_snapshot(OWNER)
-    persist.flush()
+    persist.close()  # its writer thread ends (with its OpenMP pool) before the timed question
     if persist.errors:
         raise BenchResumeError(persist.errors[0])
     rows = find_chain(get_db(), persist.fingerprint, spec["ids"])
