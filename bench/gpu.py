@@ -166,6 +166,13 @@ def load_engine(model_dir: Path, device: torch.device, kv_dtype: str, pool_token
     return engine, stats
 
 
+def _prefill(engine, seq, ids: list[int]):
+    """Prefill ``ids`` into ``seq`` as the engine loop runs a lone request: the :class:`PrefillResult`."""
+    from kvchat.engine.loop import run_alone
+
+    return run_alone(engine, engine.prefill_steps(seq, ids))
+
+
 def _ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -195,7 +202,7 @@ def prefill_decode(engine, context: int, decode_steps: int, profile: bool = Fals
 
     ids = _ids(context, engine.cfg.vocab_size, 1)
     seq = SeqBlocks()
-    res = engine.prefill(seq, ids)
+    res = _prefill(engine, seq, ids)
     graphs = engine.decode_graphs
     tok_s, logits = _decode_tok_s(engine, seq, ids, res.logits, decode_steps)
     if graphs is not None:
@@ -266,7 +273,7 @@ def batch_decode(engine, context: int, batch: int, decode_steps: int) -> dict:
     for b in range(batch):
         ids = _ids(context, engine.cfg.vocab_size, 100 + b)
         seq = SeqBlocks()
-        rows.append(int(engine.prefill(seq, ids).logits.argmax()))
+        rows.append(int(_prefill(engine, seq, ids).logits.argmax()))
         seqs.append((seq, ids))
     warm = 3
     for step in range(warm + decode_steps):
@@ -368,7 +375,7 @@ def resume_runs(engine, contexts: list[int], readers: list[int], vocab: int) -> 
         for n in contexts:
             ids, question = _ids(n, vocab, 10 + n), _ids(QUESTION_TOKENS, vocab, 11)
             seq = SeqBlocks()
-            cold = engine.prefill(seq, ids)
+            cold = _prefill(engine, seq, ids)
             persist.save(seq, ids, [], owner=None)
             persist.flush()
             engine.release(seq)
@@ -387,7 +394,7 @@ def resume_runs(engine, contexts: list[int], readers: list[int], vocab: int) -> 
                 _sync(engine.device)
                 t0 = time.perf_counter()
                 res = persist.restore(seq, ids + question)
-                first = engine.prefill(seq, ids + question)
+                first = _prefill(engine, seq, ids + question)
                 int(first.logits.argmax())  # the first token on the host: TTFT ends here
                 ttft_ms = (time.perf_counter() - t0) * 1e3
                 run[mode] = {"restore_ms": res.restore_ms, "from_disk": res.from_disk, "bytes_read": res.bytes_read,
@@ -494,7 +501,7 @@ def _real_load(ck: Path, device: torch.device, drop: bool) -> tuple[object, dict
     dropped from the page cache first when ``drop``: ``(runtime, stats)``, stats with the seconds from the start
     at which each start step began (``kvchat.load_steps`` and the ``progress`` callback) and the total."""
     from kvchat.bench.page_cache import drop_file_cache
-    from kvchat.model.loader import load_runtime
+    from kvchat.runtime import load_runtime
 
     if drop:
         for f in ck.glob("*.safetensors"):
@@ -541,7 +548,7 @@ def section_fit(device: torch.device, tiny: bool, workdir: Path) -> dict:
         engine = runtime.engine
         ids = _ids(32768, engine.cfg.vocab_size, 5)
         seq = SeqBlocks()
-        res = engine.prefill(seq, ids)
+        res = _prefill(engine, seq, ids)
         tok_s, _ = _decode_tok_s(engine, seq, ids, res.logits, 16)
         out["chat"] = {"tokens": 32768, "prefill_ms": res.prefill_ms, "decode_tok_s": tok_s}
         engine.release(seq)

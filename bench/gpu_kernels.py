@@ -428,6 +428,7 @@ def engine_decode_tokens_per_s(device: torch.device, tiny: bool, kv_dtype: str =
     """
     load_kernels()  # kvchat and kvchat.kernels from this checkout
     from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.loop import run_alone
     from kvchat.model.config import ModelConfig
     from kvchat.engine.runner import Engine
 
@@ -442,7 +443,7 @@ def engine_decode_tokens_per_s(device: torch.device, tiny: bool, kv_dtype: str =
                     pool_bytes=2**30 if device.type == "cuda" else 2**24, device=device)
     ids = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     seq = SeqBlocks()
-    logits = engine.prefill(seq, ids).logits
+    logits = run_alone(engine, engine.prefill_steps(seq, ids)).logits
     for step in range(5 + steps):
         if step == 5:
             if device.type == "cuda":

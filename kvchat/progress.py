@@ -105,7 +105,7 @@ _step: _Step | None = None
 
 def print_start_progress(text: str, done: int, total: int, stream: TextIO | None = None) -> None:
     """Report ``done`` of ``total`` units of a start step named ``text`` (the ``progress`` of
-    :func:`kvchat.model.loader.load_runtime`: weight bytes loaded, kernels compiled).
+    :func:`kvchat.runtime.load_runtime`: weight bytes loaded, kernels compiled).
 
     Nothing shows for a step's first :data:`SHOW_STEP_AFTER_S` seconds. Then, on a terminal, a tqdm bar
     named ``text``; on a pipe or log file, ``kvchat: TEXT: P%`` at most every :data:`LOG_EVERY_S` and

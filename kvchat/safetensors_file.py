@@ -1,9 +1,10 @@
-"""Write a safetensors file atomically: temp file, fsync, rename; directory 0700, file 0600."""
+"""Write a safetensors file atomically (:func:`kvchat.store.atomic_write.write_atomic`); directory 0700, file 0600."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from kvchat.store.atomic_write import write_atomic
 
 
 def save_atomic(tensors: dict, path: Path, metadata: dict[str, str]) -> Path:
@@ -17,14 +18,4 @@ def save_atomic(tensors: dict, path: Path, metadata: dict[str, str]) -> Path:
     """
     from safetensors.torch import save_file
 
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(tmp, 0o600)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))

@@ -347,12 +347,12 @@ def api_key() -> str | None:
 def server() -> str | None:
     """``KVCHAT_SERVER``: the OpenAI-compatible server (``http://`` or ``https://`` URL, with or without
     ``/v1``) the TUI and ``kvchat ask`` use instead of a local model when no ``--server`` is given (the
-    flag wins), as :func:`kvchat.remote.address.base_url` records it. Default (None): the local model.
+    flag wins), as :func:`kvchat.server_address.base_url` records it. Default (None): the local model.
 
     Raises:
         SettingError: not an http(s) URL with a host.
     """
-    from kvchat.remote.address import base_url
+    from kvchat.server_address import base_url
 
     value = _raw(SERVER)
     if value is None:

@@ -1,7 +1,7 @@
 """Real English text that ships with every Python: docstrings of standard-library modules.
 
 The fp8 K-centring calibration (:mod:`kvchat.engine.calibration`, run by
-:func:`kvchat.model.loader.ensure_calibration`) and the benchmarks need prose the
+:func:`kvchat.runtime.ensure_calibration`) and the benchmarks need prose the
 project did not write and that exists on any machine with kvchat installed
 (the seed articles are not shipped). The docstrings of pure-Python
 standard-library modules are read from their source with :mod:`ast` (so

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from .atomic_write import fsync_dir
 from .faults import crash_point
 
 FORMAT = "kvchat-kv-chunk"
@@ -111,14 +112,6 @@ def chunk_relpath(key: str) -> str:
     return f"{key[:2]}/{key}.safetensors"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _ensure_dir(path: Path) -> None:
     """Create ``path`` and missing parents with mode 0700, fsyncing each new entry's parent."""
     if path.is_dir():
@@ -128,7 +121,7 @@ def _ensure_dir(path: Path) -> None:
         path.mkdir(mode=0o700)
     except FileExistsError:
         return
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -187,7 +180,7 @@ def stage_chunk(data: ChunkData, *, key: str, parent_key: str | None, fingerprin
 def publish_chunk(staged: StagedChunk) -> None:
     """Atomically rename the temp file to its final path (replacing any file there) and fsync the directory."""
     os.replace(staged.tmp_path, staged.final_path)
-    _fsync_dir(staged.final_path.parent)
+    fsync_dir(staged.final_path.parent)
 
 
 def discard_chunk(staged: StagedChunk) -> None:

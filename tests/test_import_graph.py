@@ -1,7 +1,8 @@
 """The import graph of kvchat/, kernels/ and store/, from the source (no module is imported).
 
-Two rules: no import cycles (imports under ``if TYPE_CHECKING:`` do not count;
-imports inside functions do), and nothing below the command line imports it:
+Three rules: no import cycles between modules, nor between packages (``kvchat.engine``, ``kvchat.model``,
+… each with its subpackages; a top-level module of ``kvchat`` stands alone), where imports under
+``if TYPE_CHECKING:`` do not count and imports inside functions do; and nothing below the command line imports it:
 only ``kvchat.bench`` and the ``kvchat/cli*`` modules may import ``kvchat.bench``
 or ``kvchat.cli``.
 """
@@ -100,6 +101,20 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def package_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``edges`` between packages: each module counts as its first-level package below ``kvchat``
+    (``kvchat.tui.screens.chat`` -> ``kvchat.tui``); a top-level module of ``kvchat`` as itself."""
+    packages = sorted({m for m in edges if m != "kvchat" and any(o.startswith(m + ".") for o in edges)}, key=len)
+
+    def package(module: str) -> str:
+        return next((p for p in packages if _is_under(module, p)), module)
+
+    out: dict[str, set[str]] = {package(m): set() for m in edges}
+    for m, targets in edges.items():
+        out[package(m)].update(package(t) for t in targets if package(t) != package(m))
+    return out
+
+
 def _is_under(module: str, top: str) -> bool:
     return module == top or module.startswith(top + ".")
 
@@ -114,6 +129,11 @@ def upward_imports(edges: dict[str, set[str]]) -> list[str]:
 def test_no_import_cycles():
     found = cycles(import_edges(module_files(ROOT, PACKAGES)))
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_package_import_cycles():
+    found = cycles(package_edges(import_edges(module_files(ROOT, PACKAGES))))
+    assert not found, "package import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_runtime_modules_do_not_import_the_command_line():
@@ -140,6 +160,31 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path):
     edges = import_edges(module_files(tmp_path, {"kvchat": "kvchat"}))
     assert cycles(edges) == [["kvchat.a", "kvchat.b"]]
     assert upward_imports(edges) == ["kvchat.d -> kvchat.bench.x"]
+
+
+def test_the_package_check_sees_a_cycle_no_module_cycle_shows(tmp_path):
+    """On a made-up package: ``p.a -> q.b`` and ``q.c -> p.d`` make no module cycle but a package one; a
+    subpackage counts as its package, a top-level module as itself."""
+    pkg = tmp_path / "kvchat"
+    files = {
+        "__init__.py": "",
+        "top.py": "from kvchat.p import d\n",
+        "p/__init__.py": "",
+        "p/a.py": "from kvchat.q import b\n",
+        "p/d.py": "",
+        "q/__init__.py": "",
+        "q/b.py": "",
+        "q/sub/__init__.py": "",
+        "q/sub/c.py": "from kvchat.p import d\n",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    edges = import_edges(module_files(tmp_path, {"kvchat": "kvchat"}))
+    assert cycles(edges) == []
+    packages = package_edges(edges)
+    assert packages["kvchat.top"] == {"kvchat.p"} and "kvchat.q.sub" not in packages
+    assert cycles(packages) == [["kvchat.p", "kvchat.q"]]
 
 
 def test_the_server_reaches_the_store_only_through_the_conversation_layer():

@@ -24,6 +24,7 @@ from kvchat.index import get_db
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData
 from kvchat.units import size_text
+from turn_helpers import prefill
 
 VARIABLES = [settings.HOME, settings.MODELS, settings.DEVICE, settings.ATTENTION, settings.KV_BUDGET_MB,
              settings.CACHE_BUDGET_GB, settings.PHASE_TRACE, settings.GPU_MEMORY]
@@ -293,7 +294,7 @@ def test_persist_sums_the_evictions_of_its_saves_into_one_note(monkeypatch):
         for owner, keep, seed in (("c_a", 5, 1), ("c_b", 2, 2)):
             ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
             seq = SeqBlocks()
-            engine.prefill(seq, ids)
+            prefill(engine, seq, ids)
             monkeypatch.setenv(settings.CACHE_BUDGET_GB, str((sum(r.bytes for r in foreign[-keep:]) + slack) / 1e9))
             persist.save(seq, ids, [], owner)
             persist.flush()

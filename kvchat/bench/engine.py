@@ -5,7 +5,7 @@ One process, one model, one thread count, one prompt for every backend:
 - kvchat's engine with each weight format (fp32 — backends ``kvchat-POOL`` —
   and int8, ``kvchat-POOL-int8``, plus ``--weights bf16`` when asked for:
   ``kvchat-POOL-bf16``) and each KV pool dtype measured (fp8 and bf16, plus
-  ``--kv-dtype`` if it is another one): :meth:`Engine.prefill` of the first
+  ``--kv-dtype`` if it is another one): :meth:`Engine.prefill_steps` of the first
   ``L`` prompt tokens (in its usual 512-token chunks), then greedy
   :meth:`Engine.decode` of ``--decode-tokens`` tokens; the matmul ceiling
   once per weight format;
@@ -85,13 +85,17 @@ RunFn = Callable[[list[int], int], tuple[float, float]]
 
 
 def kvchat_runner(engine) -> RunFn:
-    """Prefill ``ids`` in a fresh sequence of ``engine``, decode greedily, release the blocks."""
+    """Prefill ``ids`` in a fresh sequence of ``engine`` (on an engine loop driven by the caller's thread),
+    decode greedily, release the blocks."""
     from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.loop import EngineLoop
+
+    loop = EngineLoop(engine, thread=False, snapshots=False)
 
     def run(ids: list[int], decode_tokens: int) -> tuple[float, float]:
         seq, tokens = SeqBlocks(), list(ids)
         t0 = time.perf_counter()
-        next_id = int(engine.prefill(seq, tokens).logits.argmax())
+        next_id = int(loop.run(engine.prefill_steps(seq, tokens)).logits.argmax())
         t1 = time.perf_counter()
         for _ in range(decode_tokens):
             tokens.append(next_id)
@@ -134,14 +138,14 @@ def transformers_runner(model, fp8_cache: bool = False) -> RunFn:
 def measure_load(model: str | None, repeats: int) -> dict[str, Spread]:
     """Model load times in seconds, ``repeats`` samples each.
 
-    ``load_runtime_s``: :func:`kvchat.model.loader.load_runtime` end to end (resolve,
+    ``load_runtime_s``: :func:`kvchat.runtime.load_runtime` end to end (resolve,
     read weights, build the engine with its default pool, tokenizer);
     ``weights_read_s`` + ``engine_build_s``: the same split into
     :func:`load_weights` and ``Engine(...)`` (weights to a ready model and pool).
     """
     from kvchat.engine.runner import Engine
     from kvchat.engine.calibration import load_calibration
-    from kvchat.model.loader import load_runtime
+    from kvchat.runtime import load_runtime
     from kvchat.model.registry import load_weights, resolve_model
 
     samples: dict[str, list[float]] = {"load_runtime_s": [], "weights_read_s": [], "engine_build_s": []}
@@ -198,7 +202,7 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
     from kvchat import settings
     from kvchat.engine.runner import Engine
     from kvchat.engine.kv_pool import KVCacheSpec
-    from kvchat.model.loader import ensure_calibration, set_threads
+    from kvchat.runtime import ensure_calibration, set_threads
     from kvchat.model.registry import load_weights, resolve_model
 
     lengths = sorted(set(args.lengths))

@@ -81,7 +81,7 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     from kvchat.engine.runner import Engine
     from kvchat.engine.kv_pool import KVCacheSpec
-    from kvchat.model.loader import ensure_calibration, set_threads
+    from kvchat.runtime import ensure_calibration, set_threads
     from kvchat.model.registry import load_weights, resolve_model
 
     if args.tokens < 2:

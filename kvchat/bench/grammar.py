@@ -47,6 +47,7 @@ def add_grammar_args(p: argparse.ArgumentParser) -> None:
 def _answer(rt, grammars, grammar, max_tokens: int, rules_for) -> tuple[list[int], float]:
     """One greedy answer to :data:`PROMPT` in a fresh session: (its ids, its decode tokens/s)."""
     from kvchat.conversation.records import new_settings
+    from kvchat.engine.loop import run_alone
     from kvchat.engine.session import Session
     from kvchat.engine.turn import SamplingParams
     from kvchat.model.chat_format import Segment
@@ -56,8 +57,7 @@ def _answer(rt, grammars, grammar, max_tokens: int, rules_for) -> tuple[list[int
     session = Session(rt.engine, fmt, list(prefix), [Segment("prefix", 0, len(prefix))])
     try:
         rules = rules_for(grammars, grammar)
-        for _ in session.send(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens), rules=rules):
-            pass
+        run_alone(rt.engine, session.turn(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens), rules=rules))
         start, stats = session.last_turn.assistant_span[0], session.last_turn.stats
         return session.token_ids[start:start + stats.new_tokens], stats.decode_tokens_per_s
     finally:
@@ -89,7 +89,7 @@ def cmd_bench_grammar(args: argparse.Namespace) -> int:
 
     from kvchat.conversation.records import new_settings
     from kvchat.engine.grammar import GrammarCompiler, json_schema_grammar
-    from kvchat.model.loader import load_runtime
+    from kvchat.runtime import load_runtime
 
     rt = load_runtime(args.model, args.kv_dtype)
     vocab = rt.engine.cfg.vocab_size

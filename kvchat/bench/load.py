@@ -2,7 +2,7 @@
 
 Writes a random-weight checkpoint (:mod:`kvchat.bench.random_checkpoint`,
 default the ~0.84B-parameter shape, 1.67 GB in bf16) unless ``--dir`` names
-one, then in a fresh process runs :func:`kvchat.model.loader.load_runtime` on it
+one, then in a fresh process runs :func:`kvchat.runtime.load_runtime` on it
 (``KVCHAT_DTYPE`` = ``--dtype``, ``--kv-dtype`` pool of ``--pool-mb``) and
 reports the process's peak resident set (``ru_maxrss``) against the target
 ``1.3 x weight file bytes + 1.5 GB`` (a load that builds the model in fp32 first
@@ -30,7 +30,7 @@ RSS_FACTOR, RSS_EXTRA_BYTES = 1.3, 1.5e9  # the target: peak RSS <= 1.3 x file b
 
 _CHILD = r"""
 import json, resource, sys, time
-from kvchat.model.loader import load_runtime
+from kvchat.runtime import load_runtime
 from transformers import AutoTokenizer  # imported before the baseline: the load, not the imports, is measured
 def status(key):
     for line in open("/proc/self/status"):

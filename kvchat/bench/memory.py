@@ -106,7 +106,7 @@ def run_memory(args: argparse.Namespace, *, quick: bool = False) -> dict:
         ValueError: non-positive budget, chat tokens or mix size.
     """
     from kvchat.engine.kv_pool import BLOCK_SIZE
-    from kvchat.model.loader import set_threads
+    from kvchat.runtime import set_threads
     from kvchat.model.registry import resolve_model
 
     budgets = args.budget_gib or list(DEFAULT_BUDGETS_GIB)

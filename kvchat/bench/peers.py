@@ -156,7 +156,7 @@ def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[d
     from kvchat.engine.kv_pool import KVCacheSpec
     from transformers import AutoTokenizer
 
-    from kvchat.model.loader import ensure_calibration
+    from kvchat.runtime import ensure_calibration
     from kvchat.model.registry import load_weights
 
     cfg = info.config
@@ -228,7 +228,7 @@ def _llama_resume(args, gguf: Path, ids: list[int], question: list[int], threads
 def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
     """Both sides of the resume comparison on the same conversation and question."""
     from kvchat.bench.resume import QUESTION, build_conversation, run_resume
-    from kvchat.model.loader import Runtime
+    from kvchat.runtime import Runtime
     from kvchat.texts import stdlib_text
 
     n = args.resume_tokens
@@ -264,7 +264,7 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     from kvchat.bench.engine import prompt_ids
     from kvchat.bench.run_info import run_info
-    from kvchat.model.loader import set_threads
+    from kvchat.runtime import set_threads
     from kvchat.model.registry import resolve_model
     from kvchat.texts import stdlib_text
 

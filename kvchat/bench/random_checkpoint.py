@@ -5,7 +5,7 @@ written shard by shard with safetensors (HF tensor names, the stored dtype
 chosen), each tensor drawn from N(0, 0.02) on ``device``, so an 8B checkpoint
 is written without ever holding it whole in host RAM; a word-level tokenizer
 (``tokenizers``) with a ChatML-like template makes it loadable by
-:func:`kvchat.model.loader.load_runtime`. Random weights give meaningless text,
+:func:`kvchat.runtime.load_runtime`. Random weights give meaningless text,
 which loading and memory figures do not care about.
 """
 

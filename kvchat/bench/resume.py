@@ -156,12 +156,7 @@ def _session(rt, spec: dict, persist=None):
 
 def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
     """Cold prefill of the whole chat; with ``save``, also snapshot it and time the question in memory."""
-    import torch
-
-    from kvchat.engine.kv_pool import KVCacheSpec
-    from kvchat.engine.persistence import KVPersist, find_chain
-    from kvchat.engine.sampling import SamplingParams
-    from kvchat.index import get_db
+    from kvchat.engine.loop import EngineLoop
     from kvchat.texts import stdlib_text
 
     if not spec_path.exists():
@@ -173,7 +168,23 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
         spec_path.write_text(json.dumps(spec))
     spec = json.loads(spec_path.read_text())
     session = _session(rt, spec)
-    stats = session.prefill_prefix()
+    loop = EngineLoop(rt.engine, thread=False, snapshots=False)  # the snapshot's store lives only for its save
+    try:
+        return _cold_and_in_memory(rt, loop, session, spec, n_tokens, save)
+    finally:
+        loop.close()
+
+
+def _cold_and_in_memory(rt, loop, session, spec: dict, n_tokens: int, save: bool) -> dict:
+    """The cold prefill of ``session`` on ``loop`` and, with ``save``, its snapshot and an in-memory question."""
+    import torch
+
+    from kvchat.engine.kv_pool import KVCacheSpec
+    from kvchat.engine.persistence import KVPersist, find_chain
+    from kvchat.engine.sampling import SamplingParams
+    from kvchat.index import get_db
+
+    stats = loop.run(session.prefix_steps())
     out = {"from_memory": stats.from_memory, "prefilled_tokens": stats.prefilled_tokens, "cold_prefill_ms": stats.prefill_ms,
            "text": spec["text"], "text_sha256": spec["text_sha256"],
            "turns": sum(1 for s in spec["segments"] if s[0] == "user")}
@@ -182,12 +193,12 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
     persist = KVPersist(rt.engine)
     session.persist = persist
     session.save_snapshot(OWNER)
-    persist.close()
+    persist.close()  # its writer thread ends (with its OpenMP pool) before the timed question
     if persist.errors:
         raise BenchResumeError(persist.errors[0])
     rows = find_chain(get_db(), persist.fingerprint, spec["ids"])
     session.persist = None
-    "".join(session.send(QUESTION, SamplingParams(max_tokens=1)))
+    loop.run(session.turn(QUESTION, SamplingParams(max_tokens=1)))
     kv = rt.engine.spec
     f16 = KVCacheSpec(kv.num_layers, kv.num_kv_heads, kv.head_dim, "fp16")
     out.update({
@@ -203,19 +214,20 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
 
 def _child_resume(rt, spec_path: Path, mode: str) -> dict:
     """Open the chat with the snapshot store attached and ask :data:`QUESTION` (one token)."""
-    from kvchat.engine.persistence import KVPersist
+    from kvchat.engine.loop import EngineLoop
     from kvchat.engine.sampling import SamplingParams
 
     spec = json.loads(spec_path.read_text())
-    persist = KVPersist(rt.engine)
+    loop = EngineLoop(rt.engine, thread=False)
+    persist = loop.persist
     session = _session(rt, spec, persist)
     files = [row.path for row in persist.find(spec["ids"])]
     if mode != "dropped":
         for f in files:
             read_file(f)
     resident = [drop_file_cache(f) if mode == "dropped" else resident_fraction(f) for f in files]
-    "".join(session.send(QUESTION, SamplingParams(max_tokens=1)))
-    persist.close()
+    loop.run(session.turn(QUESTION, SamplingParams(max_tokens=1)))
+    loop.close()
     s = session.last_turn.stats
     known = [r for r in resident if r is not None]
     return {"mode": mode, "from_memory": s.from_memory, "from_disk": s.from_disk, "restore_ms": s.restore_ms,
@@ -226,7 +238,7 @@ def _child_resume(rt, spec_path: Path, mode: str) -> dict:
 def child_main(argv: list[str]) -> int:
     """Entry of a benchmark child: ``ROLE SPEC_PATH N MODE MODEL KV_DTYPE THREADS``; prints one JSON line."""
     role, spec_path, n, mode, model, kv_dtype, threads = argv
-    from kvchat.model.loader import load_runtime, set_threads
+    from kvchat.runtime import load_runtime, set_threads
 
     set_threads(int(threads) or None)
     rt = load_runtime(model or None, kv_dtype)

@@ -12,7 +12,7 @@ exactly, so exact match would measure nothing. The same document without the
 fact is the control: log p(value | no fact) is what guessing gets, so
 ``with fact − control`` is what retrieval adds.
 
-Both pools run the engine's own path (:meth:`Engine.prefill` up to the
+Both pools run the engine's own path (:meth:`Engine.prefill_steps` up to the
 answer, then :meth:`Engine.score` over the answer; every chunk attends
 through its pool), on the same ids, so the only difference is the KV dtype.
 """
@@ -122,11 +122,12 @@ def score_value(engine, probe: Probe) -> dict:
         (``argmax_hits``: value tokens that are the engine's top-1 prediction).
     """
     from kvchat.engine.block_manager import SeqBlocks
+    from kvchat.engine.loop import run_alone
 
     seq = SeqBlocks()
     cut = probe.value_start - 1  # the position predicting the first value token is scored, not prefilled
     try:
-        engine.prefill(seq, probe.ids[:cut], probe.boundaries)
+        run_alone(engine, engine.prefill_steps(seq, probe.ids[:cut], probe.boundaries))
         logits = engine.score(seq, probe.ids, probe.boundaries)  # rows for positions cut .. len-1
     finally:
         engine.release(seq)
@@ -153,7 +154,7 @@ def run_retrieval(info, tokenizer, filler: BenchText, doc_tokens: int = DEFAULT_
     """
     from kvchat.engine.runner import Engine
     from kvchat.engine.kv_pool import KVCacheSpec
-    from kvchat.model.loader import Runtime, ensure_calibration
+    from kvchat.runtime import Runtime, ensure_calibration
     from kvchat.model.registry import load_weights
     from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
 

@@ -1,7 +1,7 @@
 """``kvchat ask``: one question (optionally about documents, or continuing a stored chat), streamed or as JSON.
 
 Everything is checked before the model loads; the turn runs through
-:class:`kvchat.conversation.service.ChatService`.
+:class:`kvchat.conversation.service.ChatService`, on an engine loop driven by this (main) thread.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     from kvchat.conversation.events import PrefillProgress, TokenBatch
     from kvchat.conversation.service import ChatService
     from kvchat.conversation.views import ContextFullError
-    from kvchat.model.loader import load_runtime, set_threads
+    from kvchat.runtime import load_runtime, set_threads
 
     set_threads(threads)
     rt = load_runtime(args.model or (conv.model_name if conv else None), args.kv_dtype, progress=print_start_progress)

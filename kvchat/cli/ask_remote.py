@@ -39,7 +39,7 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     from kvchat.engine.turn import SamplingParams
     from kvchat.index import get_db
     from kvchat.paths import db_path
-    from kvchat.remote.address import plain_http_warning
+    from kvchat.server_address import plain_http_warning
     from kvchat.remote.chats import RemoteChats, require_remote
     from kvchat.remote.client import ServerClient, context_limit, pick_model
     from kvchat.store.conversations import get_conversation

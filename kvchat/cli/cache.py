@@ -110,7 +110,7 @@ def _doc_add(args: argparse.Namespace) -> int:
     from kvchat.conversation.events import PrefillProgress
     from kvchat.conversation.service import ChatService
     from kvchat.documents import read_document
-    from kvchat.model.loader import load_runtime, set_threads
+    from kvchat.runtime import load_runtime, set_threads
     from kvchat.paths import db_path
     from kvchat.store.db import require_writable
     from kvchat.utf8 import require_utf8

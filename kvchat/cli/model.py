@@ -15,7 +15,7 @@ from kvchat.model.registry import list_models
 
 def cmd_model_pull(from_path: str | None, name: str | None) -> int:
     """``kvchat model pull [--from PATH] [--name NAME]``: :func:`kvchat.model.importer.pull_model`, then the
-    model's fp8 calibration (:func:`kvchat.model.loader.ensure_calibration`), so its first chat does not wait for it.
+    model's fp8 calibration (:func:`kvchat.runtime.ensure_calibration`), so its first chat does not wait for it.
 
     Returns 0, or 2 after one ``kvchat: error: …`` line on stderr.
     """
@@ -34,7 +34,7 @@ def _calibrate(model_dir: Path) -> None:
     """Make the fp8 K-centring calibration now (once per model), so the first load stays fast."""
     from transformers import AutoTokenizer
 
-    from kvchat.model.loader import ensure_calibration
+    from kvchat.runtime import ensure_calibration
     from kvchat.model.registry import load_weights, resolve_model
 
     info = resolve_model(str(model_dir), auto_pull=False)

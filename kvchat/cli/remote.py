@@ -13,7 +13,7 @@ def server_of_args(args: argparse.Namespace) -> str | None:
         ValueError: ``--server`` is not an http(s) URL with a host; ``--api-key-env`` without a server.
     """
     from kvchat import settings
-    from kvchat.remote.address import base_url
+    from kvchat.server_address import base_url
 
     flag = getattr(args, "server", None)
     server = base_url(flag) if flag is not None else settings.server()

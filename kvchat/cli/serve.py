@@ -66,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     get_db()  # a damaged or newer database is one line now, as for every other command, not a 500 per request
     from kvchat.cpu_threads import checked_threads, on_own_thread
-    from kvchat.model.loader import load_runtime, set_threads
+    from kvchat.runtime import load_runtime, set_threads
     from kvchat.progress import print_start_progress
 
     set_threads(checked_threads(args.threads))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvchat.conversation.views import ChainLink, ChainReport, GcResult, OwnerRow, RemovedDocument, StoreTotals
-from kvchat.engine.cache_identity import expected_cache_fingerprint
+from kvchat.engine.cache_identity import expected_identity
 from kvchat.engine.disk_budget import budget_bytes, enforce, refresh_pins
 from kvchat.engine.persistence import CHUNK_TOKENS, document_tokens, find_chain, release_owner, restorable_tokens
 from kvchat.index import get_db, get_reader
@@ -80,14 +80,23 @@ def pin_owner(owner: str, pinned: bool) -> None:
     Raises:
         LookupError: no chat or document has the id.
     """
-    db = get_db(on_full_disk=True)
-    pin = pin_conversation if owner.startswith("c_") else pin_document
     try:
-        with write_transaction(db):
-            pin(db, owner, pinned)
-            refresh_pins(db)
+        set_pinned(get_db(on_full_disk=True), owner, pinned)
     except LookupError:  # ConversationNotFoundError, DocumentNotFoundError
         raise LookupError(f"no chat or document with id {owner!r}") from None
+
+
+def set_pinned(db, owner: str, pinned: bool) -> None:
+    """Set the pinned flag of a chat (``c_…``) or a document and re-derive the chunk pins (pinned chunks are
+    never evicted), in one transaction.
+
+    Raises:
+        kvchat.store.errors.ConversationNotFoundError, DocumentNotFoundError: no such chat or document.
+    """
+    pin = pin_conversation if owner.startswith("c_") else pin_document
+    with write_transaction(db):
+        pin(db, owner, pinned)
+        refresh_pins(db)
 
 
 def purge(include_pinned: bool) -> int:
@@ -114,7 +123,7 @@ def explain_chain(chat_id: str, kv_dtype: str) -> ChainReport:
     """
     db = get_reader()
     conv = get_conversation(db, chat_id)
-    fp = expected_cache_fingerprint(conv.model_fingerprint or "", kv_dtype)
+    fp = expected_identity(conv.model_fingerprint or "", kv_dtype).fingerprint
     links, start = [], 0
     for row in find_chain(db, fp, conv.token_ids):
         links.append(ChainLink(start, start + row.token_count, row.token_count < CHUNK_TOKENS, row.key, row.bytes))

@@ -47,10 +47,10 @@ class TokenBatch:
 @dataclass(slots=True)
 class TurnDone:
     """The answer is complete (``stats.finish_reason`` says why); the turn is stored under ``chat_id`` (None
-    when the service does not store). Emitted last, except by :meth:`ChatService.send_steps`, which emits it
-    before the answer's recompute and snapshot (``stats.settle_ms`` is filled in afterwards)."""
+    when the service does not store). Emitted before the answer's recompute and snapshot
+    (``stats.settle_ms`` is filled in afterwards)."""
 
-    chat_id: str
+    chat_id: str | None
     text: str
     stats: TurnStats
     context_used: int

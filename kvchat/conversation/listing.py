@@ -1,4 +1,4 @@
-"""Store-side operations of the real backend (SQLite through ``kvchat.store``), run on its store/engine lanes.
+"""Store-side operations of the real backend (SQLite through ``kvchat.store``), run on its store thread or the engine loop.
 
 Each function takes the loaded :class:`kvchat.conversation.service.ChatService` (None
 before the model is loaded: nothing is in memory then, and a snapshot under
@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING
 
 from sqlite_utils import Database
 
-from kvchat.documents import doc_id
-from kvchat.engine.disk_budget import budget_bytes, refresh_pins
+from kvchat.conversation.cache_admin import set_pinned
+from kvchat.engine.disk_budget import budget_bytes
 from kvchat.engine.persistence import document_tokens, release_owner, restorable_tokens
-from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
 from kvchat.conversation import records
 from kvchat.conversation.cache_state import all_in_memory, disk_bytes, state
 from kvchat.conversation.search import search_conversation_ids
@@ -26,10 +25,9 @@ from kvchat.store.chunk_index import totals
 from kvchat.store.conversations import (
     histories,
     list_conversations,
-    pin_conversation,
     rename_conversation,
 )
-from kvchat.store.documents import list_documents as stored_documents, upsert_document
+from kvchat.store.documents import list_documents as stored_documents
 
 if TYPE_CHECKING:
     from kvchat.conversation.service import ChatService
@@ -90,13 +88,11 @@ def rename_chat(chats: ChatService | None, chat_id: str, title: str) -> None:
 
 
 def pin_chat(chats: ChatService | None, chat_id: str, pinned: bool) -> None:
-    """Set the chat's pinned flag, then re-derive chunk pins (pinned chunks are never evicted).
+    """Set the chat's pinned flag and re-derive chunk pins (:func:`kvchat.conversation.cache_admin.set_pinned`).
 
     Raises ConversationNotFoundError.
     """
-    db = get_db()
-    pin_conversation(db, chat_id, pinned)
-    refresh_pins(db)
+    set_pinned(get_db(), chat_id, pinned)
 
 
 def purge_cache(chats: ChatService | None, chat_id: str) -> int:
@@ -153,21 +149,3 @@ def _miss(chats: ChatService | None, db: Database, chat_id: str, st: str) -> str
     if open_chat is not None and open_chat.chat_id == chat_id:
         return (open_chat.resume.miss_reason or "") if open_chat.resume else ""
     return chats.explain_miss(db, chat_id) if st == "none" else ""
-
-
-def register_documents(chats: ChatService, fmt, docs) -> list[str]:
-    """Record attached documents in the ``documents`` table as ``kvchat doc add`` does; returns their ids.
-
-    Id = ``kvchat.documents.doc_id`` of the text; ``token_count`` = the
-    document's own prefix (default system prompt + the document), whose ids
-    are kept in ``chats.doc_prefixes`` for the sidebar's "cached" mark. A
-    document's ``pinned`` flag survives re-attaching.
-    """
-    db, ids = get_db(), []
-    for d in docs:
-        did = doc_id(d.text)
-        own = fmt.prefix_ids(DEFAULT_SYSTEM_PROMPT, [(d.title, d.text)])
-        chats.doc_prefixes[did] = own
-        upsert_document(db, did, str(d.path.resolve()), d.title, len(own))
-        ids.append(did)
-    return ids

@@ -33,11 +33,13 @@ from kvchat.store.documents import upsert_document
 TOOLS_HEADING = "# Tools: "
 
 if TYPE_CHECKING:
-    from kvchat.conversation.service import ChatService
+    from kvchat.engine.session import Session
 
 
-def register_turn_documents(service: ChatService, user_text: str, first_turn: bool) -> list[str]:
-    """After a stored turn of ``service``'s open chat: record its pasted documents and reference their chunks.
+def register_turn_documents(session: Session, system: str, has_files: bool, user_text: str,
+                            first_turn: bool) -> list[str]:
+    """After a stored turn of a chat (its ``session``, its ``system`` prompt, whether it has file documents
+    attached, ``has_files``): record its pasted documents and reference their chunks.
 
     On a new chat's ``first_turn``: a system message of at least ``PASTED_DOCUMENT_TOKENS`` tokens when no
     file document is attached. When the turn is the chat's first user turn (right after the prefix) and
@@ -47,12 +49,10 @@ def register_turn_documents(service: ChatService, user_text: str, first_turn: bo
     :meth:`~kvchat.engine.session.Session.save_snapshot`: the documents take references on the chunks
     that save queued, nothing is read or written twice. Returns the ids recorded.
     """
-    chat = service.chat
-    session = chat.session
     found: list[tuple[str, int]] = []  # (title, prefix end)
     prefix = session.segments[0]
-    if first_turn and not chat.settings.get("documents") and prefix.end - prefix.start >= PASTED_DOCUMENT_TOKENS:
-        found.append((_prefix_title(chat.system), prefix.end))
+    if first_turn and not has_files and prefix.end - prefix.start >= PASTED_DOCUMENT_TOKENS:
+        found.append((_prefix_title(system), prefix.end))
     turn = session.last_turn
     user = turn.user
     if user is not None and user.question and user.document_end is not None and turn.user_span[0] == prefix.end:

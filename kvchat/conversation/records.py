@@ -9,15 +9,15 @@ from typing import Sequence
 from sqlite_utils import Database
 
 from kvchat.model.chat_format import PASTED_DOCUMENT_TOKENS, Segment
-from kvchat.model.loader import Runtime
+from kvchat.runtime import Runtime
 from kvchat.engine.session import Session
 from kvchat.documents import PASTED_PATH, prefix_doc_id
 from kvchat.store.conversations import (Conversation, NewMessage, append_turn, create_conversation, delete_conversation,
                                         histories, list_conversations)
 from kvchat.store.documents import delete_document, list_documents
 from kvchat.store.db import write_transaction
-from kvchat.conversation.titles import UNTITLED, ChatModelMismatchError, chat_title
-from kvchat.remote.address import server_of
+from kvchat.conversation.titles import ChatModelMismatchError, chat_title
+from kvchat.server_address import server_of
 
 def new_settings(documents: list[str]) -> dict:
     """Settings pinned when a chat is created: the template date and the attached documents' titles."""

@@ -1,6 +1,10 @@
-"""The open chat on a loaded runtime: new/open, turns (send, regenerate, edit), carry-over, counters.
+"""The store side of the open chat: new/open, turns (send, regenerate, edit), carry-over, counters.
 
-Runs on one thread at a time (the TUI: its engine lane, ``kvchat.tui.real_backend``; the CLI: its main thread).
+A turn's checks, its commit or rollback, its snapshot and its pasted documents are here; the engine work
+runs on the engine loop (:class:`kvchat.engine.loop.EngineLoop`), to which every turn is submitted as
+steps. Called from one thread at a time: the TUI calls it on its loop's thread
+(:meth:`~kvchat.engine.loop.EngineLoop.call`), the CLI from its main thread (which drives a loop without a
+thread), the server's scheduler from its admit hook on the loop's thread.
 """
 
 from __future__ import annotations
@@ -10,15 +14,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from kvchat.conversation.records import (UNTITLED, chat_title, drop_orphaned_documents, new_settings, save_new_chat,
-                                         save_turn, session_from_store)
+from kvchat.conversation.records import drop_orphaned_documents, new_settings, save_new_chat, save_turn, session_from_store
+from kvchat.conversation.titles import UNTITLED, chat_title
 from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
 from kvchat.documents import Document, doc_id, read_document
 from kvchat.phase_trace import mark
 from kvchat.store.documents import upsert_document
 from kvchat.free_space import check_turn_space
-from kvchat.engine.persistence import KVPersist
-from kvchat.model.loader import Runtime
+from kvchat.engine.loop import EngineLoop
+from kvchat.runtime import Runtime
 from kvchat.paths import data_dir
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session, TurnOverflowError
 from kvchat.store.conversations import get_conversation, rewind_conversation
@@ -28,7 +32,6 @@ from kvchat.store.db import write_transaction
 from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, AttachCancelled, ChatMessage, ChatView, ContextFullError, ResumeInfo, Status
 from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
 from kvchat.conversation.events import AttachStep, Emit, TurnDone
-from kvchat.conversation.listing import register_documents
 from kvchat.conversation.pasted import register_turn_documents
 from kvchat.conversation.continuation import ANSWER_ROOM_TOKENS, CarryWay, Continuation, answer_room
 from kvchat.conversation.rewind import carry_over, turn_spans
@@ -36,10 +39,8 @@ from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
 from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.engine.token_rules import TokenRules
 from kvchat.engine.turn import SamplingParams, TurnStats
-from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.engine.sequence import PrefillChunk
 from kvchat.model.chat_format import UserTurn, append_segment
-
-import torch
 
 
 @dataclass(slots=True)
@@ -69,13 +70,15 @@ def _resume(stats: TurnStats, ms: float, prefill: int = 0) -> ResumeInfo | None:
 
 
 class ChatService:
-    """The runtime, its snapshot store (``KVPersist``), the one open chat, the last turn's counters, and
-    the prefix ids of documents prefilled in this process."""
+    """The runtime, the engine loop its turns run on (and its snapshot store, ``KVPersist``), the one open
+    chat, the last turn's counters, and the prefix ids of documents prefilled in this process."""
 
-    def __init__(self, rt: Runtime, batch_interval_s: float = 0.04, persist: KVPersist | None = None,
+    def __init__(self, rt: Runtime, batch_interval_s: float = 0.04, loop: EngineLoop | None = None,
                  store: bool = True, branch_on_conflict: bool = False):
         """``batch_interval_s``: answer text is emitted at most this often (0: every piece, as a CLI streams).
-        ``persist``: share another service's snapshot store (the server: one service per request).
+        ``loop``: the engine loop its turns run on, owned by the caller (the TUI's, the server's: one service per
+        request, one loop); None: a loop without a thread, driven by the calling thread, which :meth:`close`
+        closes.
         ``store``: store turns and their snapshots (``kvchat serve --no-store``: False, nothing is written).
         ``branch_on_conflict``: a turn whose chat another process changed meanwhile is stored as a new chat
         (its history + the turn), as a resent history is (the server); else ConversationConflictError."""
@@ -83,7 +86,9 @@ class ChatService:
         self.store = store
         self.branch_on_conflict = branch_on_conflict
         self.batch_interval_s = batch_interval_s
-        self.persist = persist or KVPersist(rt.engine)
+        self.loop = loop or EngineLoop(rt.engine, thread=False)
+        self._own_loop = loop is None
+        self.persist = self.loop.persist
         self.chat: _Chat | None = None
         self.last: TurnStats | None = None
         self.doc_prefixes: dict[str, list[int]] = {}
@@ -96,11 +101,15 @@ class ChatService:
         return eviction_note(Eviction(now.chunks - seen.chunks, now.bytes - seen.bytes, now.budget_bytes, now.budget_gb))
 
     def close(self) -> Eviction:
-        """Flush queued snapshot writes, stop the writer thread, then evict down to the disk budget.
+        """Flush queued snapshot writes (closing the engine loop this service made, and its writer thread),
+        then evict down to the disk budget.
 
         Returns everything the budget evicted in this service's life.
         """
-        self.persist.close()
+        if self._own_loop:
+            self.loop.close()
+        else:
+            self.persist.flush()
         if not self._stored:  # nothing written: leave the data dir as it was (bad input creates no database)
             return self.persist.evicted
         try:
@@ -116,16 +125,11 @@ class ChatService:
 
     def explain_miss(self, db, chat_id: str) -> str:
         """Why this engine cannot restore ``chat_id``'s stored KV (another KV dtype, nothing stored, …)."""
-        e = self.rt.engine
-        return why_not_restored(db, chat_id, self.persist.fingerprint, self.rt.info.fingerprint, e.spec.kv_dtype,
-                                e.spec.block_size, e.weight_format, e.compute_key, e.int8_kernel)
+        return why_not_restored(db, chat_id, self.rt.engine.identity)
 
     def _shortfall(self, chat_id: str, history_tokens: int, reused_tokens: int) -> str | None:
         """:func:`kvchat.engine.cache_miss.shortfall_reason` for this engine."""
-        e = self.rt.engine
-        return shortfall_reason(get_db(), chat_id, history_tokens, reused_tokens, self.persist.fingerprint,
-                                self.rt.info.fingerprint, e.spec.kv_dtype, e.spec.block_size, e.weight_format,
-                                e.compute_key, e.int8_kernel)
+        return shortfall_reason(get_db(), chat_id, history_tokens, reused_tokens, self.rt.engine.identity)
 
     @property
     def bytes_per_token(self) -> int:
@@ -139,7 +143,7 @@ class ChatService:
     def cached_documents(self) -> set[str]:
         """Ids of documents whose prefix (default system prompt + document) is still cached."""
         bs = self.rt.engine.spec.block_size
-        prefixes = list(self.doc_prefixes.items())  # a copy: the engine thread may add one meanwhile
+        prefixes = list(self.doc_prefixes.items())  # a copy: the engine loop's thread may add one meanwhile
         return {d for d, ids in prefixes if self.cached_tokens(ids) >= len(ids) // bs * bs}
 
     def status(self) -> Status:
@@ -226,16 +230,33 @@ class ChatService:
                 timer(done, total)
 
             try:
-                stats = session.prefill_prefix(progress)
+                stats = self.loop.run(session.prefix_steps(progress), progress)
                 check_cancel()
             except BaseException:
                 session.close()
                 raise
             resume = _resume(stats, (time.perf_counter() - t0) * 1e3 - stats.prefill_ms)
-            doc_ids = register_documents(self, fmt, docs)
+            doc_ids = self._register_documents(fmt, docs)
             self._stored = True
             session.save_snapshot(doc_ids[0])  # the documents' prefix outlives this chat
         return self._switch(_Chat(session, None, UNTITLED, system, settings, resume=resume))
+
+    def _register_documents(self, fmt, docs: Sequence[Document]) -> list[str]:
+        """Record attached documents in the ``documents`` table as ``kvchat doc add`` does; returns their ids.
+
+        Id = ``kvchat.documents.doc_id`` of the text; ``token_count`` = the
+        document's own prefix (default system prompt + the document), whose ids
+        are kept in :attr:`doc_prefixes` for the sidebar's "cached" mark. A
+        document's ``pinned`` flag survives re-attaching.
+        """
+        db, ids = get_db(), []
+        for d in docs:
+            did = doc_id(d.text)
+            own = fmt.prefix_ids(DEFAULT_SYSTEM_PROMPT, [(d.title, d.text)])
+            self.doc_prefixes[did] = own
+            upsert_document(db, did, str(d.path.resolve()), d.title, len(own))
+            ids.append(did)
+        return ids
 
     def start_given_chat(self, system: str, settings: dict, history: Sequence[tuple[str, str, list[int]]],
                          user_turns: Sequence[UserTurn] = ()) -> ChatView:
@@ -322,12 +343,12 @@ class ChatService:
     def send_steps(self, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
                    answer_text: Callable[[str], str] | None = None, user: UserTurn | None = None,
                    rules: TokenRules | None = None, shared: SharedPrompt | None = None):
-        """:meth:`send` as engine steps (:meth:`kvchat.engine.session.Session.turn`), for a scheduler that
-        runs several chats at once: it answers each ``DecodeStep`` with logits; the generator returns the
-        :class:`TurnDone`. Same checks, storing and rollback as :meth:`send`, but the ``TurnDone`` is emitted
-        as soon as the turn is stored, before the answer's recompute (``PrefillChunk(settle=True)`` steps)
-        and its snapshot: the generator holds the chat's blocks until it ends. A failure after that point
-        keeps the stored turn and goes to ``persist.errors``.
+        """:meth:`send` as steps for the engine loop (:meth:`kvchat.engine.loop.EngineLoop.submit`), for a
+        caller that runs several chats at once: the generator returns the :class:`TurnDone`. Same checks,
+        storing, rollback and order as :meth:`send`: the ``TurnDone`` is emitted as soon as the turn is
+        stored, before the answer's recompute (``PrefillChunk(settle=True)`` steps) and its snapshot; the
+        generator holds the chat's blocks until it ends. A failure after that point keeps the stored turn and
+        goes to ``persist.errors``.
 
         ``answer_text(generated text)``: the answer's text as stored and returned (a server cuts it at a
         stop string, as its client saw it; a cut answer's ``finish_reason`` is ``stop``); the ids stay those
@@ -337,27 +358,16 @@ class ChatService:
         logit bias, grammar and log-probabilities (:class:`kvchat.engine.token_rules.TokenRules`); ``shared``: the
         prompt its other choices share (:class:`kvchat.engine.shared_prompt.SharedPrompt`)."""
         return self._turn_steps(self._open(), text, gs, cancel, emit, rewind=None, answer_text=answer_text, user=user,
-                                answer_early=True, rules=rules, shared=shared)
+                                rules=rules, shared=shared)
 
     def _turn(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
               rewind: tuple[int, int] | None) -> TurnDone:
-        steps, engine, reply = self._turn_steps(chat, text, gs, cancel, emit, rewind), self.rt.engine, None
-        timer = PrefillTimer(emit)
-        while True:
-            try:
-                with torch.inference_mode():
-                    item = steps.send(reply)
-            except StopIteration as done:
-                return done.value
-            reply = None
-            if isinstance(item, DecodeStep):
-                reply = engine.decode(item.sequence.blocks, item.token_ids, item.sequence.dense)
-            elif isinstance(item, PrefillChunk) and not item.settle:
-                timer(item.done, item.total)
+        """One turn on the engine loop; returns once its recompute and snapshot are queued too."""
+        return self.loop.run(self._turn_steps(chat, text, gs, cancel, emit, rewind), PrefillTimer(emit))
 
     def _turn_steps(self, chat: _Chat, text: str, gs: SamplingParams, cancel: threading.Event, emit: Emit,
                     rewind: tuple[int, int] | None, answer_text: Callable[[str], str] | None = None,
-                    user: UserTurn | None = None, answer_early: bool = False, rules: TokenRules | None = None,
+                    user: UserTurn | None = None, rules: TokenRules | None = None,
                     shared: SharedPrompt | None = None):
         session, stored = chat.session, chat.stored_len
         try:
@@ -378,7 +388,7 @@ class ChatService:
                 if isinstance(item, str):
                     batcher.add(item)
                     reply = None
-                elif answer_early and isinstance(item, PrefillChunk) and item.settle:
+                elif isinstance(item, PrefillChunk) and item.settle:
                     settle = item  # the answer is complete: stored and answered before its recompute
                     break
                 else:
@@ -411,21 +421,19 @@ class ChatService:
                           ChatMessage("assistant", turn.text, turn.stats.ttft_ms, turn.stats.decode_tokens_per_s,
                                       turn.stats.finish_reason)]
         done = TurnDone(chat.chat_id, turn.text, self.last, len(session.token_ids), self.rt.engine.max_context)
-        if settle is not None:  # answer_early: the turn is stored, answered now; the recompute and snapshot follow
-            emit(done)
-            try:
-                yield settle
-                yield from steps
-            except Exception as exc:  # noqa: BLE001 - the stored turn stays; the next prefill recomputes the rest
-                self.persist.errors.append(f"answer stored, its recompute failed: {exc}")
+        emit(done)  # every front end: the answer is delivered, then its recompute, then its snapshot
+        try:
+            yield settle
+            yield from steps
+        except Exception as exc:  # noqa: BLE001 - the stored turn stays; the next prefill recomputes the rest
+            self.persist.errors.append(f"answer stored, its recompute failed: {exc}")
         if self.store:
             session.save_snapshot(chat.chat_id)
             try:
-                register_turn_documents(self, text, first_turn)
+                register_turn_documents(session, chat.system, bool(chat.settings.get("documents")), text,
+                                        first_turn)
             except Exception as exc:  # noqa: BLE001 - e.g. locked past the busy timeout: the turn is stored; say it
                 self.persist.errors.append(f"pasted document not recorded: {exc}")
-        if settle is None:
-            emit(done)
         return done
 
     def _name_shortfall(self, chat: _Chat, stored: int) -> None:
@@ -447,7 +455,8 @@ class ChatService:
         session = Session.new(self.rt.engine, fmt, system, [(doc.title, doc.text)], self.persist)
         self.rt.engine.check_fits(len(session.token_ids) + 1)
         try:
-            stats = session.prefill_prefix(PrefillTimer(emit))
+            timer = PrefillTimer(emit)
+            stats = self.loop.run(session.prefix_steps(timer), timer)
             did = doc_id(doc.text)
             upsert_document(get_db(), did, str(doc.path.resolve()), doc.title, len(session.token_ids))
             self._stored = True

@@ -1,23 +1,25 @@
 """Cache identity: what must match for stored K/V to be reused.
 
 Anything that changes the stored numbers is part of the fingerprint, so a
-difference always misses (DESIGN.md "Cache identity is a fingerprint").
+difference always misses (docs/architecture.md, "The KV cache on disk").
 Bump ``NUMERICS_VERSION`` whenever a runner or kernel fix changes K/V values
 (a RoPE fix must not silently restore stale caches).
 
 Every fact of a cache's identity is here, once: the KV dtype names, the
-fingerprint's inputs, the fp8 scheme names, what an engine gets
-(:func:`engine_identity`), the weight formats and what ``auto`` picks
+fingerprint's inputs, the fp8 scheme names, an engine's identity as one
+object (:class:`CacheIdentity`, whose fingerprint the engine and ``cache
+explain`` both read), the weight formats and what ``auto`` picks
 (:func:`resolve_weight_format`), what a model and KV dtype would get without
-loading it (:func:`expected_cache_fingerprint`), and every variant a store
-may hold (:func:`fingerprint_variants`). Importing this module imports no
-torch; the functions that name fp8 schemes do.
+loading it (:func:`expected_identity`), and every variant a store may hold
+(:func:`fingerprint_variants`). Importing this module imports no torch; the
+functions that name fp8 schemes do.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 KV_DTYPE_NAMES = ("fp8", "bf16", "fp16")  # the pool dtypes a cache can be stored in (torch dtypes: kv_pool.KV_DTYPES)
@@ -128,19 +130,46 @@ def fp8_scheme_name(k_centring: bool, exact_sink: bool) -> str:
     return SCALE_SCHEME + ("+kc" if k_centring else "") + ("+sink" if exact_sink else "")
 
 
-def engine_identity(model_fingerprint: str, kv_dtype: str, calibration_digest: str | None, exact_sink: bool,
-                    block_size: int, weight_format: str = "fp32", *, compute: str | None = None,
-                    int8_kernel: str | None = None, compiled_layers: bool = False) -> tuple[str, str]:
-    """``(scale scheme name, cache fingerprint)`` of an engine; ``calibration_digest``/``exact_sink`` count for fp8 only;
-    ``compute``: an overridden compute dtype's name (None: the one ``auto`` picks); ``weight_format``: a
-    :data:`WEIGHT_FORMATS` name; ``int8_kernel``, ``compiled_layers``: see :func:`weight_scheme`."""
-    weights = weight_scheme(weight_format, int8_kernel, compiled_layers)
-    if kv_dtype != "fp8":
-        return "none", cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=compute or "",
-                                         weights=weights)
-    scheme = fp8_scheme_name(calibration_digest is not None, exact_sink)
-    return scheme, cache_fingerprint(model_fingerprint, kv_dtype, scheme, block_size, calibration_digest or "",
-                                     compute=compute or "", weights=weights)
+@dataclass(frozen=True, slots=True)
+class CacheIdentity:
+    """What shapes one engine's stored K/V bytes; its :attr:`fingerprint` keys every block and snapshot.
+
+    Attributes:
+        model_fingerprint: weights + tokenizer + chat template + RoPE (see kvchat.model.fingerprint).
+        kv_dtype: ``fp8|bf16|fp16``.
+        block_size: tokens per block.
+        weight_format: a :data:`WEIGHT_FORMATS` name.
+        compute: an overridden compute dtype's name (:func:`compute_key`; None: the one ``auto`` picks).
+        int8_kernel: the int8 engine's kernel (see :func:`weight_scheme`; None: this process's).
+        compiled_layers: short chunks run the compiled decoder layers (see :func:`weight_scheme`).
+        calibration_digest: the fp8 K centring's calibration digest (None: not centred); fp8 only.
+        exact_sink: position 0 read exact (:meth:`kvchat.engine.runner.Engine.sink_kv`); fp8 only.
+    """
+
+    model_fingerprint: str
+    kv_dtype: str
+    block_size: int = BLOCK_SIZE
+    weight_format: str = "fp32"
+    compute: str | None = None
+    int8_kernel: str | None = None
+    compiled_layers: bool = False
+    calibration_digest: str | None = None
+    exact_sink: bool = False
+
+    @property
+    def scale_scheme(self) -> str:
+        """The fp8 scale scheme's name (:func:`fp8_scheme_name`), ``none`` for a 16-bit pool."""
+        if self.kv_dtype != "fp8":
+            return "none"
+        return fp8_scheme_name(self.calibration_digest is not None, self.exact_sink)
+
+    @property
+    def fingerprint(self) -> str:
+        """The cache fingerprint (:func:`cache_fingerprint`), hex."""
+        weights = weight_scheme(self.weight_format, self.int8_kernel, self.compiled_layers)
+        calibration = (self.calibration_digest or "") if self.kv_dtype == "fp8" else ""
+        return cache_fingerprint(self.model_fingerprint, self.kv_dtype, self.scale_scheme, self.block_size,
+                                 calibration, compute=self.compute or "", weights=weights)
 
 
 def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
@@ -168,8 +197,8 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
             for kc in ({False, True} if digest else {False}) for sink in (False, True) for w, c in pairs}
 
 
-def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None) -> str:
-    """The cache fingerprint :func:`kvchat.model.loader.load_runtime`'s engine gets, without loading the model.
+def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None) -> CacheIdentity:
+    """The :class:`CacheIdentity` :func:`kvchat.runtime.load_runtime`'s engine gets, without loading the model.
 
     ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8``
     (None: ``KVCHAT_WEIGHTS``); the compute dtype is ``KVCHAT_DTYPE``'s (which ``--dtype`` sets). For fp8: K centring when the model's
@@ -191,14 +220,12 @@ def expected_cache_fingerprint(model_fingerprint: str, kv_dtype: str, device=Non
     dev = torch.device(device) if device is not None else settings.device()
     dtype = settings.compute_dtype()
     fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype)
-    compute = compute_key(fmt, dtype)
     layers = False
     if fmt == "int8" and dev.type == "cpu" and not settings.attention():
         from kvchat.kernels import cpu_decode
 
         layers = cpu_decode.available()
-    if kv_dtype != "fp8":
-        return engine_identity(model_fingerprint, kv_dtype, None, False, BLOCK_SIZE, weight_format=fmt,
-                               compute=compute, compiled_layers=layers)[1]
-    return engine_identity(model_fingerprint, "fp8", stored_digest(model_fingerprint), True, BLOCK_SIZE,
-                           weight_format=fmt, compute=compute, compiled_layers=layers)[1]
+    fp8 = kv_dtype == "fp8"
+    return CacheIdentity(model_fingerprint, kv_dtype, BLOCK_SIZE, fmt, compute_key(fmt, dtype),
+                         compiled_layers=layers, calibration_digest=stored_digest(model_fingerprint) if fp8 else None,
+                         exact_sink=fp8)

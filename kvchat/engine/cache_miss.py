@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from kvchat.engine.cache_identity import FORMAT_COMPUTE, KV_DTYPE_NAMES, WEIGHT_FORMATS, compute_keys, fingerprint_variants
+from kvchat.engine.cache_identity import (FORMAT_COMPUTE, KV_DTYPE_NAMES, WEIGHT_FORMATS, CacheIdentity, compute_keys,
+                                          fingerprint_variants)
 from kvchat.store.chunk_refs import owner_fingerprints
 
 
@@ -17,21 +18,13 @@ INT8_KERNELS = {"avx2": ("the compiled int8 kernel", "KVCHAT_CPU_KERNEL=1 and a 
                 "int8mm": ("torch's int8 kernel", "KVCHAT_CPU_KERNEL=0 restores it")}
 
 
-def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerprint: str, kv_dtype: str,
-                     block_size: int, weight_format: str = "fp32", compute: str | None = None,
-                     int8_kernel: str | None = None) -> str:
-    """One line saying why ``owner``'s stored KV could not be restored by an engine with ``fingerprint``.
-
-    Args:
-        owner: the chat (or document) id whose chunk references are examined.
-        fingerprint: the running engine's cache fingerprint.
-        model_fingerprint: the running model's fingerprint (to name another KV dtype).
-        kv_dtype: the running engine's KV dtype.
-        block_size: the running engine's block size.
-        weight_format: the running engine's weight format (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`).
-        compute: the running engine's compute key (:func:`kvchat.engine.cache_identity.compute_key`).
-        int8_kernel: the running int8 engine's kernel (:attr:`kvchat.engine.runner.Engine.int8_kernel`).
-    """
+def why_not_restored(db: Database, owner: str, identity: CacheIdentity) -> str:
+    """One line saying why ``owner``'s stored KV (a chat or document id's chunk references) could not be
+    restored by an engine of ``identity`` (its fingerprint, model, KV dtype, block size, weight format,
+    compute key and int8 kernel name the cause)."""
+    fingerprint, model_fingerprint, kv_dtype = identity.fingerprint, identity.model_fingerprint, identity.kv_dtype
+    block_size, weight_format, compute = identity.block_size, identity.weight_format, identity.compute
+    int8_kernel = identity.int8_kernel
     stored = set(owner_fingerprints(db, owner))
     if not stored:
         return "no KV snapshot on disk (never saved, purged or evicted)"
@@ -61,9 +54,8 @@ def why_not_restored(db: Database, owner: str, fingerprint: str, model_fingerpri
     return "its KV was saved under another cache fingerprint (another model, scale scheme or kvchat version)"
 
 
-def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_tokens: int, fingerprint: str,
-                     model_fingerprint: str, kv_dtype: str, block_size: int, weight_format: str = "fp32",
-                     compute: str | None = None, int8_kernel: str | None = None) -> str | None:
+def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_tokens: int,
+                     identity: CacheIdentity) -> str | None:
     """Why reopening ``owner`` recomputed stored history, or None when it did not.
 
     A resume from the pool alone stops at the last whole block, cut back to a
@@ -72,7 +64,6 @@ def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_token
     reused_tokens >= block_size``) means stored KV was missing or unusable, and :func:`why_not_restored` names why.
     Call it before the new turn's snapshot adds references.
     """
-    if history_tokens - 1 - reused_tokens < block_size:
+    if history_tokens - 1 - reused_tokens < identity.block_size:
         return None
-    return why_not_restored(db, owner, fingerprint, model_fingerprint, kv_dtype, block_size, weight_format, compute,
-                            int8_kernel)
+    return why_not_restored(db, owner, identity)

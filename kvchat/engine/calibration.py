@@ -11,7 +11,7 @@ taken with a bf16 pool over text the fidelity benchmark never evaluates on
 leaving out position 0 (the attention sink, an outlier the engine keeps exact
 anyway).
 
-Computed on first use by :func:`kvchat.model.loader.ensure_calibration`, on the
+Computed on first use by :func:`kvchat.runtime.ensure_calibration`, on the
 engine being built (its weights, a throw-away 16-bit pool of 1,024 tokens:
 :func:`kvchat.engine.scratch.calibrate_k_mean`, freed afterwards), and stored once per model fingerprint as
 ``models_dir()/.calibration/<fingerprint>.safetensors``;

@@ -82,7 +82,7 @@ class DenseKV:
         :data:`PREALLOCATE_BYTES` (rounded up to :data:`MIN_CAPACITY` tokens), and touch every page now;
         returns the capacity in tokens.
 
-        Called once at load (:func:`kvchat.model.loader.load_runtime`), before any sequence runs. A fresh
+        Called once at load (:func:`kvchat.runtime.load_runtime`), before any sequence runs. A fresh
         process's first restore otherwise writes into freshly mapped memory and pays one page fault per 4 KiB inside the time to first token
         (measured, a 4,096-token restore in fresh processes, 2 threads: 68 ms restore / 214-220 ms TTFT
         with the copy touched at load vs 92-105 ms / 232-252 ms without; touching 189 MB took 32-50 ms of

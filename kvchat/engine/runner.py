@@ -1,14 +1,16 @@
 """The model runner: owns the device, the weights, the KV pool and the block manager.
 
 The only module that runs the model. A sequence is a token list plus its
-``SeqBlocks``; :meth:`Engine.prefill` computes the tokens not yet in the pool
-in chunks whose boundaries fall on segment boundaries (plus every
+``SeqBlocks``; :meth:`Engine.prefill_steps` computes the tokens not yet in the
+pool in chunks whose boundaries fall on segment boundaries (plus every
 ``chunk_tokens`` inside a segment), so a cold run and a resumed run perform
-the same computations; :meth:`Engine.decode` runs one token.
+the same computations; :meth:`Engine.decode` runs one token. The engine loop
+(:mod:`kvchat.engine.loop`) drives them.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -17,7 +19,7 @@ import torch
 from kvchat import settings
 from kvchat.kernels import dispatch
 from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
-from kvchat.engine.cache_identity import FORMAT_COMPUTE, compute_key, engine_identity
+from kvchat.engine.cache_identity import FORMAT_COMPUTE, CacheIdentity, compute_key
 from kvchat.model.config import ModelConfig
 from kvchat.engine.decode_buffers import BATCH_BUCKETS, DecodeBuffers, DecodeRow, batch_bucket, context_bucket, context_buckets
 from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
@@ -25,13 +27,13 @@ from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.calibration import KVCalibration
 from kvchat.kernels.warmup import warm_up
-from kvchat.engine.device import activate, check_device, device_guard
+from kvchat.device import activate, check_device, device_guard
 from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
 from kvchat.engine.timing import DeviceTimer
 from kvchat.model.transformer import AttnMetadata, build_model
 from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.weights import weight_reader
-from kvchat.engine.sequence import DecodeStep, PrefillChunk, drive_prefill
+from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.kernels.cpu_int8 import small_rows_kernel
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, stored_scheme
 from kvchat.model.quant import int8_path, quantize_linears
@@ -45,6 +47,52 @@ DEFAULT_PREFILL_TOKENS_PER_S = 150.0  # until measured; CPU-conservative
 
 class ContextOverflowError(ValueError):
     """A sequence would exceed the model's context length."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionPlan:
+    """How one engine runs, decided once when it loads (:class:`Engine`) and read by its forwards; no forward
+    reads a setting.
+
+    Attributes:
+        device: the torch device, e.g. ``cpu`` or ``cuda:0``.
+        weight_format: a :data:`kvchat.engine.cache_identity.WEIGHT_FORMATS` name.
+        compute_dtype: the activations' dtype name, e.g. ``float32``.
+        attention: the kernels' backend, ``triton`` | ``compiled`` | ``torch``
+            (:class:`kvchat.kernels.dispatch.KernelChoice`).
+        dense_kv: prefill chunks read a contiguous copy of the K/V (:class:`DenseKV`, the CPU read path).
+        decode_on_pool: decode steps read the paged pool (GPUs, and CPUs with the compiled kernels), else
+            the dense copy.
+        compiled_layers: a CPU decode step's or short chunk's layers run compiled, one call each
+            (:mod:`kvchat.model.compiled_decode`).
+        pad_decode: decode batches are padded to :data:`BATCH_BUCKETS` (where CUDA graphs can run).
+        cuda_graphs: decode steps replay CUDA graphs (:mod:`kvchat.engine.decode_graphs`).
+        int8_kernel: the int8 matmul kernel's name (None: no int8 weights).
+        exact_sink: position 0 is read exact (:meth:`Engine.sink_kv`).
+    """
+
+    device: str
+    weight_format: str
+    compute_dtype: str
+    attention: str
+    dense_kv: bool
+    decode_on_pool: bool
+    compiled_layers: bool
+    pad_decode: bool
+    cuda_graphs: bool
+    int8_kernel: str | None
+    exact_sink: bool
+
+    def line(self) -> str:
+        """The plan in one line, e.g. ``cpu, int8 weights (avx2), float32, attention compiled, decode on the
+        pool, compiled layers, exact sink``."""
+        parts = [self.device, f"{self.weight_format} weights" + (f" ({self.int8_kernel})" if self.int8_kernel else ""),
+                 self.compute_dtype, f"attention {self.attention}",
+                 "decode on the pool" if self.decode_on_pool else "decode on the dense copy"]
+        parts += [name for on, name in ((self.dense_kv, "dense prefill copy"), (self.compiled_layers, "compiled layers"),
+                                        (self.pad_decode, "padded decode batches"), (self.cuda_graphs, "CUDA graphs"),
+                                        (self.exact_sink, "exact sink")) if on]
+        return ", ".join(parts)
 
 
 @dataclass(slots=True)
@@ -114,13 +162,13 @@ class Engine:
     a model built on the meta device, :func:`kvchat.model.transformer.build_model`). ``dtype``: the
     compute dtype name (None: ``KVCHAT_DTYPE``). ``calibration``: a :class:`KVCalibration`, or a callable
     given the engine once its model is loaded (before its pool exists) that returns one
-    (:func:`kvchat.model.loader.ensure_calibration` computes it on this engine's weights).
+    (:func:`kvchat.runtime.ensure_calibration` computes it on this engine's weights).
 
     Raises:
         kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (used when ``device`` is None),
             ``KVCHAT_KV_BUDGET_MB`` (when ``pool_bytes`` is None), ``KVCHAT_DTYPE``, ``KVCHAT_RESIDENT_CHATS``
             or ``KVCHAT_ATTENTION``.
-        kvchat.engine.device.DeviceError: ``device`` names a CUDA device that does not exist here.
+        kvchat.device.DeviceError: ``device`` names a CUDA device that does not exist here.
     """
 
     def __init__(
@@ -150,7 +198,7 @@ class Engine:
 
         Raises:
             ValueError: int8 weights with a compute dtype other than fp32.
-            kvchat.engine.device.DeviceError: ``device`` is a CUDA device that does not exist.
+            kvchat.device.DeviceError: ``device`` is a CUDA device that does not exist.
         """
         self.cfg = cfg
         self.name = name
@@ -196,16 +244,15 @@ class Engine:
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and backend != "triton"
         # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
-        self.decode_on_pool = not dense_kv or (backend == "compiled"
-                                               and dispatch.cpu_attention.takes_pool(*self.pool.layer(0)))
+        decode_on_pool = not dense_kv or (backend == "compiled" and dispatch.cpu_attention.takes_pool(*self.pool.layer(0)))
         # a CPU decode step's or short chunk's layers in one compiled call each, where the model and pool qualify
         # (else None); chunks on them store other bits than the torch layers': part of the fingerprint
-        self.compiled_decode = compiled_decode(model, self.pool) if backend == "compiled" and self.decode_on_pool else None
+        self.compiled_decode = compiled_decode(model, self.pool) if backend == "compiled" and decode_on_pool else None
         self.compute_key = compute_key(self.weight_format, dtype_name)  # the fingerprint's compute: None = implied
-        self.scale_scheme, self.cache_fingerprint = engine_identity(
-            model_fingerprint, kv_dtype, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.spec.block_size, self.weight_format, compute=self.compute_key, int8_kernel=self.int8_kernel,
-            compiled_layers=self.compiled_decode is not None)
+        self.identity = CacheIdentity(
+            model_fingerprint, kv_dtype, self.spec.block_size, self.weight_format, self.compute_key, self.int8_kernel,
+            self.compiled_decode is not None, self.calibration.digest if self.calibration else None, self.exact_sink)
+        self.scale_scheme, self.cache_fingerprint = self.identity.scale_scheme, self.identity.fingerprint
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
         max_blocks = -(-self.max_context // self.spec.block_size)
@@ -221,12 +268,24 @@ class Engine:
             model.kernels.fused.warm_up(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, self.dtype,
                                         self.pool.layer(0), model.layers[0].self_attn.k_shift)
         # decode batches padded to BATCH_BUCKETS where graphs can run (with them off too: the warmed-up shapes)
-        self.pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
-        self.decode_graphs = None  # CUDA graphs of the decode step (None: eager; always on CPU)
-        if self.pad_decode and settings.cuda_graphs():
-            self.decode_graphs = DecodeGraphs(self.paged_decode_step)
+        pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
+        self.plan = ExecutionPlan(str(self.device), self.weight_format, str(self.dtype).removeprefix("torch."), backend,
+                                  self.dense is not None, decode_on_pool, self.compiled_decode is not None, pad_decode,
+                                  pad_decode and settings.cuda_graphs(), self.int8_kernel, self.exact_sink)
+        logging.getLogger(__name__).info("kvchat: engine plan: %s", self.plan.line())
+        self.decode_graphs = DecodeGraphs(self.paged_decode_step) if self.plan.cuda_graphs else None  # None: eager
         self.load_ms = timer.stop()
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
+
+    @property
+    def decode_on_pool(self) -> bool:
+        """Decode steps read the paged pool, not the dense copy (:attr:`ExecutionPlan.decode_on_pool`)."""
+        return self.plan.decode_on_pool
+
+    @property
+    def pad_decode(self) -> bool:
+        """Decode batches are padded to :data:`BATCH_BUCKETS` (:attr:`ExecutionPlan.pad_decode`)."""
+        return self.plan.pad_decode
 
     @property
     def max_context(self) -> int:
@@ -342,16 +401,11 @@ class Engine:
         self.blocks.commit(seq, token_ids, end, register)
         return hidden
 
-    @torch.inference_mode()
-    def prefill(
-        self,
-        seq: SeqBlocks,
-        token_ids: Sequence[int],
-        boundaries: Sequence[int] = (),
-        progress: Callable[[int, int], None] | None = None,
-        dense_kv: DenseKV | None = None,
-    ) -> PrefillResult:
-        """Compute the tokens of ``token_ids`` not yet in the pool; return last-token logits.
+    def prefill_steps(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = (),
+                      dense_kv: DenseKV | None = None):
+        """Compute the tokens of ``token_ids`` not yet in the pool, as steps: yields a :class:`PrefillChunk`
+        after each chunk (the engine loop runs other sequences' decode steps between them), returns the
+        :class:`PrefillResult` (last-token logits, float32 ``[vocab_size]``).
 
         At least the last token is always computed (a full prefix hit still
         needs logits). Computing starts at the cold chunk plan's last edge at or
@@ -363,22 +417,14 @@ class Engine:
             seq: the sequence's blocks (``seq.num_computed`` tokens already in the pool).
             token_ids: the whole sequence, ids.
             boundaries: segment start offsets (tokens) for the chunk plan.
-            progress: called with ``(done_tokens, total_tokens)`` after each chunk.
             dense_kv: the sequence's own dense copy (see :meth:`_forward`).
         Raises:
             ContextOverflowError: the sequence exceeds the context limit.
             PoolFullError: the pool cannot hold it.
-        """
-        return drive_prefill(self.prefill_steps(seq, token_ids, boundaries, dense_kv), progress)
 
-    def prefill_steps(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = (),
-                      dense_kv: DenseKV | None = None):
-        """:meth:`prefill` as a generator: yields a :class:`PrefillChunk` after each chunk, returns the
-        :class:`PrefillResult` (so a scheduler can run other sequences' decode steps between chunks).
-
-        The caller holds ``torch.inference_mode`` (``prefill`` and the server's scheduler thread do).
-        ``prefill_ms`` counts this sequence's chunks only, not what the caller runs between them (other
-        requests' decode steps), so it and :attr:`prefill_tokens_per_s` are this prefill's own.
+        The caller holds ``torch.inference_mode`` (the engine loop's thread does). ``prefill_ms`` counts this
+        sequence's chunks only, not what the caller runs between them (other requests' decode steps), so it
+        and :attr:`prefill_tokens_per_s` are this prefill's own.
         """
         self.check_fits(len(token_ids))
         # from a cold chunk edge (the last token is always computed, for logits): every chunk is one a cold
@@ -403,7 +449,7 @@ class Engine:
     def score(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = ()) -> torch.Tensor:
         """Teacher-forced logits for every position not yet in the pool.
 
-        Same chunk plan and pool path as :meth:`prefill`; each chunk attends
+        Same chunk plan and pool path as :meth:`prefill_steps`; each chunk attends
         through the pool, so every position sees K/V as stored (quantized).
 
         Returns:

@@ -7,7 +7,7 @@ the calibration's storage, which the cache identity imports), and the pool sizin
 measures the activation peak of one prefill chunk
 (:func:`kvchat.engine.pool_size.activation_peak_bytes`). The sequence is laid
 out in blocks ``0, 1, 2, ...`` of the scratch pool; chunks attend through the
-pool as :meth:`kvchat.engine.runner.Engine.prefill` does (no dense copy, no sink).
+pool as :meth:`kvchat.engine.runner.Engine.prefill_steps` does (no dense copy, no sink).
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 
 A turn is a generator (:meth:`kvchat.engine.session.Session.turn`) that yields
 text pieces and two kinds of step: :class:`PrefillChunk` after each prefill
-chunk (a scheduler may run other sequences' decode steps there) and
-:class:`DecodeStep` when it needs the logits of its last token. One caller
-answers each ``DecodeStep`` alone (:meth:`Session.send`: ``Engine.decode``);
-the server's scheduler gathers the ``DecodeStep`` of every running sequence
-and answers them with one forward (:meth:`kvchat.engine.runner.Engine.decode_batch`).
+chunk (the engine loop may run other sequences' decode steps there) and
+:class:`DecodeStep` when it needs the logits of its last token. The engine
+loop (:class:`kvchat.engine.loop.EngineLoop`) gathers the ``DecodeStep`` of
+every running sequence and answers them with one forward
+(:meth:`kvchat.engine.runner.Engine.decode_batch`), a lone one as a batch of one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -75,14 +74,3 @@ class PrefillChunk:
     tokens: int
     settle: bool = False
 
-
-def drive_prefill(steps: Generator[PrefillChunk, None, object], progress: Callable[[int, int], None] | None):
-    """Run a prefill generator to its end, calling ``progress(done_tokens, total_tokens)`` after each
-    :class:`PrefillChunk`; returns the generator's result."""
-    while True:
-        try:
-            chunk = next(steps)
-        except StopIteration as done:
-            return done.value
-        if progress:
-            progress(chunk.done, chunk.total)

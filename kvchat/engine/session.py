@@ -3,7 +3,7 @@
 One turn: render only the new user turn and append its ids, prefill what the
 pool lacks (chunked on segment boundaries), decode token by token until a stop
 id, the token limit, the context limit or cancellation, then append the
-template's closing ids. History is never re-tokenized (DESIGN.md, "Data flow").
+template's closing ids. History is never re-tokenized (docs/architecture.md, "How a message travels").
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
-
-import torch
+from typing import Callable
 
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.model.chat_format import ChatFormat, Segment, UserTurn, append_segment
@@ -21,9 +19,9 @@ from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.runner import ContextOverflowError, Engine, last_cut, prefill_start
 from kvchat.engine.persistence import chain
 from kvchat.engine.sampling import Sampler
+from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence
 from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.engine.token_rules import TokenRules
-from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence, drive_prefill
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.utf8 import require_utf8
 
@@ -46,7 +44,7 @@ class TurnOverflowError(ContextOverflowError):
 
 @dataclass(slots=True)
 class Turn:
-    """Result of :meth:`Session.send` once the stream is exhausted."""
+    """A finished turn (:attr:`Session.last_turn`, once :meth:`Session.turn`'s steps ended)."""
 
     text: str = ""
     user_span: tuple[int, int] = (0, 0)
@@ -60,7 +58,7 @@ class Session:
 
     Attributes:
         sequence: token ids, segments and blocks together (:class:`kvchat.engine.sequence.Sequence`);
-            ``token_ids``, ``segments`` and ``seq`` (its blocks) are shorthands for its fields.
+            ``token_ids``, ``segments`` and ``blocks`` are read-only shorthands for its fields.
     """
 
     def __init__(self, engine: Engine, fmt: ChatFormat, token_ids: list[int], segments: list[Segment], persist=None):
@@ -75,27 +73,15 @@ class Session:
         """The whole conversation, ids."""
         return self.sequence.token_ids
 
-    @token_ids.setter
-    def token_ids(self, ids: list[int]) -> None:
-        self.sequence.token_ids = ids
-
     @property
     def segments(self) -> list[Segment]:
         """Prefix, then one user and one assistant segment per turn."""
         return self.sequence.segments
 
-    @segments.setter
-    def segments(self, segments: list[Segment]) -> None:
-        self.sequence.segments = segments
-
     @property
-    def seq(self) -> SeqBlocks:
+    def blocks(self) -> SeqBlocks:
         """The conversation's blocks in the engine's pool."""
         return self.sequence.blocks
-
-    @seq.setter
-    def seq(self, blocks: SeqBlocks) -> None:
-        self.sequence.blocks = blocks
 
     @classmethod
     def new(cls, engine: Engine, fmt: ChatFormat, system: str, documents: list[tuple[str, str]], persist=None) -> "Session":
@@ -145,39 +131,39 @@ class Session:
         ends, then give the rest exactly when that prefix was stored. What still ends inside a chunk (no
         file, or a chain that stops early: a chunk missing or corrupt) is cut back to the chunk's start.
         """
-        if not self.seq.block_table:
-            stats.from_memory = self.engine.blocks.attach_prefix(self.seq, self.token_ids)
-        held = self.seq.num_computed  # a pool hit, or a live chat's history
+        if not self.blocks.block_table:
+            stats.from_memory = self.engine.blocks.attach_prefix(self.blocks, self.token_ids)
+        held = self.blocks.num_computed  # a pool hit, or a live chat's history
         if self.persist is not None:
             recompute_from = last_cut(held, self.boundaries)
-            res = self.persist.restore(self.seq, self.token_ids, whole, recompute_from)
-            have = self.seq.num_computed
+            res = self.persist.restore(self.blocks, self.token_ids, whole, recompute_from)
+            have = self.blocks.num_computed
             if have < len(self.token_ids) and last_cut(have, self.boundaries) < have and self.persist.writing():
                 # another chat's snapshot still on its way to disk (a question on the same document sent the
                 # moment the last answer came) holds the tail that the pool's whole blocks stop short of
                 self.persist.flush()
-                more = self.persist.restore(self.seq, self.token_ids, whole, recompute_from)
+                more = self.persist.restore(self.blocks, self.token_ids, whole, recompute_from)
                 res.restore_ms += more.restore_ms
                 res.bytes_read += more.bytes_read
                 res.miss_reason = more.miss_reason or res.miss_reason
             stats.restore_ms, stats.bytes_read, stats.miss_reason = res.restore_ms, res.bytes_read, res.miss_reason
-        have = self.seq.num_computed
+        have = self.blocks.num_computed
         cut = have if have >= len(self.token_ids) else last_cut(have, self.boundaries)
-        self.seq.num_computed = cut
+        self.blocks.num_computed = cut
         # the counters say what is reused (reused = from_memory + from_disk); bytes_read stays the bytes
         # actually read, those of trimmed chunks included
         stats.from_memory = min(stats.from_memory, cut)
         stats.from_disk = max(cut - held, 0)
         stats.reused_tokens = cut
 
-    def prefill_prefix(self, progress: Callable[[int, int], None] | None = None) -> TurnStats:
-        """Make the whole token list (e.g. a documents-only prefix) resident: reuse (all of it, when stored:
-        no logits are wanted), then prefill what is left.
+    def prefix_steps(self, announce: Callable[[int, int], None] | None = None):
+        """Make the whole token list (e.g. a documents-only prefix) resident, as steps for the engine loop
+        (:meth:`kvchat.engine.loop.EngineLoop.run`; yields :class:`PrefillChunk`): reuse (all of it, when
+        stored: no logits are wanted), then prefill what is left. Returns the :class:`TurnStats`.
 
-        ``progress(done, total)`` (tokens of this prefill): ``(0, total)`` once the reuse is known, before
-        the first chunk runs, then after each chunk; it may raise to stop the prefill between chunks."""
+        ``announce(0, total)`` (tokens of this prefill) once the reuse is known, before the first chunk runs."""
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        _drive(self._reuse_and_prefill_steps(stats, whole=True, announce=progress), progress)
+        yield from self._reuse_and_prefill_steps(stats, whole=True, announce=announce)
         return stats
 
     def _reuse_and_prefill_steps(self, stats: TurnStats, whole: bool = False,
@@ -187,12 +173,12 @@ class Session:
         of it was reused: no logits are wanted, nothing runs. ``announce(0, tokens to prefill)`` is called
         before the first chunk."""
         self.attach_cached_prefix(stats, whole)
-        if whole and self.seq.num_computed == len(self.token_ids):
+        if whole and self.blocks.num_computed == len(self.token_ids):
             return None
         if announce is not None:
             n = len(self.token_ids)
-            announce(0, n - prefill_start(self.seq.num_computed, n, self.boundaries))
-        result = yield from self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense)
+            announce(0, n - prefill_start(self.blocks.num_computed, n, self.boundaries))
+        result = yield from self.engine.prefill_steps(self.blocks, self.token_ids, self.boundaries, self.sequence.dense)
         stats.prefilled_tokens, stats.prefill_ms = result.prefilled_tokens, result.prefill_ms
         return result
 
@@ -202,7 +188,7 @@ class Session:
         Tails at the prefix's end and at each pasted document's end."""
         if self.persist is None:
             return []
-        return self.persist.save(self.seq, self.token_ids, [self.segments[0].end, *self.sequence.document_ends],
+        return self.persist.save(self.blocks, self.token_ids, [self.segments[0].end, *self.sequence.document_ends],
                                  owner)
 
     def share_snapshot(self, owner: str, end: int) -> list[str]:
@@ -240,44 +226,9 @@ class Session:
             )
         return turn
 
-    def send(
-        self,
-        text: str,
-        params: SamplingParams,
-        cancel: threading.Event | None = None,
-        progress: Callable[[int, int], None] | None = None,
-        rules: TokenRules | None = None,
-    ) -> Iterator[str]:
-        """Add a user message and stream the answer as text pieces (``rules``: as :meth:`turn`).
-
-        After exhaustion :attr:`last_turn` holds the text, spans and stats.
-        The generated ids are kept as produced; a turn ended by cancellation,
-        the token limit or the context limit gets the full closing ids.
-
-        Raises:
-            EmptyPromptError, ContextOverflowError: before anything changes.
-            kvchat.engine.block_manager.PoolFullError: the pool cannot hold the conversation.
-        """
-        steps = self.turn(text, params, cancel, rules=rules)
-        reply = None
-        while True:
-            try:
-                with torch.inference_mode():  # the turn's prefill and sampling (not held while the caller runs)
-                    item = steps.send(reply)
-            except StopIteration:
-                return
-            reply = None
-            if isinstance(item, DecodeStep):
-                reply = self.engine.decode(self.seq, item.token_ids, self.sequence.dense)
-            elif isinstance(item, PrefillChunk):
-                if progress and not item.settle:
-                    progress(item.done, item.total)
-            else:
-                yield item
-
     def turn(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
              user: UserTurn | None = None, rules: TokenRules | None = None, shared: SharedPrompt | None = None):
-        """:meth:`send` as steps: yields text pieces, :class:`PrefillChunk` after each prefill chunk, and
+        """Add a user message and answer it, as steps for the engine loop: yields text pieces, :class:`PrefillChunk` after each prefill chunk, and
         :class:`DecodeStep` whenever it needs logits, which the caller sends back (float32 ``[vocab_size]``),
         or the id it sampled from them with the step's sampler.
         ``user``: ``text`` as :meth:`check_turn_fits` rendered it, for this token list (else rendered here).
@@ -285,7 +236,12 @@ class Session:
         ``shared``: a prompt prefilled once for several sequences (an API request's choices): a sequence
         with no blocks yet forks it when it is published with these ids, else publishes its own prefill.
 
-        Raises: as :meth:`send`.
+        After the steps end :attr:`last_turn` holds the text, spans and stats. The generated ids are kept as
+        produced; a turn ended by cancellation, the token limit or the context limit gets the full closing ids.
+
+        Raises:
+            EmptyPromptError, ContextOverflowError: before anything changes.
+            kvchat.engine.block_manager.PoolFullError: the pool cannot hold the conversation.
         """
         t0 = time.perf_counter()
         sampler = Sampler(params, rules)
@@ -293,9 +249,9 @@ class Session:
         user_start = len(self.token_ids)
         self.append_user(user)
         stats = TurnStats(prompt_tokens=len(self.token_ids))
-        forked = shared.take(self.engine.blocks, self.token_ids) if shared and not self.seq.block_table else None
+        forked = shared.take(self.engine.blocks, self.token_ids) if shared and not self.blocks.block_table else None
         if forked is not None:
-            self.seq, logits = forked
+            self.sequence.blocks, logits = forked
             stats.reused_tokens = stats.from_memory = len(self.token_ids)
         else:
             try:
@@ -305,7 +261,7 @@ class Session:
                 raise
             logits = result.logits
             if shared is not None:
-                shared.publish(self.token_ids, self.seq, logits)
+                shared.publish(self.token_ids, self.blocks, logits)
         gen_start = len(self.token_ids)
         generated: list[int] = []
         stop_id, shown = None, ""
@@ -358,10 +314,10 @@ class Session:
         scheduler runs other sequences' decode steps between the chunks.
         ``settle_ms`` counts this sequence's chunks only.
         """
-        self.seq.num_computed = min(self.seq.num_computed, gen_start)
+        self.blocks.num_computed = min(self.blocks.num_computed, gen_start)
         total = len(self.token_ids) - gen_start
         yield PrefillChunk(0, total, 0, settle=True)  # before any forward: a scheduler runs the chunks in its budget
-        steps = self.engine.prefill_steps(self.seq, self.token_ids, self.boundaries, self.sequence.dense)
+        steps = self.engine.prefill_steps(self.blocks, self.token_ids, self.boundaries, self.sequence.dense)
         own = 0.0
         while True:
             t0 = time.perf_counter()
@@ -382,7 +338,7 @@ class Session:
         while self.segments and self.segments[-1].start >= user_start:
             self.segments.pop()
         self.sequence.document_ends = [e for e in self.sequence.document_ends if e <= user_start]
-        self.engine.release(self.seq)
+        self.engine.release(self.blocks)
 
     def truncate(self, num_tokens: int) -> None:
         """Cut the conversation to its first ``num_tokens`` tokens, keeping their KV.
@@ -394,20 +350,16 @@ class Session:
         copied on write when the next turn appends into it. Segments are cut
         at ``num_tokens``; :attr:`last_turn` is cleared.
         """
-        child = self.engine.blocks.fork(self.seq, num_tokens)
-        self.engine.release(self.seq)
-        self.seq = child
+        child = self.engine.blocks.fork(self.blocks, num_tokens)
+        self.engine.release(self.blocks)
+        self.sequence.blocks = child
         del self.token_ids[num_tokens:]
-        self.segments = [Segment(s.kind, s.start, min(s.end, num_tokens)) for s in self.segments if s.start < num_tokens]
+        self.sequence.segments = [Segment(s.kind, s.start, min(s.end, num_tokens)) for s in self.segments
+                                  if s.start < num_tokens]
         self.sequence.document_ends = [e for e in self.sequence.document_ends if e <= num_tokens]
         self.last_turn = None
 
     def close(self) -> None:
         """Release the conversation's blocks (they stay in the prefix cache)."""
-        self.engine.release(self.seq)
+        self.engine.release(self.blocks)
 
-
-def _drive(steps, progress: Callable[[int, int], None] | None):
-    """:func:`kvchat.engine.sequence.drive_prefill` under ``torch.inference_mode``."""
-    with torch.inference_mode():
-        return drive_prefill(steps, progress)

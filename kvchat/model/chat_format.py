@@ -1,6 +1,6 @@
 """A conversation as token ids, built append-only from the model's own chat template.
 
-The token list is the source of truth (DESIGN.md, "Data flow"): each new piece is
+The token list is the source of truth (docs/architecture.md, "How a message travels"): each new piece is
 rendered, tokenized once and appended; generated ids are kept as produced; history
 is never re-rendered or re-tokenized. Layout: ``[prefix][user 1][assistant 1][user 2][assistant 2]...`` where
 

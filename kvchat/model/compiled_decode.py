@@ -12,13 +12,17 @@ and the engine keeps the torch layers. Measured in docs/performance.md ("a decod
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from kvchat.engine.kv_pool import KVPool
 from kvchat.kernels import cpu_decode
 from kvchat.model.quant import Int8GroupLinear
 from kvchat.model.transformer import Transformer
+
+if TYPE_CHECKING:  # the engine owns the pool and hands it in
+    from kvchat.engine.kv_pool import KVPool
 
 
 def _weight(layer) -> cpu_decode.Int8Weight | None:

@@ -62,6 +62,7 @@ from typing import Any, BinaryIO
 import xxhash
 from tqdm import tqdm
 
+from kvchat.store.atomic_write import write_atomic
 from kvchat.model.config import ModelConfig
 from kvchat.paths import models_dir
 
@@ -240,9 +241,7 @@ def cached_fingerprint(model_dir: Path, *, progress: bool = True) -> str:
     fingerprint = compute_fingerprint(model_dir, progress=progress)
     cache = _read_cache(cache_path)  # re-read: another process may have added entries meanwhile
     cache[str(model_dir)] = {"key": key, "fingerprint": fingerprint}
-    tmp = cache_path.with_name(f".{_CACHE_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps(cache))
-    os.replace(tmp, cache_path)
+    write_atomic(cache_path, lambda tmp: tmp.write_text(json.dumps(cache)), mode=None)
     return fingerprint
 
 

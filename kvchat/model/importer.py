@@ -36,6 +36,7 @@ Progress = Callable[[str, int, int], None]
 
 from tqdm import tqdm
 
+from kvchat.store.atomic_write import fsync_dir, write_atomic
 from kvchat.model.config import ModelConfig
 from kvchat.model.fingerprint import IMPORT_FINGERPRINT_VERSION, compute_fingerprint
 from kvchat.paths import models_dir
@@ -197,7 +198,7 @@ def import_model_file(path: Path, name: str, *, source: str, sha256: str | None 
                 if read_manifest(target) is None:
                     raise ModelImportError(f"{target} exists but is not a kvchat model; move it away") from None
                 # Another process finished the same import first; ours is discarded.
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
             finished()
             step("done")
     return target
@@ -212,9 +213,7 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
 
 def write_manifest(model_dir: Path, manifest: dict[str, Any]) -> None:
     """Replace ``kvchat.json`` atomically (write a temp file, then rename)."""
-    tmp = model_dir / f".{MANIFEST}.{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, model_dir / MANIFEST)
+    write_atomic(model_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"), mode=None)
 
 
 def pull_model(from_path: Path | None, name: str | None) -> Path:
@@ -325,14 +324,4 @@ def _fsync_tree(root: Path) -> None:
     for path in root.iterdir():
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory entry (no-op where directories cannot be opened, e.g. Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_dir(root)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,10 @@ from torch import nn
 
 from kvchat.kernels import dispatch
 from kvchat.model.config import ModelConfig
-from kvchat.engine.dense_kv import DenseKV
-from kvchat.engine.kv_pool import KVPool
+
+if TYPE_CHECKING:  # the engine owns the pool and the dense copy and hands them in: the model never builds one
+    from kvchat.engine.dense_kv import DenseKV
+    from kvchat.engine.kv_pool import KVPool
 
 
 @dataclass(slots=True)

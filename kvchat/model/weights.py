@@ -39,7 +39,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from kvchat.engine.device import release_pinned_cache
+from kvchat.device import release_pinned_cache
 from kvchat.model.fingerprint import TensorEntry, WeightFileError, tensor_entries
 
 STAGING_BYTES = 256 * 2**20  # a staging piece at most (a whole row more if one row is larger)

@@ -1,7 +1,7 @@
 """Chats held with a server: kept in kvchat's SQLite store as text, each turn sent to the server whole.
 
 A remote chat is a conversation row whose ``model_fingerprint`` names the server it went on with last
-(:func:`kvchat.remote.address.server_fingerprint`) and whose ``model_name`` is that server's model; it has
+(:func:`kvchat.server_address.server_fingerprint`) and whose ``model_name`` is that server's model; it has
 no token ids (the server tokenizes, and its KV cache is its own). Its messages hold the text; its settings
 hold ``server_tokens`` (the context the server counted at the last turn), ``documents`` (attached
 documents' titles) and ``document_texts`` (their text, sent in the system message every turn). A turn is
@@ -27,7 +27,7 @@ from kvchat.conversation.views import (SYSTEM_PROMPT_FIXED, CacheReport, CacheRo
 from kvchat.documents import Document
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.index import get_db
-from kvchat.remote.address import SERVER_PREFIX, server_fingerprint, server_of
+from kvchat.server_address import SERVER_PREFIX, server_fingerprint, server_of
 from kvchat.remote.client import Reply, ServerClient
 from kvchat.remote.figures import reuse_line, turn_stats
 from kvchat.store.conversations import (Conversation, NewMessage, append_turn, create_conversation, delete_conversation,

@@ -20,7 +20,7 @@ import httpx2
 
 from kvchat.conversation.views import ContextFullError
 from kvchat.engine.turn import SamplingParams
-from kvchat.remote.address import base_url
+from kvchat.server_address import base_url
 from kvchat.settings import server_timeout_s
 
 CONNECT_TIMEOUT_S = 10.0

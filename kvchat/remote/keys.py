@@ -2,7 +2,7 @@
 ``server-keys.toml``, never from the command line (other users see a process's arguments in
 ``/proc/PID/cmdline``).
 
-``server-keys.toml`` maps a server (as :func:`kvchat.remote.address.base_url` writes it) to its key::
+``server-keys.toml`` maps a server (as :func:`kvchat.server_address.base_url` writes it) to its key::
 
     "https://gpu-box.example:8000" = "sk-…"
 
@@ -30,7 +30,7 @@ def keys_file() -> Path:
 
 
 def api_key(server: str, env_var: str | None) -> str | None:
-    """The key for ``server`` (a :func:`~kvchat.remote.address.base_url`): ``env_var``'s value when given,
+    """The key for ``server`` (a :func:`~kvchat.server_address.base_url`): ``env_var``'s value when given,
     else the keys file's entry for it; None when neither has one (a server without a key).
 
     Raises:

@@ -1,31 +1,21 @@
-"""The one thread that owns the engine: continuous batching over the conversation service.
+"""The server's queue and admission policy on the engine loop (continuous batching).
 
-Requests are queued by the HTTP handlers (:meth:`Scheduler.submit`). Each
-loop iteration of the scheduler thread
-
-1. admits queued requests while the pool can hold every admitted request at
-   its full length (prompt + ``max_tokens``), answering 503 with Retry-After
-   to one that waited longer than the queue timeout;
-2. runs one decode step for every running chat in **one forward**
-   (:meth:`kvchat.engine.runner.Engine.decode_batch`);
-3. runs prefill chunks of admitted requests, in arrival order, until they
-   computed :data:`PREFILL_BUDGET_TOKENS` tokens (vLLM's chunked prefill under
-   a token budget): running streams keep flowing while a long prompt is
-   prefilled, and requests that arrive together with short prompts (many
-   small chunks, one per resent turn, included) are all prefilled in one
-   iteration and decode together from the next. A request is answered once
-   its turn is stored (:class:`TurnDone`); its answer's recompute
-   (:meth:`kvchat.engine.session.Session.turn` settles it as prefill chunks)
-   and snapshot follow in the same iteration's budget, before new prompts, so
-   a running stream waits at most one budget's worth of chunks between two
-   tokens. While a stored turn settles no new request is prepared (queued
-   ones wait an iteration): a next turn of that chat, sent at its [DONE],
-   continues it instead of branching off.
+Requests are queued by the HTTP handlers (:meth:`Scheduler.submit`). At the
+start of each iteration of the engine loop (:class:`kvchat.engine.loop.EngineLoop`,
+which then runs one batched decode step for every running chat and prefill
+chunks up to its token budget) the scheduler admits queued requests while
+the pool can hold every admitted request at its full length (prompt +
+``max_tokens``), answering 503 with Retry-After to one that waited longer
+than the queue timeout. A request is answered once its turn is stored
+(:class:`TurnDone`); its answer's recompute and snapshot follow in the same
+iteration's budget, before new prompts, so a running stream waits at most
+one budget's worth of chunks between two tokens. While a stored turn settles
+no new request is prepared (queued ones wait an iteration): a next turn of
+that chat, sent at its [DONE], continues it instead of branching off.
 
 A request is a turn of the conversation service
 (:meth:`kvchat.conversation.service.ChatService.send_steps`): the same
-checks, storing and rollback as the TUI's and the CLI's turns; the scheduler
-only answers its steps. A cancelled request (client gone, stop string seen, shutdown)
+checks, storing and rollback as the TUI's and the CLI's turns. A cancelled request (client gone, stop string seen, shutdown)
 ends after its next token, is stored like an interrupted TUI turn, and its
 blocks go back to the pool (still in the prefix cache); one cut by a shutdown
 is answered with an error, not a finish reason. An answer cut at a
@@ -40,10 +30,9 @@ import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
-
-import torch
 
 from kvchat.conversation.events import TokenBatch, TurnDone
 from kvchat.conversation.history_match import chat_with_ids, generated_answer
@@ -53,22 +42,19 @@ from kvchat.conversation.views import ContextFullError
 from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.grammar import GrammarCompiler, GrammarError
-from kvchat.engine.persistence import KVPersist
-from kvchat.engine.runner import PREFILL_CHUNK_TOKENS, ContextOverflowError
-from kvchat.engine.sampling import sample_rows
-from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.engine.loop import EngineLoop, Request
+from kvchat.engine.runner import ContextOverflowError
+from kvchat.engine.sequence import DecodeStep
 from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.engine.token_rules import TokenLogprob, TokenRules
 from kvchat.engine.turn import TurnStats
 from kvchat.model.chat_format import ChatTemplateError, UserTurn
-from kvchat.model.loader import Runtime
+from kvchat.runtime import Runtime
 from kvchat.server.prefix import render
 from kvchat.server.protocol import ApiError, ChatRequest, logprobs_block
 
 DEFAULT_MAX_TOKENS = 512  # when a request names none (as `kvchat ask`)
-IDLE_WAIT_S = 0.5  # the thread sleeps at most this long with nothing to do
 RETRY_AFTER_S = 5
-PREFILL_BUDGET_TOKENS = PREFILL_CHUNK_TOKENS  # prefill tokens per loop iteration (between two decode steps)
 
 
 # the OpenAI finish_reason of a turn that ended by itself: "stop" for the end-of-sequence token or a stop
@@ -95,7 +81,7 @@ class Finished:
 class Job:
     """One request in the scheduler.
 
-    ``push`` is called from the scheduler thread with ``("text", str, logprobs)`` (``logprobs``: the OpenAI
+    ``push`` is called from the engine loop's thread with ``("text", str, logprobs)`` (``logprobs``: the OpenAI
     ``logprobs`` object of the tokens generated since the last push, or None when not asked for), then one
     ``("done", Finished)`` or ``("error", ApiError)`` (also after text: an answer cut by a shutdown or a
     failure); it must be thread-safe.
@@ -109,8 +95,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     received: float = field(default_factory=time.perf_counter)
     service: ChatService | None = None
-    steps: object = None
-    waiting: object = None
+    req: Request | None = None  # its turn on the engine loop, once admitted
     need_blocks: int = 0
     drift: str | None = None
     first_at: float | None = None
@@ -128,10 +113,10 @@ class Job:
 
 
 class Scheduler:
-    """Owns the engine on its own thread; see the module docstring.
+    """Queues requests and admits them onto an engine loop; see the module docstring.
 
     Args:
-        rt: the loaded runtime (its engine is used by this thread only from now on).
+        rt: the loaded runtime (its engine is used by the loop's thread only from now on).
         store: store every request as a chat, with its KV snapshots (``--no-store``: False).
         queue_timeout_s: a request waiting longer than this for pool space gets 503.
         verbose: print each request's last user message on stderr.
@@ -139,17 +124,16 @@ class Scheduler:
 
     def __init__(self, rt: Runtime, store: bool = True, queue_timeout_s: float = 30.0, verbose: bool = False):
         self.rt, self.store, self.queue_timeout_s, self.verbose = rt, store, queue_timeout_s, verbose
-        self.persist = KVPersist(rt.engine, touch_lru=store)  # --no-store: not even LRU stamps are written
         self.queued: deque[Job] = deque()
         self.running: list[Job] = []
         self._inbox: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self.decode_steps = 0  # batched forwards run (health and bench)
         self.grammars = GrammarCompiler(rt.tokenizer, rt.chat_format(new_settings([])).stop_token_ids,
                                         rt.engine.cfg.vocab_size)
-        self._thread = threading.Thread(target=self._loop, name="kvchat-scheduler", daemon=True)
-        self._thread.start()
+        # --no-store: not even LRU stamps are written
+        self.loop = EngineLoop(rt.engine, touch_lru=store, admit=self._on_iteration)
+        self.persist = self.loop.persist
 
     # ---- called from the HTTP side -------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -159,7 +143,7 @@ class Scheduler:
                 job.push(("error", ApiError(503, "the server is shutting down", "server_error")))
                 return
             self._inbox.append(job)
-            self._wake.notify()
+        self.loop.wake()
 
     def health(self) -> dict:
         """Pool and queue counters (read without locking; approximate while the loop runs)."""
@@ -167,12 +151,12 @@ class Scheduler:
         return {"status": "ok" if self.alive else "the scheduler thread has stopped", "model": self.rt.info.name, "kv_dtype": e.spec.kv_dtype,
                 "pool_blocks_total": e.pool.num_blocks, "pool_blocks_used": e.pool.num_blocks - e.blocks.num_free_blocks,
                 "running": len(self.running), "queued": len(self.queued) + len(self._inbox),
-                "decode_steps": self.decode_steps, "context_limit": e.max_context}
+                "decode_steps": self.loop.decode_steps, "context_limit": e.max_context}
 
     @property
     def alive(self) -> bool:
-        """The scheduler thread runs (False once it has stopped or died): /health answers 503 otherwise."""
-        return self._thread.is_alive()
+        """The engine loop's thread runs (False once it has stopped or died): /health answers 503 otherwise."""
+        return self.loop.alive
 
     def request_stop(self) -> None:
         """Start stopping without waiting (a signal handler may call it): every request is cancelled, running
@@ -180,56 +164,33 @@ class Scheduler:
         is cut), queued ones get 503."""
         with self._wake:
             self._stopping = True
-            self._wake.notify()
+        self.loop.wake()
 
     def stop(self) -> None:
-        """:meth:`request_stop`, wait for the thread to end, flush snapshot writes."""
+        """:meth:`request_stop`, wait for the loop's thread to end, flush snapshot writes."""
         self.request_stop()
-        self._thread.join()
-        self.persist.close()
+        self.loop.close()
 
-    # ---- the scheduler thread ------------------------------------------------------------
-    def _loop(self) -> None:
-        with torch.inference_mode():
-            while True:
-                try:
-                    if self._iteration():
-                        return
-                except Exception as exc:  # noqa: BLE001 - a bug in one step: fail the running requests, keep serving
-                    for job in [j for j in self.running if not _settling(j)]:  # answered ones are stored next
-                        self._abort(job, exc)
-
-    def _iteration(self) -> bool:
-        """One loop iteration (admit, one batched decode, prefill chunks up to the budget); True once stopped."""
+    # ---- on the engine loop's thread ----------------------------------------------------------
+    def _on_iteration(self) -> bool:
+        """The loop's ``admit`` hook: take new requests, admit what fits; True while some wait for space."""
         with self._wake:
-            if not (self._inbox or self.running or self.queued or self._stopping):
-                self._wake.wait(IDLE_WAIT_S)
             self.queued.extend(self._inbox)
             self._inbox.clear()
             stopping = self._stopping
         if stopping:
             for job in [*self.queued, *self.running]:
                 job.cancel.set()
-            if not self.running:
-                for job in self.queued:
-                    job.push(("error", ApiError(503, "the server is shutting down", "server_error")))
+            if self.running:
                 return True
+            for job in self.queued:
+                job.push(("error", ApiError(503, "the server is shutting down", "server_error")))
+            self.queued.clear()
+            return False
         self._admit()
-        decoding = [j for j in self.running if isinstance(j.waiting, DecodeStep)]
-        if decoding:
-            self._decode(decoding)
-        starting = [j for j in self.running if not isinstance(j.waiting, DecodeStep)]
-        starting.sort(key=lambda j: not _settling(j))  # answers' recomputes first (they hold back new requests)
-        budget, ended = PREFILL_BUDGET_TOKENS, False
-        for job in starting:
-            while budget > 0 and job in self.running and not isinstance(job.waiting, DecodeStep):
-                self._advance(job, None)
-                step = job.waiting if job in self.running else None  # None: the turn ended
-                budget -= max(step.tokens, 1) if isinstance(step, PrefillChunk) else 1
-            ended |= job not in self.running
-        if not self.running and self.queued and not ended:
+        if self.queued and not self.running:
             time.sleep(0.01)  # waiting for pool space that only a timeout can change
-        return False
+        return bool(self.queued)
 
     def _admit(self) -> None:
         """Prepare queued jobs in order; admit those whose full length fits beside the running ones."""
@@ -239,7 +200,7 @@ class Scheduler:
         # nothing new is prepared meanwhile
         hold = self.store and any(_settling(j) for j in self.running)
         for job in list(self.queued):
-            if job.cancel.is_set() and job.steps is None:
+            if job.cancel.is_set() and job.req is None:
                 self.queued.remove(job)
                 job.push(("error", ApiError(499, "the client closed the request")))
                 continue
@@ -257,11 +218,13 @@ class Scheduler:
             promised = sum(j.need_blocks for j in self.running)
             if promised + job.need_blocks <= total:
                 self.queued.remove(job)
-                job.steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
-                                                   lambda ev, job=job: self._on_event(job, ev),
-                                                   lambda text, job=job: text[: job.stop_at], job.user, job.rules,
-                                                   job.shared)
                 self.running.append(job)
+                steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
+                                               lambda ev, job=job: self._on_event(job, ev),
+                                               lambda text, job=job: text[: job.stop_at], job.user, job.rules,
+                                               job.shared)
+                job.req = self.loop.submit(steps)
+                job.req.future.add_done_callback(lambda fut, job=job: self._ended(job, fut))
             elif time.perf_counter() - job.received > self.queue_timeout_s:
                 self.queued.remove(job)
                 self._release(job)
@@ -272,7 +235,7 @@ class Scheduler:
     def _prefilled(self, job: Job) -> bool:
         """``job``'s prompt is in the pool (it decodes or has answered), or it will never be (it ended)."""
         running = job in self.running
-        return job.answered or (running and isinstance(job.waiting, DecodeStep)) or \
+        return job.answered or (running and job.req is not None and isinstance(job.req.waiting, DecodeStep)) or \
             not (running or job in self.queued or job in self._inbox)
 
     def _prepare(self, job: Job) -> None:
@@ -299,7 +262,7 @@ class Scheduler:
                            param="messages", code="context_length_exceeded")
         req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
         job.rules = self._rules(req)
-        service = ChatService(rt, batch_interval_s=0, persist=self.persist, store=self.store,
+        service = ChatService(rt, batch_interval_s=0, loop=self.loop, store=self.store,
                               branch_on_conflict=True)  # another process changed the chat: branch, as below
         if req.turns and self.store:  # the chat's last turn may still be on its way to disk: its snapshot
             self.persist.flush()  # gives the resume what the pool alone cuts back to a chunk edge
@@ -345,39 +308,13 @@ class Scheduler:
         stops = self.grammars.stop_ids
         return logprobs_block([e for e in entries if e.token_id not in stops], self.grammars.token_bytes)
 
-    def _decode(self, jobs: list[Job]) -> None:
-        try:
-            logits = self.rt.engine.decode_batch([j.waiting for j in jobs])
-        except PoolFullError as exc:  # admission should prevent it; fail that request, keep the others
-            self._abort(jobs[getattr(exc, "index", 0)], exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - which row failed is unknown: fail the batch, keep serving
-            for job in jobs:
-                self._abort(job, exc)
-            return
-        self.decode_steps += 1
-        tokens = sample_rows([j.waiting.sampler for j in jobs], logits)  # every row's id in one host read
-        for job, token in zip(jobs, tokens):
-            self._advance(job, token)
-
-    def _abort(self, job: Job, exc: Exception) -> None:
-        """End ``job``'s turn with ``exc`` (the service rolls the turn back and re-raises) and answer the error."""
-        try:
-            job.steps.throw(exc)
-        except BaseException as err:  # noqa: BLE001 - the re-raised error (or the service's own)
-            self._fail(job, err)
-        else:  # the turn did not end: close it
-            job.steps.close()
+    def _ended(self, job: Job, fut: Future) -> None:
+        """The turn's steps ended on the loop: answer the request (the result or the error that ended it)."""
+        exc = fut.exception()
+        if exc is not None:  # the service rolled the turn back (or kept a stored one); answer with the error
             self._fail(job, exc)
-
-    def _advance(self, job: Job, reply) -> None:
-        """Run ``job``'s turn to its next step (one prefill chunk, or up to its next decode step)."""
-        try:
-            job.waiting = job.steps.send(reply)
-        except StopIteration as done:
-            self._finish(job, done.value)
-        except BaseException as exc:  # noqa: BLE001 - the service rolled the turn back; answer with the error
-            self._fail(job, exc)
+        else:
+            self._finish(job, fut.result())
 
     def _on_event(self, job: Job, event) -> None:
         """The service's events on this thread: stream answer text, holding back a possible stop string;
@@ -453,7 +390,7 @@ class Scheduler:
 
 def _settling(job: Job) -> bool:
     """The job's answer has streamed and is being recomputed as prefill chunks (``PrefillChunk.settle``)."""
-    return isinstance(job.waiting, PrefillChunk) and job.waiting.settle
+    return job.req is not None and job.req.settling
 
 
 def _refuse_too_many_turns(fmt, turns: int, engine) -> None:

@@ -1,12 +1,12 @@
-"""The real engine behind the TUI: ``load_runtime`` + ``Session`` + the SQLite store.
+"""The real engine behind the TUI: ``load_runtime`` + the engine loop + ``ChatService`` + the SQLite store.
 
-Threads: engine work (model load, prefill, decode, turn saves) runs on one
-"engine" thread in submission order, each call inside
-``torch.inference_mode()``; store-only work (list, search, rename, pin) runs on
-one "store" thread, so the sidebar answers while an answer streams. Each
-thread keeps its own SQLite connection (``get_db``). torch, transformers and
-sqlite-utils are imported only on those threads, so the first frame never
-waits for them.
+Threads: the model loads on the caller's thread (a Textual worker); from then on every engine call (open,
+new chat, turns, regenerate, delete) runs on the engine loop's thread
+(:meth:`kvchat.engine.loop.EngineLoop.call`) in submission order, a turn as a batch of one; a call made
+while the model loads waits for the load. Store-only work (list, search, rename, pin) runs on one "store"
+thread, so the sidebar answers while an answer streams. Each thread keeps its own SQLite connection
+(``get_db``). torch, transformers and sqlite-utils are imported only off the UI thread, so the first frame
+never waits for them.
 """
 
 from __future__ import annotations
@@ -22,33 +22,10 @@ from kvchat.conversation.events import Emit, LoadProgress, TurnDone
 from kvchat.engine.turn import SamplingParams
 
 
-class _Lane:
-    """One thread running submitted calls in order; ``inference`` wraps each in ``torch.inference_mode()``."""
+def _close_thread_dbs() -> None:
+    from kvchat.store.db import close_thread_dbs
 
-    def __init__(self, name: str, inference: bool):
-        self._ex = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self._inference = inference
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._ex.submit(self._run, fn, args).result()
-
-    def _run(self, fn: Callable[..., Any], args: tuple) -> Any:
-        if not self._inference:
-            return fn(*args)
-        import torch
-
-        with torch.inference_mode():
-            return fn(*args)
-
-    def close(self) -> None:
-        """Run queued calls to the end, close this thread's SQLite connections, stop the thread."""
-        def close_dbs() -> None:
-            from kvchat.store.db import close_thread_dbs
-
-            close_thread_dbs()
-
-        self._ex.submit(close_dbs).result()
-        self._ex.shutdown(wait=True)
+    close_thread_dbs()
 
 
 class RealBackend:
@@ -64,14 +41,32 @@ class RealBackend:
     def __init__(self, model: str | None = None, kv_dtype: str = "fp8", pool_bytes: int | None = None,
                  threads: int | None = None):
         self.model, self.kv_dtype, self.pool_bytes, self.threads = model, kv_dtype, pool_bytes, threads
-        self._engine_lane = _Lane("kvchat-engine", inference=True)
-        self._store_lane = _Lane("kvchat-store", inference=False)
-        self._chats = None  # kvchat.conversation.service.ChatService once loaded
+        self._store_lane = ThreadPoolExecutor(1, thread_name_prefix="kvchat-store")
+        self._chats = None  # kvchat.conversation.service.ChatService once loaded (it starts the engine loop)
+        self._load_lock = threading.Lock()  # held from load() to its end: engine calls made meanwhile wait
+        self._loading = threading.Event()  # load() was called
         self._status = Status(phase="loading", message="starting")
 
-    # --- engine lane -------------------------------------------------------------------------
+    # --- the engine loop ---------------------------------------------------------------------
     def load(self, emit: Emit) -> Status:
-        return self._engine_lane.call(self._load, emit)
+        with self._load_lock:
+            self._loading.set()
+            try:
+                return self._load(emit)
+            finally:
+                _close_thread_dbs()  # this thread opened the store; the loop and store threads use their own
+
+    def _engine(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(ChatService)`` on the engine loop's thread, once the model has loaded.
+
+        Raises:
+            BackendNotReadyError: the model is not loaded (still loading, or its load failed).
+        """
+        if self._loading.is_set():
+            with self._load_lock:  # a load under way ends first
+                pass
+        chats = self._require()
+        return chats.loop.call(fn, chats)
 
     def _load(self, emit: Emit) -> Status:
         from kvchat.tui.store_open import open_store
@@ -82,8 +77,10 @@ class RealBackend:
             self._status = Status(phase="error", message=str(exc))
             raise
         emit(LoadProgress("importing torch and transformers"))
+        from kvchat.cpu_threads import on_own_thread
+        from kvchat.engine.loop import EngineLoop
         from kvchat.load_steps import listening
-        from kvchat.model.loader import load_runtime, set_threads
+        from kvchat.runtime import load_runtime, set_threads
         from kvchat.model.importer import DEFAULT_MODEL_NAME, read_manifest
         from kvchat.paths import models_dir
         from kvchat.conversation.service import ChatService
@@ -94,13 +91,16 @@ class RealBackend:
         try:
             # numbered steps (weights, kernel compiles) through ``progress``; the steps of code that takes no
             # callback (tokenizer, int8 quantization, kernel builds) through load_steps: both to the status bar
-            with listening(lambda text: emit(LoadProgress(text))):
-                rt = load_runtime(self.model, self.kv_dtype, pool_bytes=self.pool_bytes,
-                                  progress=lambda text, done, total: emit(LoadProgress(text, done, total)))
+            def load():
+                with listening(lambda text: emit(LoadProgress(text))):  # the loading thread's steps
+                    return load_runtime(self.model, self.kv_dtype, pool_bytes=self.pool_bytes,
+                                        progress=lambda text, done, total: emit(LoadProgress(text, done, total)))
+
+            rt = on_own_thread(load)  # loaded on a thread that ends, run on the engine loop's: see on_own_thread
         except Exception as exc:
             self._status = Status(phase="error", message=f"model load failed: {exc}")
             raise
-        self._chats = ChatService(rt)
+        self._chats = ChatService(rt, loop=EngineLoop(rt.engine))
         self._status = Status(phase="ready", message="ready")
         return self.status()
 
@@ -125,36 +125,36 @@ class RealBackend:
 
     def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit,
                  cancel: threading.Event | None = None) -> ChatView:
-        return self._engine_lane.call(lambda: self._require().new_chat(system, document_paths, emit, cancel))
+        return self._engine(lambda chats: chats.new_chat(system, document_paths, emit, cancel))
 
     def open_chat(self, chat_id: str) -> ChatView:
-        return self._engine_lane.call(lambda: self._require().open_chat(chat_id))
+        return self._engine(lambda chats: chats.open_chat(chat_id))
 
     def send(self, text: str, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
-        return self._engine_lane.call(lambda: self._require().send(text, settings, cancel, emit))
+        return self._engine(lambda chats: chats.send(text, settings, cancel, emit))
 
     def regenerate(self, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
-        return self._engine_lane.call(lambda: self._require().regenerate(settings, cancel, emit))
+        return self._engine(lambda chats: chats.regenerate(settings, cancel, emit))
 
     def edit_last(self, text: str, settings: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
-        return self._engine_lane.call(lambda: self._require().edit_last(text, settings, cancel, emit))
+        return self._engine(lambda chats: chats.edit_last(text, settings, cancel, emit))
 
     def set_system_prompt(self, text: str) -> ChatView:
-        return self._engine_lane.call(lambda: self._require().set_system_prompt(text))
+        return self._engine(lambda chats: chats.set_system_prompt(text))
 
     def continuation(self, message: str, max_tokens: int) -> Continuation:
-        return self._engine_lane.call(lambda: self._require().continuation(message, max_tokens))
+        return self._engine(lambda chats: chats.continuation(message, max_tokens))
 
     def continue_in_new_chat(self, way: CarryWay, message: str, max_tokens: int) -> ChatView:
-        return self._engine_lane.call(lambda: self._require().continue_in_new_chat(way, message, max_tokens))
+        return self._engine(lambda chats: chats.continue_in_new_chat(way, message, max_tokens))
 
     def delete_chat(self, chat_id: str) -> None:
-        def run() -> None:
+        def run(chats) -> None:
             from kvchat.conversation import listing
 
-            listing.delete_chat(self._chats, chat_id)
+            listing.delete_chat(chats, chat_id)
 
-        self._engine_lane.call(run)
+        self._engine(run)
 
     # --- no lane: non-blocking reads -----------------------------------------------------------
     def status(self) -> Status:
@@ -186,7 +186,7 @@ class RealBackend:
 
             return op(listing)
 
-        return self._store_lane.call(run)
+        return self._store_lane.submit(run).result()
 
     def list_chats(self, query: str = "") -> list[ChatSummary]:
         return self._store(lambda listing: listing.list_chats(self._chats, query))
@@ -211,8 +211,14 @@ class RealBackend:
         return report
 
     def shutdown(self) -> None:
-        """Finish queued engine work, flush queued snapshot writes, then stop both threads."""
-        if self._chats is not None:
-            self._engine_lane.call(self._chats.close)
-        self._engine_lane.close()
-        self._store_lane.close()
+        """Finish queued engine work, flush queued snapshot writes, stop the engine loop, then the store
+        thread (each thread's SQLite connections closed on it)."""
+        if self._loading.is_set():
+            with self._load_lock:
+                pass
+        chats = self._chats
+        if chats is not None:
+            chats.loop.call(lambda: (chats.close(), _close_thread_dbs()))
+            chats.loop.close()
+        self._store_lane.submit(_close_thread_dbs).result()
+        self._store_lane.shutdown(wait=True)

@@ -47,7 +47,7 @@ class RemoteBackend:
     """The TUI's backend on the server ``url`` (see the module docstring).
 
     Args:
-        url: the server, as :func:`kvchat.remote.address.base_url` records it.
+        url: the server, as :func:`kvchat.server_address.base_url` records it.
         api_key: sent as ``Authorization: Bearer`` (None: none).
         model: the server's model to use (None: the first it lists).
         read_timeout_s: the longest silence accepted inside an answer, seconds (None: ``KVCHAT_SERVER_TIMEOUT_S``).
@@ -69,7 +69,7 @@ class RemoteBackend:
         return self._turn_lane.call(self._load, emit)
 
     def _load(self, emit: Emit) -> Status:
-        from kvchat.remote.address import plain_http_warning
+        from kvchat.server_address import plain_http_warning
         from kvchat.remote.chats import RemoteChats
         from kvchat.remote.client import ServerClient, context_limit, pick_model
         from kvchat.tui.store_open import open_store

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from kvchat.bench.fidelity import GOAL_PPL_DELTA_PCT
 from kvchat.bench.weight_fidelity import compare_weights, kernel_chunks
 from kvchat.kernels import cpu_int8
-from kvchat.model.loader import ensure_calibration
+from kvchat.runtime import ensure_calibration
 from kvchat.model.registry import load_weights
 
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"

@@ -13,11 +13,11 @@ import pytest
 
 from kvchat.conversation.cache_admin import explain_chain
 from kvchat.conversation.service import ChatService
-from kvchat.engine.cache_identity import BLOCK_SIZE, expected_cache_fingerprint, fingerprint_variants
+from kvchat.engine.cache_identity import BLOCK_SIZE, expected_identity, fingerprint_variants
 from kvchat.engine.cache_miss import why_not_restored
 from kvchat.engine.turn import SamplingParams
 from kvchat.index import get_db
-from kvchat.model.loader import load_runtime
+from kvchat.runtime import load_runtime
 
 pytestmark = pytest.mark.model
 
@@ -38,13 +38,15 @@ def test_a_chat_computed_in_bf16_over_fp32_weights_is_explained_under_its_dtype(
     assert fp in fingerprint_variants(model_fp, "fp8", BLOCK_SIZE)
 
     monkeypatch.setenv("KVCHAT_DTYPE", "auto")  # the same weights computed in their own fp32: another identity
-    plain = expected_cache_fingerprint(model_fp, "fp8")
-    assert plain != fp and explain_chain(done.chat_id, "fp8").restorable_tokens == 0
-    reason = why_not_restored(get_db(), done.chat_id, plain, model_fp, "fp8", BLOCK_SIZE, "fp32", None)
+    plain = expected_identity(model_fp, "fp8")
+    assert (plain.weight_format, plain.compute) == ("fp32", None)
+    assert plain.fingerprint != fp and explain_chain(done.chat_id, "fp8").restorable_tokens == 0
+    reason = why_not_restored(get_db(), done.chat_id, plain)
     assert reason == "its KV was computed in bf16; this run computes in fp32 (--dtype bf16 restores it)"
     monkeypatch.setenv("KVCHAT_WEIGHTS", "int8")  # both differ: the hint names both flags (was: --weights fp32 only)
-    int8 = expected_cache_fingerprint(model_fp, "fp8")
-    reason = why_not_restored(get_db(), done.chat_id, int8, model_fp, "fp8", BLOCK_SIZE, "int8", None)
+    int8 = expected_identity(model_fp, "fp8")
+    assert (int8.weight_format, int8.compute) == ("int8", None)
+    reason = why_not_restored(get_db(), done.chat_id, int8)
     assert reason == ("its KV was saved with fp32 weights computed in bf16; this run uses int8 weights computed "
                       "in fp32 (--weights fp32 --dtype bf16 restores it)")
 

@@ -16,7 +16,7 @@ from kvchat.engine import persistence
 from kvchat.engine.persistence import chain
 from kvchat.engine.turn import SamplingParams
 from kvchat.index import get_db
-from kvchat.model.loader import load_runtime
+from kvchat.runtime import load_runtime
 from kvchat.paths import data_dir
 from kvchat.store.chunk_index import totals
 from kvchat.store.documents import list_documents, pin_document
@@ -153,5 +153,5 @@ def test_a_turn_rolled_back_takes_its_document_end_with_it(service):
         raise Stop
 
     with pytest.raises(Stop):
-        list(session.send(DOC + "\n\nWhat does the miller keep?", GS, progress=stop))
+        service.loop.run(session.turn(DOC + "\n\nWhat does the miller keep?", GS), stop)
     assert session.sequence.document_ends == [] and len(session.token_ids) == session.segments[0].end

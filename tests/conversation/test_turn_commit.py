@@ -47,8 +47,8 @@ def backend(smol_info):
 
 
 def _engine_db(backend, sql: str):
-    """Run ``sql`` on the engine thread's own connection (the one that stores turns); its first row."""
-    return backend._engine_lane.call(lambda: get_db().execute(sql).fetchone())
+    """Run ``sql`` on the engine loop thread's own connection (the one that stores turns); its first row."""
+    return backend._chats.loop.call(lambda: get_db().execute(sql).fetchone())
 
 
 def _fill_the_database(backend) -> None:
@@ -59,7 +59,7 @@ def _fill_the_database(backend) -> None:
         db.execute("VACUUM")
         db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
 
-    backend._engine_lane.call(fill)
+    backend._chats.loop.call(fill)
 
 
 def test_a_failed_save_rolls_the_turn_back(backend):

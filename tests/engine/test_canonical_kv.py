@@ -17,10 +17,11 @@ import torch
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.conversation.records import new_settings
 from kvchat.engine.runner import chunk_plan, last_cut
-from kvchat.model.loader import load_runtime
+from kvchat.runtime import load_runtime
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
+from turn_helpers import prefill, run_prefix, run_turn
 
 DOC = ("Paged attention stores the KV cache in fixed-size blocks, like virtual memory pages, "
        "so memory is allocated on demand and shared between sequences. ") * 12
@@ -55,10 +56,10 @@ def cold_rt(rt):
 
 def _assert_equals_cold(cold_rt, session: Session) -> None:
     ids = session.token_ids
-    assert session.seq.num_computed == len(ids)
+    assert session.blocks.num_computed == len(ids)
     cold = SeqBlocks()
-    cold_rt.engine.prefill(cold, ids, session.boundaries)
-    got = _pool_bytes(session.engine, session.seq, len(ids))
+    prefill(cold_rt.engine, cold, ids, session.boundaries)
+    got = _pool_bytes(session.engine, session.blocks, len(ids))
     want = _pool_bytes(cold_rt.engine, cold, len(ids))
     cold_rt.engine.release(cold)
     for g, w, name in zip(got, want, ("k", "v")):
@@ -77,7 +78,7 @@ def test_last_cut_is_an_edge_of_the_chunk_plan():
 def test_a_chat_holds_exactly_what_a_cold_run_computes(rt, cold_rt):
     session = Session.new(rt.engine, rt.chat_format(new_settings(["doc"])), DEFAULT_SYSTEM_PROMPT, [("doc", DOC)])
     for q in ("What does paged attention store?", "Why are blocks shared?"):
-        list(session.send(q, SamplingParams(max_tokens=24)))
+        run_turn(session, q, SamplingParams(max_tokens=24))
         assert session.last_turn.stats.new_tokens > 1, "decode ran"
         assert session.last_turn.stats.settle_ms > 0
     _assert_equals_cold(cold_rt, session)
@@ -95,7 +96,7 @@ def test_the_answer_is_settled_in_steps_after_its_text(cold_rt):
     kinds, steps, reply = [], session.turn("What does paged attention store?", SamplingParams(max_tokens=24)), None
     while True:
         try:
-            with torch.inference_mode():  # as Session.send drives a turn
+            with torch.inference_mode():  # as the engine loop drives a turn
                 item = steps.send(reply)
         except StopIteration:
             break
@@ -114,7 +115,7 @@ def test_the_answer_is_settled_in_steps_after_its_text(cold_rt):
     assert session.last_turn.stats.settle_ms > 0
     _assert_equals_cold(cold_rt, session)
     calls: list[tuple[int, int]] = []
-    list(session.send("And why?", SamplingParams(max_tokens=24), progress=lambda done, total: calls.append((done, total))))
+    run_turn(session, "And why?", SamplingParams(max_tokens=24), progress=lambda done, total: calls.append((done, total)))
     assert calls and calls[-1][0] == calls[-1][1] == session.last_turn.stats.prefilled_tokens  # the prompt's prefill only
 
 
@@ -124,7 +125,7 @@ def test_a_resume_whose_chain_stops_inside_a_segment_recomputes_in_cold_chunks(r
 
     persist = KVPersist(rt.engine)
     first = Session.new(rt.engine, rt.chat_format(new_settings(["doc"])), DEFAULT_SYSTEM_PROMPT, [("doc", DOC * 3)], persist)
-    list(first.send("What does paged attention store?", SamplingParams(max_tokens=16)))
+    run_turn(first, "What does paged attention store?", SamplingParams(max_tokens=16))
     first.save_snapshot("c_canonical")
     persist.flush()
     rows = persist.find(first.token_ids)
@@ -135,7 +136,7 @@ def test_a_resume_whose_chain_stops_inside_a_segment_recomputes_in_cold_chunks(r
 
     resumed_rt = load_runtime(None, rt.engine.spec.kv_dtype)  # a new process: nothing in its pool
     again = Session(resumed_rt.engine, first.fmt, list(first.token_ids), list(first.segments), KVPersist(resumed_rt.engine))
-    list(again.send("And what is shared?", SamplingParams(max_tokens=16)))
+    run_turn(again, "And what is shared?", SamplingParams(max_tokens=16))
     stats = again.last_turn.stats
     assert stats.bytes_read > 0 and stats.miss_reason and "missing" in stats.miss_reason  # chunk 1 was read...
     # ...but 256 is inside the first 512-token chunk of the prefix: cut back to 0 and recomputed from there,
@@ -151,9 +152,9 @@ def test_a_second_chat_on_a_prefix_in_the_pool_holds_a_cold_runs_kv(rt, cold_rt)
     start (a chunk edge) instead of computing its last token alone, which gave other bits."""
     fmt = rt.chat_format(new_settings(["doc"]))
     first = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", DOC)])
-    list(first.send("What does paged attention store?", SamplingParams(max_tokens=8)))
+    run_turn(first, "What does paged attention store?", SamplingParams(max_tokens=8))
     second = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", DOC)])
-    list(second.send("What does paged attention store?", SamplingParams(max_tokens=8)))
+    run_turn(second, "What does paged attention store?", SamplingParams(max_tokens=8))
     stats, question = second.last_turn.stats, second.segments[1]
     assert stats.from_memory == question.start == stats.reused_tokens  # 416 in the pool, 401 kept
     assert stats.prompt_tokens - 1 > stats.from_memory and stats.prompt_tokens % 16 != 0
@@ -163,7 +164,7 @@ def test_a_second_chat_on_a_prefix_in_the_pool_holds_a_cold_runs_kv(rt, cold_rt)
 
 
 def test_a_stored_documents_prefix_is_restored_whole_and_the_next_turn_is_cold_exact(rt, cold_rt, tmp_path):
-    """prefill_prefix (a new chat on a known document) restores all the prefix's tokens from its files,
+    """A prefix's steps (a new chat on a known document) restores all the prefix's tokens from its files,
     the last one included, and computes nothing; before, it restored all but the last and computed that
     one alone, with other bits than the cold chunk, and every later token read it."""
     from kvchat.engine.persistence import KVPersist
@@ -171,7 +172,7 @@ def test_a_stored_documents_prefix_is_restored_whole_and_the_next_turn_is_cold_e
     fmt = rt.chat_format(new_settings(["doc"]))
     persist = KVPersist(rt.engine)
     first = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", LEDGER)], persist)
-    assert first.prefill_prefix().reused_tokens == 0  # computed cold, not on another test's blocks (a known limit)
+    assert run_prefix(first).reused_tokens == 0  # computed cold, not on another test's blocks (a known limit)
     first.save_snapshot("c_whole")
     persist.flush()
     first.close()
@@ -179,9 +180,9 @@ def test_a_stored_documents_prefix_is_restored_whole_and_the_next_turn_is_cold_e
 
     other_rt = load_runtime(None, rt.engine.spec.kv_dtype)  # a new process: nothing in its pool
     again = Session.new(other_rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("doc", LEDGER)], KVPersist(other_rt.engine))
-    stats = again.prefill_prefix()
+    stats = run_prefix(again)
     assert stats.from_disk == len(again.token_ids) == stats.reused_tokens and stats.prefilled_tokens == 0
-    list(again.send("What is shared?", SamplingParams(max_tokens=8)))
+    run_turn(again, "What is shared?", SamplingParams(max_tokens=8))
     _assert_equals_cold(cold_rt, again)
     again.persist.close()
     again.close()
@@ -201,17 +202,17 @@ def test_a_pool_hit_is_extended_by_the_files_tail_and_a_live_turn_reads_nothing(
     fmt = rt.chat_format(new_settings(["notes"]))
     persist = KVPersist(rt.engine)
     first = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("notes", NOTES)], persist)
-    list(first.send("What does paged attention store?", SamplingParams(max_tokens=8)))
+    run_turn(first, "What does paged attention store?", SamplingParams(max_tokens=8))
     first.save_snapshot("c_tail")
     persist.flush()
     second = Session.new(rt.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("notes", NOTES)], persist)
-    list(second.send("Why are blocks shared?", SamplingParams(max_tokens=8)))
+    run_turn(second, "Why are blocks shared?", SamplingParams(max_tokens=8))
     stats, prefix = second.last_turn.stats, second.segments[0].end
     assert prefix % 16 and stats.from_memory == prefix - prefix % 16 and stats.from_disk == prefix % 16
     assert stats.reused_tokens == prefix and stats.bytes_read > 0
     _assert_equals_cold(cold_rt, second)
     history = len(second.token_ids)
-    list(second.send("And what is stored?", SamplingParams(max_tokens=4)))
+    run_turn(second, "And what is stored?", SamplingParams(max_tokens=4))
     stats = second.last_turn.stats
     assert stats.from_disk == 0 and stats.from_memory == 0 and stats.reused_tokens == history
     _assert_equals_cold(cold_rt, second)

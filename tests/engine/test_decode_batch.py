@@ -8,6 +8,7 @@ reading its own dense K/V copy, against the same turns run one at a time.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.session import Session
-from kvchat.model.loader import load_runtime
+from kvchat.runtime import load_runtime
+from turn_helpers import run_turn
 
 PROMPTS = ["Name a fruit.", "What is two plus two?", "Say hello in French."]
 
@@ -38,7 +40,7 @@ def test_batched_turns_equal_single_turns(rt):
     alone = []
     for p in PROMPTS:
         s = _session(rt)
-        list(s.send(p, SamplingParams(max_tokens=8)))
+        run_turn(s, p, SamplingParams(max_tokens=8))
         alone.append(list(s.token_ids))
         s.close()
 
@@ -107,7 +109,7 @@ def test_an_interleaved_prefill_times_only_its_own_chunks(rt):
     s = _session(rt)
     ids = s.token_ids + s.fmt.user_turn_ids("Tell me about rivers and the mills along them. " * 55)
     pause_s, paused, chunks = 0.4, 0.0, 0
-    steps = rt.engine.prefill_steps(s.seq, ids, [0, len(s.token_ids)])
+    steps = rt.engine.prefill_steps(s.blocks, ids, [0, len(s.token_ids)])
     with torch.inference_mode():
         t0 = time.perf_counter()
         while True:
@@ -128,7 +130,7 @@ def test_an_interleaved_prefill_times_only_its_own_chunks(rt):
 
 def test_dense_path_needs_one_copy_per_sequence(rt, monkeypatch):
     """Decode over the dense copies (where the compiled kernels do not run; they read the pool instead)."""
-    monkeypatch.setattr(rt.engine, "decode_on_pool", False)
+    monkeypatch.setattr(rt.engine, "plan", replace(rt.engine.plan, decode_on_pool=False))
     a, b = _session(rt), _session(rt)
     shared = DenseKV(rt.engine.pool, rt.engine.blocks)
     a.sequence.dense = b.sequence.dense = shared

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from kvchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from kvchat.engine.sequence import DecodeStep, Sequence  # noqa: E402
 from kvchat.model.registry import load_weights  # noqa: E402
 from kvchat.model.transformer import AttnMetadata  # noqa: E402
+from turn_helpers import prefill
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,7 +166,7 @@ def test_single_decode_is_bit_identical_to_the_per_step_tensors_path(smol_info, 
     engine = _engine(smol_info, weights, dense=path == "dense")
     ids = _ids(47, 0, smol_info.config.vocab_size)
     seq = SeqBlocks()
-    engine.prefill(seq, ids[:-1])
+    prefill(engine, seq, ids[:-1])
     twin = engine.blocks.fork(seq, len(ids) - 1)
     twin_dense = DenseKV(engine.pool, engine.blocks) if path == "dense" else None
     for _ in range(3):
@@ -186,7 +188,7 @@ def test_batched_decode_is_bit_identical_to_the_per_step_tensors_path(smol_info,
             s = Sequence(token_ids=list(p))
             if path == "dense":
                 s.dense = DenseKV(engine.pool, engine.blocks)
-            engine.prefill(s.blocks, p[:-1], dense_kv=s.dense)
+            prefill(engine, s.blocks, p[:-1], dense_kv=s.dense)
             group.append(s)
     for _ in range(2):
         new = engine.decode_batch([DecodeStep(s, s.token_ids) for s in seqs])
@@ -205,7 +207,7 @@ def test_buffers_keep_their_storage_and_upload_only_new_blocks(smol_info, weight
     before = ptrs()
     ids = _ids(45, 3, smol_info.config.vocab_size)
     seq = SeqBlocks()
-    engine.prefill(seq, ids[:-1])
+    prefill(engine, seq, ids[:-1])
     uploads = []
     for _ in range(6):  # positions 44..49: a new block at 48
         ids.append(int(engine.decode(seq, ids).argmax()))
@@ -215,7 +217,7 @@ def test_buffers_keep_their_storage_and_upload_only_new_blocks(smol_info, weight
     assert uploads[0] == blocks_at_44  # the whole row once
     assert [b - a for a, b in zip(uploads, uploads[1:])] == [0, 0, 0, 1, 0]  # then only the new block
     other = SeqBlocks()  # a different sequence in row 0: its row from the start
-    engine.prefill(other, ids[:20])
+    prefill(engine, other, ids[:20])
     engine.decode(other, ids[:21])
     assert buf.uploads - uploads[-1] == 2
     assert buf.block_table[0, :2].tolist() == other.block_table
@@ -235,10 +237,10 @@ def test_padded_rows_write_nothing_and_the_real_rows_match(smol_info, weights, m
     for p in prompts:
         for group in (padded, plain):
             s = Sequence(token_ids=list(p))
-            engine.prefill(s.blocks, p[:-1])
+            prefill(engine, s.blocks, p[:-1])
             group.append(s)
     ref = engine.decode_batch([DecodeStep(s, s.token_ids) for s in plain])
-    engine.pad_decode = True  # as on a GPU with the Triton kernels (graphs or not), run eagerly
+    engine.plan = replace(engine.plan, pad_decode=True)  # as on a GPU with the Triton kernels (graphs or not), run eagerly
     pool = [t.clone() for t in (engine.pool.k, engine.pool.v, engine.pool.k_scale, engine.pool.v_scale)]
     out = engine.decode_batch([DecodeStep(s, s.token_ids) for s in padded])
     assert out.shape == ref.shape == (3, vocab)
@@ -280,7 +282,7 @@ def test_a_decode_step_and_its_sampling_read_one_value_back(smol_info, weights, 
     engine = _engine(smol_info, weights, dense=True)
     ids = _ids(40, 4, smol_info.config.vocab_size)
     seq = SeqBlocks()
-    logits = engine.prefill(seq, ids).logits
+    logits = prefill(engine, seq, ids).logits
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=50, top_p=0.9, seed=1))
     ids.append(sampler(logits))
     engine.decode(seq, ids)  # the first step of a sequence syncs its dense copy; count the steady state
@@ -301,7 +303,7 @@ def test_more_sequences_than_the_largest_bucket_run_in_groups(smol_info, weights
     for i in range(10):
         p = _ids(12 + i, 20 + min(i, 8), vocab) if i < 9 else _ids(20, 28, vocab)  # the 10th: the 9th's twin
         s = Sequence(token_ids=list(p), dense=DenseKV(engine.pool, engine.blocks))
-        engine.prefill(s.blocks, p[:-1], dense_kv=s.dense)
+        prefill(engine, s.blocks, p[:-1], dense_kv=s.dense)
         seqs.append(s)
     logits = engine.decode_batch([DecodeStep(s, s.token_ids) for s in seqs[:9]])
     assert logits.shape == (9, vocab)

@@ -13,6 +13,7 @@ from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
 from kvchat.engine.sampling import Sampler, SamplingParams, sample_rows
 from kvchat.engine.sequence import DecodeStep, Sequence
+from turn_helpers import prefill
 
 CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with Triton")
@@ -86,7 +87,7 @@ def test_graph_replay_equals_eager_logits(gpu_engine, smol_info):
             p = _ids(200 + 90 * i, i, vocab)  # up to 380 tokens: context buckets 256 and 512
             for group in (seqs, twins):
                 s = Sequence(token_ids=list(p))
-                engine.prefill(s.blocks, p[:-1])
+                prefill(engine, s.blocks, p[:-1])
                 group.append(s)
         for _ in range(4):
             graphs.enabled = True
@@ -109,7 +110,7 @@ def test_a_decode_step_does_not_sync_and_sampling_syncs_once(gpu_engine, smol_in
     engine = gpu_engine
     ids = _ids(300, 7, smol_info.config.vocab_size)
     seq = SeqBlocks()
-    logits = engine.prefill(seq, ids).logits
+    logits = prefill(engine, seq, ids).logits
     samplers = [Sampler(SamplingParams()), Sampler(SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=3))]
     for sampler in samplers:
         ids.append(sampler(logits))

@@ -30,6 +30,7 @@ from kvchat.engine.runner import Engine  # noqa: E402
 from kvchat.kernels import dispatch, triton_fused  # noqa: E402
 from kvchat.kernels.reference import dequantize_fp8  # noqa: E402
 from kvchat.model.config import ModelConfig  # noqa: E402
+from turn_helpers import prefill
 
 if not CUDA and not triton_fused.INTERPRETED:
     pytest.skip("Triton was imported earlier in this process without TRITON_INTERPRET=1", allow_module_level=True)
@@ -65,7 +66,7 @@ def test_a_decode_step_runs_in_at_most_14_launches_per_layer_and_reads_no_settin
     assert engine.model.kernels.backend == "triton" and engine.model.kernels.fused is triton_fused
     ids = _ids(20, 1)
     seq = SeqBlocks()
-    engine.prefill(seq, ids)
+    prefill(engine, seq, ids)
     ids.append(5)
     engine.decode(seq, ids)  # the row's block table and sink uploaded
     monkeypatch.setenv(dispatch.ENV_VAR, "no-such-backend")  # read during the step, it would raise
@@ -90,7 +91,7 @@ def test_fused_decode_matches_the_operators_within_the_documented_tolerance(engi
         engine.decode_graphs.enabled = False
     ids = _ids(40, 2)
     seq = SeqBlocks()
-    engine.prefill(seq, ids[:-1])
+    prefill(engine, seq, ids[:-1])
     twin = engine.blocks.fork(seq, len(ids) - 1)
     fused = engine.model.kernels
     plain = dispatch.KernelChoice(fused.backend)

@@ -9,6 +9,7 @@ must agree with the paged reference kernels.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from kvchat.model.config import ModelConfig
 from kvchat.engine.runner import Engine
 from kvchat.kernels import cpu_attention
 from kvchat.kernels import reference as ref
+from turn_helpers import prefill
 
 
 def _engine(kv_dtype: str = "fp8", pool_bytes: int = 2**20, dense: bool = True) -> Engine:
@@ -63,22 +65,22 @@ def test_copy_equals_pool_through_prefill_decode_and_rollback(on_pool):
     prefill's tokens, and the next prefill reads back the blocks decode wrote."""
     engine = _engine()
     assert engine.decode_on_pool == (dispatch.backend_for(engine.pool.k) == "compiled")
-    engine.decode_on_pool = on_pool
+    engine.plan = replace(engine.plan, decode_on_pool=on_pool)
     ids = torch.randint(0, 97, (70,)).tolist()
     seq = SeqBlocks()
-    engine.prefill(seq, ids[:45], boundaries=[0, 19])
+    prefill(engine, seq, ids[:45], boundaries=[0, 19])
     _assert_copy_matches_pool(engine, seq, ids[0])
     for n in range(46, 51):
         engine.decode(seq, ids[:n])
     _assert_copy_matches_pool(engine, seq, ids[0], length=45 if on_pool else 50)
     # from the last cut (48): the copy keeps tokens 0..47 as read before and must notice that block 2
     # (tokens 32..47) was written by the decode steps, and read it back
-    engine.prefill(seq, ids[:53], boundaries=[0, 19, 48])
+    prefill(engine, seq, ids[:53], boundaries=[0, 19, 48])
     _assert_copy_matches_pool(engine, seq, ids[0])
     # Roll back into the middle of a block and continue with other tokens (edit / regenerate).
     seq.num_computed = 21
     other = ids[:21] + [(t + 1) % 97 for t in ids[21:60]]
-    engine.prefill(seq, other)
+    prefill(engine, seq, other)
     _assert_copy_matches_pool(engine, seq, ids[0])
 
 
@@ -87,15 +89,15 @@ def test_a_write_it_did_not_make_is_noticed(on_pool):
     """Another writer (a restore from disk, say) changes a block the copy already read: the next forward
     over the copy (a decode over it, or a prefill) reads it again."""
     engine = _engine()
-    engine.decode_on_pool = on_pool
+    engine.plan = replace(engine.plan, decode_on_pool=on_pool)
     ids = torch.randint(0, 97, (40,)).tolist()
     seq = SeqBlocks()
-    engine.prefill(seq, ids)
+    prefill(engine, seq, ids)
     block = seq.block_table[0]
     engine.pool.mark_written([block])
     engine.pool.k.view(torch.uint8)[:, block, 3] = 0x38  # every element of token 3 becomes 1.0 * scale
     if on_pool:  # from the cut at 40: the copy's tokens 0..39 are trusted unless it notices the write
-        engine.prefill(seq, ids + [5, 6], boundaries=[0, 40])
+        prefill(engine, seq, ids + [5, 6], boundaries=[0, 40])
     else:
         engine.decode(seq, ids + [5])
     _assert_copy_matches_pool(engine, seq, ids[0])
@@ -107,15 +109,15 @@ def test_switching_sequences_and_reusing_blocks_reads_afresh():
     a_ids = torch.randint(0, 97, (60,)).tolist()
     b_ids = [(t + 3) % 97 for t in a_ids]
     a, b = SeqBlocks(), SeqBlocks()
-    engine.prefill(a, a_ids)
+    prefill(engine, a, a_ids)
     engine.release(a)
-    engine.prefill(b, b_ids)
+    prefill(engine, b, b_ids)
     _assert_copy_matches_pool(engine, b, b_ids[0])
     engine.release(b)
-    logits = engine.prefill(a, a_ids).logits  # same seq object, blocks overwritten meanwhile
+    logits = prefill(engine, a, a_ids).logits  # same seq object, blocks overwritten meanwhile
     _assert_copy_matches_pool(engine, a, a_ids[0])
     fresh = _engine(pool_bytes=6 * 16 * 2 * 2 * 2 * (16 + 4))
-    assert torch.equal(logits, fresh.prefill(SeqBlocks(), a_ids).logits)
+    assert torch.equal(logits, prefill(fresh, SeqBlocks(), a_ids).logits)
 
 
 def test_a_one_token_chunk_is_not_a_decode_step(monkeypatch):
@@ -172,10 +174,10 @@ def test_smollm2_dense_and_paged_paths_give_identical_logits(smol_info, kv_dtype
     engines = [Engine(smol_info.config, weights, smol_info.fingerprint, kv_dtype=kv_dtype, pool_bytes=2**26,
                       device="cpu", dense_kv=d) for d in (True, False)]
     assert engines[1].decode_on_pool and engines[0].decode_on_pool == compiled
-    engines[0].decode_on_pool = False  # decode over the dense copy, the reference's dense attention
+    engines[0].plan = replace(engines[0].plan, decode_on_pool=False)  # decode over the dense copy (the reference)
     ids = list(range(2000, 2300))
     seqs = [SeqBlocks(), SeqBlocks()]
-    rows = [[e.prefill(s, ids, boundaries=[0, 128]).logits] for e, s in zip(engines, seqs)]
+    rows = [[prefill(e, s, ids, boundaries=[0, 128]).logits] for e, s in zip(engines, seqs)]
     assert torch.equal(rows[0][0], rows[1][0])
     assert torch.equal(engines[0].pool.k, engines[1].pool.k) and torch.equal(engines[0].pool.v, engines[1].pool.v)
     for n in range(8):
@@ -213,7 +215,7 @@ def _saved(kv_dtype: str) -> None:
     engine = _engine(kv_dtype, pool_bytes=8 * 2**20)
     persist = KVPersist(engine)
     seq = SeqBlocks()
-    engine.prefill(seq, _restore_ids())
+    prefill(engine, seq, _restore_ids())
     persist.save(seq, _restore_ids(), [], owner="chat")
     persist.close()
 
@@ -223,7 +225,7 @@ def _resumed_logits(engine: Engine) -> torch.Tensor:
     persist = KVPersist(engine)
     seq, ids = SeqBlocks(), _restore_ids() + QUESTION
     assert persist.restore(seq, ids).from_disk == RESTORE_TOKENS
-    logits = engine.prefill(seq, ids, boundaries=[RESTORE_TOKENS]).logits
+    logits = prefill(engine, seq, ids, boundaries=[RESTORE_TOKENS]).logits
     persist.close()
     return logits
 
@@ -252,7 +254,7 @@ def test_restore_fills_the_dense_copy_and_the_next_forward_reads_only_new_tokens
         real = dense_kv.dispatch.read_slots
         monkeypatch.setattr(dense_kv.dispatch, "read_slots", lambda c, s, slots, out=None: (
             read.append(slots.numel()), real(c, s, slots, out=out))[1])
-        logits = engine.prefill(seq, ids, boundaries=[RESTORE_TOKENS]).logits
+        logits = prefill(engine, seq, ids, boundaries=[RESTORE_TOKENS]).logits
         monkeypatch.setattr(dense_kv.dispatch, "read_slots", real)
         assert read and max(read) == len(QUESTION)  # only the question's new tokens, layer by layer
         persist.close()
@@ -264,14 +266,14 @@ def test_the_engines_copy_is_allocated_for_its_context_at_load(monkeypatch):
     """Preallocated (as load_runtime does), the copy holds the whole context limit (touched, so a first restore
     faults no page) and is never reallocated by a sequence that fits; one bigger than PREALLOCATE_BYTES is capped."""
     engine = _engine()
-    engine.decode_on_pool = False  # the last token over the copy too: it holds the whole context
+    engine.plan = replace(engine.plan, decode_on_pool=False)  # the last token over the copy too: it holds the whole context
     dense = engine.dense
     assert dense.k.shape[2] == 0
     assert dense.preallocate(engine.max_context) >= engine.max_context and dense.length == 0
     before = (dense.k.data_ptr(), dense.v.data_ptr())
     ids = torch.randint(0, 97, (engine.max_context,)).tolist()
     seq = SeqBlocks()
-    engine.prefill(seq, ids[:-1])
+    prefill(engine, seq, ids[:-1])
     engine.decode(seq, ids)
     assert (dense.k.data_ptr(), dense.v.data_ptr()) == before
     _assert_copy_matches_pool(engine, seq, ids[0])

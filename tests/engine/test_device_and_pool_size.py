@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvchat import settings
-from kvchat.engine.device import DeviceError, check_device, device_guard
+from kvchat.device import DeviceError, check_device, device_guard
 from kvchat.engine.kv_pool import KVCacheSpec
 from kvchat.engine.pool_size import (
     DEFAULT_CPU_POOL_BYTES,

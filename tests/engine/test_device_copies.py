@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvchat.engine.device_copies import DeviceCopies
+from turn_helpers import prefill
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -54,7 +55,7 @@ def test_a_chat_saved_from_a_gpu_pool_restores_byte_for_byte(smol_info):
     ids = torch.randint(0, smol_info.config.vocab_size, (2 * CHUNK_TOKENS + 40,),
                         generator=torch.Generator().manual_seed(0)).tolist()
     seq = SeqBlocks()
-    engine.prefill(seq, ids)
+    prefill(engine, seq, ids)
     persist.save(seq, ids, [], None)
     persist.flush()
     assert not persist.errors

@@ -17,7 +17,8 @@ from kvchat.engine.runner import Engine
 from kvchat.kernels import reference as ref
 from kvchat.engine.calibration import calibration_path, load_calibration, make_calibration
 from kvchat.engine.scratch import calibrate_k_mean
-from kvchat.model.loader import ensure_calibration
+from kvchat.runtime import ensure_calibration
+from turn_helpers import prefill
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_k_centring_stores_k_minus_the_calibrated_mean(tiny):
     cal = make_calibration(k_mean * 0 + 3.0 + k_mean, "test")  # a large offset, so the subtraction shows
     centred, plain = _engine(tiny, calibration=cal, exact_sink=False), _engine(tiny, exact_sink=False)
     seqs = [SeqBlocks(), SeqBlocks()]
-    logits = [e.prefill(s, ids).logits for e, s in zip((centred, plain), seqs)]
+    logits = [prefill(e, s, ids).logits for e, s in zip((centred, plain), seqs)]
     # Layer 0's K depend on the token embeddings alone, so both engines computed the same K there
     # (later layers see attention outputs that carry each scheme's own rounding).
     got, uncentred = _stored_k(centred, seqs[0], len(ids))[0], _stored_k(plain, seqs[1], len(ids))[0]
@@ -90,7 +91,7 @@ def test_exact_sink_is_deterministic_close_to_the_stored_value_and_read_by_both_
     sink = a.sink_kv(ids[0])
     assert all(torch.equal(x, y) for x, y in zip(sink, b.sink_kv(ids[0])))  # any process, any read path
     seqs = [SeqBlocks(), SeqBlocks()]
-    logits = [e.prefill(s, ids).logits for e, s in zip((a, b), seqs)]
+    logits = [prefill(e, s, ids).logits for e, s in zip((a, b), seqs)]
     stored = _stored_k(a, seqs[0], 1)[:, 0]
     assert not torch.equal(stored, sink[0])
     assert ((stored - sink[0]).abs() <= sink[0].abs() * 2**-4 + 1e-2).all()
@@ -123,10 +124,10 @@ def test_triton_engines_read_the_exact_sink_under_the_torch_fingerprint(tiny, mo
     logits = []
     for backend, engine in (("torch", torch_engine), ("triton", triton_engine)):
         monkeypatch.setenv(dispatch.ENV_VAR, backend)
-        logits.append(engine.prefill(SeqBlocks(), ids).logits)
+        logits.append(prefill(engine, SeqBlocks(), ids).logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4 * logits[0].abs().max().item())
     seq = SeqBlocks()
-    triton_engine.prefill(seq, ids)
+    prefill(triton_engine, seq, ids)
     before = triton_engine.decode(seq, ids + [5])
     with torch.inference_mode():  # the sink was made inside the prefill's inference mode
         triton_engine.sink_kv(ids[0])[1].mul_(3.0)
@@ -138,7 +139,7 @@ def test_triton_engines_read_the_exact_sink_under_the_torch_fingerprint(tiny, mo
 def test_calibration_is_computed_once_stored_and_recomputed_if_damaged(smol_info, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from kvchat.model import loader
+    from kvchat import runtime
     from kvchat.model.registry import load_weights
 
     monkeypatch.setenv("KVCHAT_MODELS", str(tmp_path / "models"))  # the shared models dir stays untouched
@@ -153,7 +154,7 @@ def test_calibration_is_computed_once_stored_and_recomputed_if_damaged(smol_info
     def no_recompute(*a, **k):
         raise AssertionError("recomputed a stored calibration")
 
-    monkeypatch.setattr(loader, "calibrate_k_mean", no_recompute)
+    monkeypatch.setattr(runtime, "calibrate_k_mean", no_recompute)
     assert ensure_calibration(smol_info, weights, tok).digest == first.digest
     monkeypatch.undo()
     monkeypatch.setenv("KVCHAT_MODELS", str(tmp_path / "models"))

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from kvchat.conversation.records import new_settings
 from kvchat.engine.persistence import CHUNK_TOKENS, chain
-from kvchat.model.loader import load_runtime
+from kvchat.runtime import load_runtime
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
+from turn_helpers import run_turn
 
 DOC = (
     "The lighthouse keeper of Varn Island logged the weather every hour for thirty-one years. "
@@ -45,8 +46,7 @@ def test_resume_in_fresh_processes_is_exact(tmp_path, smol_info, kvchat_home):
     session = Session.new(rt.engine, rt.chat_format(new_settings(["varn.txt"])), DEFAULT_SYSTEM_PROMPT, [("varn.txt", DOC)])
     uninterrupted = []
     for q in QUESTIONS:
-        "".join(session.send(q, SamplingParams(max_tokens=MAX_TOKENS)))
-        uninterrupted.append(session.last_turn.text)
+        uninterrupted.append(run_turn(session, q, SamplingParams(max_tokens=MAX_TOKENS)).text)
 
     # the same conversation, one fresh process per turn
     first = run_cli(["ask", QUESTIONS[0], "--doc", str(doc)], kvchat_home, models)

@@ -314,7 +314,7 @@ def test_budget_evicts_lru_leaves_never_pinned(base, home, keys, monkeypatch, ca
 
 @pytest.fixture(scope="module")
 def rt(smol_info):
-    from kvchat.model.loader import load_runtime
+    from kvchat.runtime import load_runtime
 
     return load_runtime(None, "fp8")
 

@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.loop import run_alone
 from kvchat.engine.runner import Engine
 from kvchat.kernels import cpu_attention, cpu_decode, cpu_int8
 from kvchat.kernels import reference as ref
@@ -72,7 +73,7 @@ def _engine(out: dict) -> None:
         engine = Engine(cfg, weights, "tiny", kv_dtype=kv_dtype, pool_bytes=2**22, device="cpu", weight_format="int8")
         assert engine.compiled_decode is not None, "the compiled layers do not run"
         seq = SeqBlocks()
-        engine.prefill(seq, ids[:200])
+        run_alone(engine, engine.prefill_steps(seq, ids[:200]))
         with torch.inference_mode():
             out[f"engine {kv_dtype} chunk"] = engine._forward(seq, ids[:215], 200, 215)
             engine.blocks.commit(seq, ids[:215], 215)

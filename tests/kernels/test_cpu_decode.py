@@ -19,6 +19,7 @@ from kvchat.kernels import cpu_decode
 from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.config import ModelConfig
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
+from turn_helpers import prefill
 
 needs_kernel = pytest.mark.skipif(not cpu_decode.available(), reason="the compiled CPU decode layer does not build here")
 
@@ -83,7 +84,7 @@ def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.
     engine.compiled_decode = counted if compiled else None
     try:
         seq = SeqBlocks()
-        engine.prefill(seq, ids[:-1])
+        prefill(engine, seq, ids[:-1])
         logits = engine.decode(seq, ids)
         k = _stored_k(engine, seq, len(ids) - 1, len(ids))[0]
         engine.release(seq)
@@ -125,8 +126,8 @@ def _chunk_once(engine: Engine, ids: list[int], start: int, compiled: bool) -> t
     engine.compiled_decode = counted if compiled else None
     try:
         seq = SeqBlocks()
-        engine.prefill(seq, ids[:start])
-        with torch.inference_mode():  # as Engine.prefill runs its chunks
+        prefill(engine, seq, ids[:start])
+        with torch.inference_mode():  # as the engine loop runs prefill chunks
             hidden = engine._forward(seq, ids, start, len(ids))
         k = _stored_k(engine, seq, start, len(ids))
         engine.release(seq)
@@ -171,7 +172,7 @@ def test_a_chunk_runs_compiled_by_its_bounds_alone():
     engine.compiled_decode = counted = _Counted(engine.compiled_decode)
     ids = torch.randint(0, 97, (120,), generator=torch.Generator().manual_seed(2)).tolist()
     seq = SeqBlocks()
-    engine.prefill(seq, ids, boundaries=[40, 40 + limit, 41 + 2 * limit])  # chunks 0-40, 40-72, 72-105, 105-120
+    prefill(engine, seq, ids, boundaries=[40, 40 + limit, 41 + 2 * limit])  # chunks 0-40, 40-72, 72-105, 105-120
     engine.release(seq)
     assert counted.chunks == [(40, 40 + limit), (41 + 2 * limit, 120)]
 
@@ -191,13 +192,13 @@ def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dt
     short = question <= COMPILED_LAYER_MAX_TOKENS
     saver = _engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
     persist, seq = KVPersist(saver), SeqBlocks()
-    saver.prefill(seq, history, boundaries=[cut])
+    prefill(saver, seq, history, boundaries=[cut])
     persist.save(seq, history, [], owner="chat")
     persist.close()
 
     cold_engine = _engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
     cold = SeqBlocks()
-    want = cold_engine.prefill(cold, ids, boundaries=[cut]).logits
+    want = prefill(cold_engine, cold, ids, boundaries=[cut]).logits
 
     engine = _engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
     engine.compiled_decode = counted = _Counted(engine.compiled_decode)
@@ -207,7 +208,7 @@ def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dt
     persist, resumed = KVPersist(engine), SeqBlocks()
     assert persist.restore(resumed, ids).from_disk == cut
     assert engine.dense.length == (0 if short else cut)  # nothing dequantized into the copy for a short question
-    got = engine.prefill(resumed, ids, boundaries=[cut]).logits
+    got = prefill(engine, resumed, ids, boundaries=[cut]).logits
     persist.close()
     if short:  # the question on the compiled layers, off the pool
         assert counted.chunks == [(cut, len(ids))] and read == []
@@ -228,7 +229,7 @@ def test_after_a_restore_the_question_reads_the_pool_and_equals_a_cold_run(kv_dt
 def test_the_cache_fingerprint_says_whether_chunks_ran_on_the_compiled_layers(monkeypatch):
     """Short chunks' K/V differ between the compiled and the torch layers, so engines that run them on either
     never share cached chunks; the fingerprint predicted without a model agrees with the engine's."""
-    from kvchat.engine.cache_identity import expected_cache_fingerprint
+    from kvchat.engine.cache_identity import expected_identity
 
     model = _model()
     compiled = _engine(model)
@@ -237,9 +238,9 @@ def test_the_cache_fingerprint_says_whether_chunks_ran_on_the_compiled_layers(mo
     reference = _engine(model)
     assert reference.compiled_decode is None and reference.int8_kernel == compiled.int8_kernel == "avx2"
     assert reference.cache_fingerprint != compiled.cache_fingerprint
-    assert expected_cache_fingerprint("tiny", "fp8", "cpu", "int8") == reference.cache_fingerprint
+    assert expected_identity("tiny", "fp8", "cpu", "int8").fingerprint == reference.cache_fingerprint
     monkeypatch.delenv("KVCHAT_ATTENTION")
-    assert expected_cache_fingerprint("tiny", "fp8", "cpu", "int8") == compiled.cache_fingerprint
+    assert expected_identity("tiny", "fp8", "cpu", "int8").fingerprint == compiled.cache_fingerprint
 
 
 @needs_kernel
@@ -268,7 +269,7 @@ def test_a_rows_bits_depend_on_the_row_alone_not_the_batch_or_threads():
         seqs = []
         for ids in rows:
             s = Sequence(list(ids))
-            engine.prefill(s.blocks, ids[:-1])
+            prefill(engine, s.blocks, ids[:-1])
             seqs.append(s)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -339,7 +340,7 @@ def test_a_length_past_the_table_or_a_slot_outside_the_pool_is_refused():
 
 @needs_kernel
 def test_on_the_real_model_it_decodes_the_torch_layers_greedy_answer(smol_info):
-    from kvchat.model.loader import load_runtime
+    from kvchat.runtime import load_runtime
 
     engine = load_runtime(None, "fp8").engine
     assert engine.compiled_decode is not None  # the default model and format take it
@@ -350,7 +351,7 @@ def test_on_the_real_model_it_decodes_the_torch_layers_greedy_answer(smol_info):
         engine.compiled_decode = saved if compiled else None
         try:
             seq, toks = SeqBlocks(), list(ids)
-            toks.append(int(engine.prefill(seq, toks).logits.argmax()))
+            toks.append(int(prefill(engine, seq, toks).logits.argmax()))
             first = None
             for _ in range(24):
                 logits = engine.decode(seq, toks)

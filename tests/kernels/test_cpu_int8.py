@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from kvchat.engine.cache_identity import engine_identity, fingerprint_variants
+from kvchat.engine.cache_identity import CacheIdentity, fingerprint_variants
 from kvchat.kernels import cpu_int8
 from kvchat.model.int8_scheme import int8_compute_scheme
 
@@ -83,8 +83,8 @@ def test_each_kernel_has_its_own_cache_fingerprint():
     assert int8_compute_scheme("avx2") == "int8-affine-g32-v1-avx2f32x32-mm256"
     assert int8_compute_scheme("avx2", layers=True) == "int8-affine-g32-v1-avx2f32x32-mm256-layer32v2"
     variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of either kind
-    assert len(variants) == 3 and engine_identity("m", "bf16", None, False, 16, "int8")[1] in variants
-    assert engine_identity("m", "bf16", None, False, 16, "int8", int8_kernel="avx2", compiled_layers=True)[1] in variants
+    assert len(variants) == 3 and CacheIdentity("m", "bf16", 16, "int8").fingerprint in variants
+    assert CacheIdentity("m", "bf16", 16, "int8", int8_kernel="avx2", compiled_layers=True).fingerprint in variants
     with pytest.raises(ValueError, match="unknown int8 kernel"):
         int8_compute_scheme("avx512")
 

@@ -39,6 +39,7 @@ if DEVICE.type == "cpu" and "triton" not in sys.modules:
 from kvchat.kernels import dispatch  # noqa: E402
 from kvchat.kernels import reference, triton_decode, triton_extend, triton_write  # noqa: E402
 from kvchat.settings import SettingError  # noqa: E402
+from turn_helpers import prefill
 
 if DEVICE.type == "cpu" and not (triton_write.INTERPRETED and triton_decode.INTERPRETED and triton_extend.INTERPRETED):
     pytest.skip("Triton was imported earlier in this process without TRITON_INTERPRET=1", allow_module_level=True)
@@ -524,7 +525,7 @@ def test_smollm2_decode_step_triton_matches_reference(smol_info, monkeypatch, kv
     ids = torch.randint(0, smol_info.config.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
     seq = SeqBlocks()
     monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
-    engine.prefill(seq, ids[:-1])
+    prefill(engine, seq, ids[:-1])
     twin = engine.blocks.fork(seq, len(ids) - 1)
     ref = engine.decode(seq, ids)
     monkeypatch.setenv("KVCHAT_ATTENTION", "triton")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from kvchat.engine.cache_identity import cache_fingerprint, engine_identity, resolve_weight_format
+from kvchat.engine.cache_identity import CacheIdentity, cache_fingerprint, resolve_weight_format
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.runner import Engine
 from kvchat.kernels import cpu_int8
@@ -16,6 +16,7 @@ from kvchat.model import quant
 from kvchat.model.int8_scheme import stored_scheme
 from kvchat.model.config import ModelConfig
 from kvchat.model.transformer import Linear
+from turn_helpers import prefill
 
 
 def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -124,7 +125,7 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     assert path.stat().st_mtime_ns == stamp
     reread = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu", weight_format="int8")
     ids = list(range(1, 20))
-    assert torch.equal(reread.prefill(SeqBlocks(), ids).logits, first.prefill(SeqBlocks(), ids).logits)
+    assert torch.equal(prefill(reread, SeqBlocks(), ids).logits, prefill(first, SeqBlocks(), ids).logits)
     # a file of another scheme (or for other layers) is not used: quantized again and replaced
     from safetensors.torch import save_file
 
@@ -137,10 +138,10 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     assert first.int8_kernel == kernel
     layers = first.compiled_decode is not None  # short chunks on the compiled decoder layers: named too
     assert layers == (kernel == "avx2")
-    assert first.cache_fingerprint == engine_identity("tiny", "bf16", None, False, 16, "int8", int8_kernel=kernel,
-                                                      compiled_layers=layers)[1]
-    assert first.cache_fingerprint != engine_identity("tiny", "bf16", None, False, 16, "int8",
-                                                      int8_kernel="int8mm" if kernel == "avx2" else "avx2")[1]
+    assert first.identity == CacheIdentity("tiny", "bf16", 16, "int8", int8_kernel=kernel, compiled_layers=layers)
+    assert first.cache_fingerprint == first.identity.fingerprint
+    assert first.cache_fingerprint != CacheIdentity("tiny", "bf16", 16, "int8",
+                                                    int8_kernel="int8mm" if kernel == "avx2" else "avx2").fingerprint
     if kernel == "avx2":  # the per-channel scheme has a file of its own: the groups file is left alone
         model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
         stamp = path.stat().st_mtime_ns
@@ -155,10 +156,12 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
 
 def test_weight_format_is_in_the_cache_fingerprint_and_fp32_is_unchanged():
     old = cache_fingerprint("m", "fp8", "pth1+kc+sink", 16, "d")  # what every engine had before weight formats
-    assert engine_identity("m", "fp8", "d", True, 16, "fp32")[1] == old
-    others = {engine_identity("m", "fp8", "d", True, 16, w)[1] for w in ("bf16", "int8")}
+    fp8 = CacheIdentity("m", "fp8", 16, calibration_digest="d", exact_sink=True)
+    assert fp8.fingerprint == old and fp8.scale_scheme == "pth1+kc+sink"
+    others = {CacheIdentity("m", "fp8", 16, w, calibration_digest="d", exact_sink=True).fingerprint
+              for w in ("bf16", "int8")}
     assert len(others) == 2 and old not in others
-    assert engine_identity("m", "bf16", None, False, 16, "int8")[1] != engine_identity("m", "bf16", None, False, 16)[1]
+    assert CacheIdentity("m", "bf16", 16, "int8").fingerprint != CacheIdentity("m", "bf16", 16).fingerprint
     assert resolve_weight_format("auto", "cpu") == "int8" and resolve_weight_format("auto", "cuda") == "bf16"
     with pytest.raises(ValueError, match="CPU only"):
         resolve_weight_format("int8", "cuda")

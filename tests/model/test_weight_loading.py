@@ -21,6 +21,7 @@ from kvchat.engine.runner import Engine
 from kvchat.model.config import ModelConfig
 from kvchat.model import weights
 from kvchat.model.weights import STAGING_BYTES, CheckpointReader, staging_pieces
+from turn_helpers import prefill
 
 
 def _tiny(path, tie: bool, dtype=torch.float32):
@@ -42,7 +43,7 @@ def test_streamed_engine_equals_one_built_from_the_state_dict(tmp_path, tie):
     ids = torch.randint(0, 97, (40,)).tolist()
     kw = dict(kv_dtype="bf16", pool_bytes=2**20, device="cpu")
     streamed, from_dict = Engine(cfg, CheckpointReader(tmp_path / "ck"), "t", **kw), Engine(cfg, sd, "t", **kw)
-    a, b = (e.prefill(SeqBlocks(), ids).logits for e in (streamed, from_dict))
+    a, b = (prefill(e, SeqBlocks(), ids).logits for e in (streamed, from_dict))
     assert torch.equal(a, b)
     assert streamed.model.embed_tokens.dtype == torch.float32  # auto on CPU for a small model
     assert (streamed.model.lm_head.weight is streamed.model.embed_tokens) == tie  # tied: one storage, no copy
@@ -138,7 +139,7 @@ def test_loading_peaks_within_the_weights_bytes(tmp_path):
 
 def test_a_start_reports_loading_the_weights_to_the_end(smol_info):
     """The real model's load reports its bytes (at each whole percent, not per tensor) up to the total."""
-    from kvchat.model.loader import load_runtime
+    from kvchat.runtime import load_runtime
 
     steps = []
     rt = load_runtime(None, "fp8", progress=lambda text, done, total: steps.append((text, done, total)))

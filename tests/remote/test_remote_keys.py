@@ -7,7 +7,7 @@ import pytest
 
 from kvchat import settings
 from kvchat.cli.main import main
-from kvchat.remote.address import base_url, plain_http_warning, server_of, server_fingerprint
+from kvchat.server_address import base_url, plain_http_warning, server_of, server_fingerprint
 from kvchat.remote.keys import KEYS_FILE, api_key
 
 SERVER = "https://gpu-box.example:8000"

@@ -7,7 +7,7 @@ import queue
 
 import pytest
 
-from kvchat.model.loader import load_runtime
+from kvchat.runtime import load_runtime
 from kvchat.server.protocol import parse_chat_request
 from kvchat.server.scheduler import Job, Scheduler
 

@@ -9,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from kvchat.model.loader import load_runtime
+from kvchat.runtime import load_runtime
 from kvchat.server.protocol import parse_chat_request
 from kvchat.server.scheduler import Job, Scheduler
 from process_helpers import run_kvchat

@@ -15,7 +15,7 @@ from kvchat.store.db import write_transaction
 from kvchat.index import get_db
 from textual.widgets import Input, ListView
 
-from kvchat.engine.cache_identity import cache_fingerprint
+from kvchat.engine.cache_identity import CacheIdentity, cache_fingerprint
 from kvchat.tui.app import KvchatApp
 from kvchat.engine.cache_miss import why_not_restored
 from kvchat.conversation.cache_state import all_in_memory, disk_bytes
@@ -43,13 +43,15 @@ def test_why_not_restored_names_the_cause():
 
     fp8 = cache_fingerprint(MODEL_FP, "fp8", SCALE_SCHEME, 16)
     bf16 = cache_fingerprint(MODEL_FP, "bf16", "none", 16)
-    assert "no KV snapshot" in why_not_restored(db, "c_1", bf16, MODEL_FP, "bf16", 16)
+    bf16_run = CacheIdentity(MODEL_FP, "bf16", 16)
+    assert bf16_run.fingerprint == bf16
+    assert "no KV snapshot" in why_not_restored(db, "c_1", bf16_run)
     add_chunk_row(db, "k1", fp8, "c_1")
     add_chunk_row(db, "k2", "f" * 32, "c_2")
     add_chunk_row(db, "k3", bf16, "c_3", nbytes=7)
-    assert "saved as fp8; this run uses bf16" in why_not_restored(db, "c_1", bf16, MODEL_FP, "bf16", 16)
-    assert "another cache fingerprint" in why_not_restored(db, "c_2", bf16, MODEL_FP, "bf16", 16)
-    assert "chain stops early" in why_not_restored(db, "c_3", bf16, MODEL_FP, "bf16", 16)
+    assert "saved as fp8; this run uses bf16" in why_not_restored(db, "c_1", bf16_run)
+    assert "another cache fingerprint" in why_not_restored(db, "c_2", bf16_run)
+    assert "chain stops early" in why_not_restored(db, "c_3", bf16_run)
     assert disk_bytes(db, bf16) == {"c_3": 7} and disk_bytes(db) == {"c_1": 100, "c_2": 100, "c_3": 7}
 
 
@@ -61,15 +63,16 @@ def test_why_not_restored_names_the_other_int8_kernel():
     db = get_db()
     by_kernel = {k: cache_fingerprint(MODEL_FP, "bf16", "none", 16, weights=weight_scheme("int8", k))
                  for k in ("avx2", "int8mm")}
+    runs = {k: CacheIdentity(MODEL_FP, "bf16", 16, "int8", int8_kernel=k) for k in by_kernel}
+    assert {k: run.fingerprint for k, run in runs.items()} == by_kernel
     add_chunk_row(db, "k1", by_kernel["avx2"], "c_1")
     add_chunk_row(db, "k2", by_kernel["int8mm"], "c_2")
-    off = why_not_restored(db, "c_1", by_kernel["int8mm"], MODEL_FP, "bf16", 16, "int8", None, "int8mm")
+    off = why_not_restored(db, "c_1", runs["int8mm"])
     assert off == ("its KV was computed with the compiled int8 kernel; this run uses torch's int8 kernel "
                    "(KVCHAT_CPU_KERNEL=1 and a C compiler restore it)")
-    on = why_not_restored(db, "c_2", by_kernel["avx2"], MODEL_FP, "bf16", 16, "int8", None, "avx2")
+    on = why_not_restored(db, "c_2", runs["avx2"])
     assert "computed with torch's int8 kernel" in on and "KVCHAT_CPU_KERNEL=0 restores it" in on
-    assert "chain stops early" in why_not_restored(db, "c_1", by_kernel["avx2"], MODEL_FP, "bf16", 16, "int8",
-                                                   None, "avx2")
+    assert "chain stops early" in why_not_restored(db, "c_1", runs["avx2"])
 
 
 def test_a_shared_system_prompt_block_does_not_make_a_chat_in_memory():

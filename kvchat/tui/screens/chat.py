@@ -1,7 +1,7 @@
 """The main screen: sidebar, chat pane, prefill bar, input, status bar; runs backend work in thread workers.
 
 Engine work goes through ``@work(thread=True)`` workers; their backend
-events come back as :class:`BackendEvent` messages, one per token *batch*
+events come back as :class:`BackendEventPosted` messages, one per token *batch*
 (``post_message`` is thread-safe), never a blocking call per token. The
 user actions (dialogs) are in :class:`kvchat.tui.screens.chat_actions.ChatActions`.
 One job runs at a time (:attr:`ChatScreen.job`); what each action does meanwhile is decided in one
@@ -27,11 +27,11 @@ from kvchat.store.errors import StoreError
 from kvchat.tui.actions import ACTIONS
 from kvchat.tui.backend import Backend, StoreUnavailableError
 from kvchat.conversation.views import AttachCancelled, ChatView, ContextFullError
-from kvchat.conversation.events import BackendEvent as Event
+from kvchat.conversation.events import BackendEvent
 from kvchat.conversation.events import AttachStep, LoadProgress, PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.screens.busy import Act, Decision, Job, Verdict, decide
 from kvchat.tui.screens.chat_actions import ChatActions
-from kvchat.tui.screens.messages import BackendEvent, CannotRun, TurnFailed
+from kvchat.tui.screens.messages import BackendEventPosted, CannotRun, TurnFailed
 from kvchat.tui.text import one_line
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message import MessageBlock, stats_line
@@ -87,9 +87,9 @@ class ChatScreen(ChatActions, Screen):
         self._load()
 
     # --- workers ---------------------------------------------------------------------------------
-    def emit(self, event: Event) -> None:
+    def emit(self, event: BackendEvent) -> None:
         """Backend ``emit`` callback: thread-safe, one message per event."""
-        self.post_message(BackendEvent(event))
+        self.post_message(BackendEventPosted(event))
 
     @work(thread=True, group="engine")
     def _load(self) -> None:
@@ -324,8 +324,8 @@ class ChatScreen(ChatActions, Screen):
         except Exception as exc:  # noqa: BLE001 - shown, the typed text goes back into the input
             self.post_message(TurnFailed(text if op != "regenerate" else "", exc, op))
 
-    @on(BackendEvent)
-    async def _backend_event(self, message: BackendEvent) -> None:
+    @on(BackendEventPosted)
+    async def _backend_event(self, message: BackendEventPosted) -> None:
         event = message.event
         if isinstance(event, LoadProgress):
             self.update_status(event.message)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from kvchat.conversation.events import BackendEvent as Event
+from kvchat.conversation.events import BackendEvent
 
 
-class BackendEvent(Message):
+class BackendEventPosted(Message):
     """A backend event, posted from a worker thread."""
 
-    def __init__(self, event: Event):
+    def __init__(self, event: BackendEvent):
         super().__init__()
         self.event = event
 

@@ -26,7 +26,7 @@ from kvchat.engine.calibration import (
 )
 from kvchat.model.registry import ModelInfo, resolve_model
 from kvchat.engine.cache_identity import resolve_weight_format
-from kvchat.engine.device import check_device
+from kvchat.device import check_device
 from kvchat.engine.pool_size import GPUMemoryError, load_oom_line
 from kvchat.plan import WEIGHT_BYTES
 from kvchat.settings import compute_dtype, device as env_device, gpu_memory
@@ -95,7 +95,7 @@ def load_runtime(
         kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (``device`` None), ``KVCHAT_ATTENTION``,
             ``KVCHAT_DTYPE``, ``KVCHAT_WEIGHTS`` (``weights`` None) or ``KVCHAT_KV_BUDGET_MB`` (``pool_bytes`` None);
             all but the pool budget before the weights load.
-        kvchat.engine.device.DeviceError: ``device`` names a CUDA device that does not exist here.
+        kvchat.device.DeviceError: ``device`` names a CUDA device that does not exist here.
         kvchat.engine.pool_size.GPUMemoryError: the GPU ran out of memory while loading, or leaves the KV pool
             too little (one line with the numbers and ``--gpu-memory``).
         ValueError: int8 weights asked for on a GPU, or with a compute dtype other than fp32.

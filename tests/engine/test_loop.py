@@ -1,0 +1,76 @@
+"""The engine loop on the real model: a turn alone on the caller's thread, on the loop's thread, and batched with
+others gives the same tokens; a call runs between iterations on the loop's thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvchat.conversation.records import new_settings
+from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.loop import EngineLoop
+from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.session import Session
+from kvchat.runtime import load_runtime
+
+PROMPTS = ["Name a colour.", "Count to five.", "Say hello in French."]
+
+
+@pytest.fixture(scope="module")
+def rt(smol_info):
+    return load_runtime(None, "fp8")
+
+
+def _session(rt) -> Session:
+    return Session.new(rt.engine, rt.chat_format(new_settings([])), "You are brief.", [])
+
+
+def _answer_ids(loop: EngineLoop, rt, prompt: str) -> list[int]:
+    s = _session(rt)
+    loop.run(s.turn(prompt, SamplingParams(max_tokens=6)))
+    ids = list(s.token_ids)
+    s.close()
+    return ids
+
+
+def test_a_turn_gives_the_same_tokens_on_the_callers_thread_on_the_loops_and_in_a_batch(rt):
+    alone = EngineLoop(rt.engine, thread=False, snapshots=False)
+    with pytest.raises(RuntimeError, match="no thread of its own"):
+        alone.submit(iter(()))
+    on_caller = [_answer_ids(alone, rt, p) for p in PROMPTS]
+    alone.close()
+
+    loop = EngineLoop(rt.engine, snapshots=False)
+    try:
+        on_loop = [_answer_ids(loop, rt, p) for p in PROMPTS]
+        sessions = [_session(rt) for _ in PROMPTS]
+        if rt.engine.dense is not None:  # several chats at once read their own dense copies (as the server's)
+            for s in sessions:
+                s.sequence.dense = DenseKV(rt.engine.pool, rt.engine.blocks)
+        steps_before = loop.decode_steps
+        with loop._wake:  # the loop takes none of them before all are queued: they start in one iteration
+            requests = [loop.submit(s.turn(p, SamplingParams(max_tokens=6))) for s, p in zip(sessions, PROMPTS)]
+        for req in requests:
+            req.future.result(timeout=300)
+        batched = [list(s.token_ids) for s in sessions]
+        generated = sum(s.last_turn.stats.new_tokens for s in sessions)
+        for s in sessions:
+            s.close()
+        assert loop.decode_steps - steps_before < generated - len(PROMPTS)  # shared forwards, not one per token
+    finally:
+        loop.close()
+    assert on_loop == on_caller
+    assert batched == on_caller  # int8 weights on a CPU: a batched row is bitwise the row alone
+
+
+def test_a_call_runs_on_the_loops_thread_and_its_error_reaches_the_caller(rt):
+    loop = EngineLoop(rt.engine, snapshots=False)
+    try:
+        assert loop.call(threading.current_thread) is loop._thread
+        with pytest.raises(ValueError, match="from the loop"):
+            loop.call(lambda: (_ for _ in ()).throw(ValueError("from the loop")))
+        assert loop.alive  # an exception in a call does not end the loop
+    finally:
+        loop.close()
+    assert not loop.alive
