@@ -429,8 +429,8 @@ def engine_decode_tokens_per_s(device: torch.device, tiny: bool, kv_dtype: str =
     load_kernels()  # kvchat and kvchat.kernels from this checkout
     from kvchat.engine.block_manager import SeqBlocks
     from kvchat.engine.loop import run_alone
-    from kvchat.model.config import ModelConfig
     from kvchat.engine.runner import Engine
+    from kvchat.model.config import ModelConfig
 
     hf = dict(SMOLLM2_HF)
     if tiny:

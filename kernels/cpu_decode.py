@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from .cpu_attention import KINDS, SOURCE as ATTENTION_SOURCE, takes_pool
+from .cpu_attention import KINDS, takes_pool
+from .cpu_attention import SOURCE as ATTENTION_SOURCE
 from .cpu_build import load as load_library
-from .cpu_int8 import GROUP, SOURCE as INT8_SOURCE
+from .cpu_int8 import GROUP
+from .cpu_int8 import SOURCE as INT8_SOURCE
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

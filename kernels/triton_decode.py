@@ -202,7 +202,8 @@ def _merge_kernel(
     acc = tl.zeros([BLOCK_D], tl.float32)
     total = 0.0
     # summed in split order, not as a block reduction (whose order on a GPU follows the block's width): empty
-    # splits add exact zeros, so a sequence's output is the same bits under any grid and batch it runs in
+    # splits add exact zeros, so a sequence split the same way gives the same bits under any grid (its split
+    # count is the smaller of the grid's and its length's, splits_for: a batch can lower it)
     for split in range(num_splits):
         w = tl.exp2(tl.load(part_lse_ptr + base + split) - top)
         acc += tl.load(part_out_ptr + (base + split) * BLOCK_D + offs_d, mask=d_mask, other=0.0) * w

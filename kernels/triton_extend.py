@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .reference import FP8_DTYPE
-from .triton_decode import BLOCK_N, LOG2E, sink_args, fp8_bits_default, load_kv_tile, sink_init
+from .triton_decode import BLOCK_N, LOG2E, fp8_bits_default, load_kv_tile, sink_args, sink_init
 
 BLOCK_R = 64  # query rows (tokens x heads of a group) per program
 

@@ -17,7 +17,8 @@ the operators' up to what differs inside one operator: the order of the sum of s
 ``rsqrt``/``exp`` implementations, and whether a multiply-add is contracted to an FMA. Those differ
 in the last bits of fp32 (up to 4 units in the last place measured bound: rsqrt's error carried through
 two multiplies) and, after the rounding to bf16/fp16, by at most one unit in the last place in rare ties
-(tests/kernels/test_kernels_fused.py checks these bounds). Decode steps' K/V are provisional (recomputed as prefill chunks when the turn ends,
+(tests/kernels/test_kernels_fused.py checks these bounds). Decode steps' K/V are provisional
+(recomputed as prefill chunks when the turn ends,
 ``kvchat.engine.runner.Engine.decode``), so this rounding never reaches stored K/V; prefill chunks keep
 the torch operators. The fp8 cache write itself is ``triton_write``'s, bit for bit.
 """

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.model.config import ModelConfig
 from kvchat.engine.kv_pool import BLOCK_SIZE, KVCacheSpec
+from kvchat.model.config import ModelConfig
 
 ARTICLE = '"KV Cache Optimization: Efficient Context Storage"'
 GIB = 2**30

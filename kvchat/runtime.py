@@ -9,14 +9,9 @@ from typing import Callable
 
 import torch
 
-from kvchat.kernels import dispatch
-from kvchat.load_steps import step
-from kvchat.model.chat_format import ChatFormat, ChatTemplateError
 from kvchat.cpu_threads import checked_threads
-from kvchat.engine.runner import Engine
-from kvchat.engine.scratch import calibrate_k_mean
-from kvchat.engine.kv_pool import KVCacheSpec, kv_torch_dtype
-from kvchat.model.weights import CheckpointReader
+from kvchat.device import check_device
+from kvchat.engine.cache_identity import resolve_weight_format
 from kvchat.engine.calibration import (
     CALIBRATION_TOKENS,
     KVCalibration,
@@ -24,12 +19,18 @@ from kvchat.engine.calibration import (
     make_calibration,
     save_calibration,
 )
-from kvchat.model.registry import ModelInfo, resolve_model
-from kvchat.engine.cache_identity import resolve_weight_format
-from kvchat.device import check_device
+from kvchat.engine.kv_pool import KVCacheSpec, kv_torch_dtype
 from kvchat.engine.pool_size import GPUMemoryError, load_oom_line
+from kvchat.engine.runner import Engine
+from kvchat.engine.scratch import calibrate_k_mean
+from kvchat.kernels import dispatch
+from kvchat.load_steps import step
+from kvchat.model.chat_format import ChatFormat, ChatTemplateError
+from kvchat.model.registry import ModelInfo, resolve_model
+from kvchat.model.weights import CheckpointReader
 from kvchat.plan import WEIGHT_BYTES
-from kvchat.settings import compute_dtype, device as env_device, gpu_memory
+from kvchat.settings import compute_dtype, gpu_memory
+from kvchat.settings import device as env_device
 from kvchat.settings import weights as env_weights
 from kvchat.texts import CALIBRATION_MODULES, stdlib_text
 

@@ -310,7 +310,8 @@ def cuda_graphs() -> bool:
 
 def cpu_kernel_enabled() -> bool:
     """``KVCHAT_CPU_KERNEL``: ``1`` (default) runs kvchat's compiled CPU kernels where they build
-    (:mod:`kvchat.kernels.cpu_build`: the int8 groups scheme's matmul, a decode step's attention on the paged pool, the cache write, a decode step's whole layers), ``0``
+    (:mod:`kvchat.kernels.cpu_build`: the int8 groups scheme's matmul, a decode step's attention on the paged pool, the cache write,
+    a decode step's whole layers), ``0``
     keeps torch's code (int8 weights per channel on torch's kernel: another cache fingerprint), ``avx2`` runs
     them as ``1`` does but from their AVX2 build even where the CPU has AVX-512 (:func:`cpu_kernel_isa`).
 

@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from model_helpers import ensure_default_model  # noqa: E402
 
-
 RESOLVED = ("torch", "transformers", "tokenizers", "huggingface_hub", "kernels", "textual", "triton", "sqlite-utils")
 
 

@@ -13,12 +13,11 @@ import threading
 import time
 
 import uvicorn
+from server_helpers import free_port
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
-
-from server_helpers import free_port
 
 MODEL = "stub-model"
 KEY = "stub-key"

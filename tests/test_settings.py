@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from turn_helpers import prefill
 
 from kvchat import settings
-from kvchat.kernels import dispatch
 from kvchat.engine import disk_budget
+from kvchat.index import get_db
+from kvchat.kernels import dispatch
 from kvchat.settings import SettingError
 from kvchat.store import chunk_index as ci
 from kvchat.store.db import close_thread_dbs
-from kvchat.index import get_db
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData
 from kvchat.units import size_text
-from turn_helpers import prefill
 
 VARIABLES = [settings.HOME, settings.MODELS, settings.DEVICE, settings.ATTENTION, settings.KV_BUDGET_MB,
              settings.CACHE_BUDGET_GB, settings.PHASE_TRACE, settings.GPU_MEMORY]
@@ -276,9 +276,9 @@ def test_persist_sums_the_evictions_of_its_saves_into_one_note(monkeypatch):
     import transformers
 
     from kvchat.engine.block_manager import SeqBlocks
-    from kvchat.model.config import ModelConfig
-    from kvchat.engine.runner import Engine
     from kvchat.engine.persistence import KVPersist
+    from kvchat.engine.runner import Engine
+    from kvchat.model.config import ModelConfig
 
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,

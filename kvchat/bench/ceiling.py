@@ -63,7 +63,9 @@ def matmul_ceiling(model: Transformer, chunk_tokens: int = 512, repeats: int = 3
     layers, head = _layers(model), model.lm_head
     dtype = model.embed_tokens.dtype
     nbytes = sum(_weight_bytes(m) for m in [*layers, head])
-    numel = lambda m: _shape(m)[0] * _shape(m)[1]
+    def numel(m):
+        return _shape(m)[0] * _shape(m)[1]
+
     flops = 2 * chunk_tokens * sum(numel(m) for m in layers) + 2 * numel(head)
     out = {}
     for phase, rows in (("decode", 1), ("prefill", chunk_tokens)):

@@ -143,10 +143,10 @@ def measure_load(model: str | None, repeats: int) -> dict[str, Spread]:
     ``weights_read_s`` + ``engine_build_s``: the same split into
     :func:`load_weights` and ``Engine(...)`` (weights to a ready model and pool).
     """
-    from kvchat.engine.runner import Engine
     from kvchat.engine.calibration import load_calibration
-    from kvchat.runtime import load_runtime
+    from kvchat.engine.runner import Engine
     from kvchat.model.registry import load_weights, resolve_model
+    from kvchat.runtime import load_runtime
 
     samples: dict[str, list[float]] = {"load_runtime_s": [], "weights_read_s": [], "engine_build_s": []}
     info = resolve_model(model)
@@ -200,10 +200,10 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     from kvchat import settings
-    from kvchat.engine.runner import Engine
     from kvchat.engine.kv_pool import KVCacheSpec
-    from kvchat.runtime import ensure_calibration, set_threads
+    from kvchat.engine.runner import Engine
     from kvchat.model.registry import load_weights, resolve_model
+    from kvchat.runtime import ensure_calibration, set_threads
 
     lengths = sorted(set(args.lengths))
     if min(lengths) < 1 or args.repeats < 1 or args.decode_tokens < 1:
@@ -356,7 +356,9 @@ def _version(dist: str) -> str:
 
 def format_report(res: dict) -> str:
     """The human-readable tables of a :func:`run_benchmark` result."""
-    fmt = lambda d, digits=1: f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
+    def fmt(d, digits=1):
+        return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
+
     head = (f"kvchat bench engine: {res['model']}, {res['compute_dtype']} compute (int8 backends: int8 weights, "
             "bf16 activations at the int8 matmuls up to 256 rows), "
             f"{res['threads']} threads, prompt {res['prompt']['name']} (sha256 {res['prompt']['sha256'][:12]}), "

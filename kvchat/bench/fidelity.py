@@ -79,10 +79,10 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
     """
     from transformers import AutoTokenizer
 
-    from kvchat.engine.runner import Engine
     from kvchat.engine.kv_pool import KVCacheSpec
-    from kvchat.runtime import ensure_calibration, set_threads
+    from kvchat.engine.runner import Engine
     from kvchat.model.registry import load_weights, resolve_model
+    from kvchat.runtime import ensure_calibration, set_threads
 
     if args.tokens < 2:
         raise ValueError("--tokens must be at least 2")
@@ -95,7 +95,9 @@ def run_fidelity(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     weights = load_weights(info)
     calibration = ensure_calibration(info, weights, tok)
-    spec = lambda kv: KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
+    def spec(kv):
+        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
+
     blocks = max(len(ids) for _, ids in docs) // spec("bf16").block_size + 3  # + the sink's one-token forward
     ref = Engine(cfg, weights, info.fingerprint, kv_dtype="bf16", pool_bytes=spec("bf16").bytes_per_block * blocks)
     schemes = all_schemes()

@@ -106,8 +106,8 @@ def run_memory(args: argparse.Namespace, *, quick: bool = False) -> dict:
         ValueError: non-positive budget, chat tokens or mix size.
     """
     from kvchat.engine.kv_pool import BLOCK_SIZE
-    from kvchat.runtime import set_threads
     from kvchat.model.registry import resolve_model
+    from kvchat.runtime import set_threads
 
     budgets = args.budget_gib or list(DEFAULT_BUDGETS_GIB)
     if min(budgets) <= 0 or args.chat_tokens < 1 or args.mix_chats < 1:

@@ -151,13 +151,13 @@ def default_weight_format() -> str:
 
 def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[dict], list[dict]]:
     """Interleaved repeats of every backend on ``ids``; returns (per-backend spreads, per-repeat ratios)."""
-    from kvchat.bench.engine import WARMUP_TOKENS, kvchat_runner
-    from kvchat.engine.runner import Engine
-    from kvchat.engine.kv_pool import KVCacheSpec
     from transformers import AutoTokenizer
 
-    from kvchat.runtime import ensure_calibration
+    from kvchat.bench.engine import WARMUP_TOKENS, kvchat_runner
+    from kvchat.engine.kv_pool import KVCacheSpec
+    from kvchat.engine.runner import Engine
     from kvchat.model.registry import load_weights
+    from kvchat.runtime import ensure_calibration
 
     cfg = info.config
     weights = load_weights(info)
@@ -167,7 +167,8 @@ def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[d
     for kv in ("fp8", "bf16"):
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
         engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, name=info.name, calibration=calibration,
-                        weight_format=weight_format, pool_bytes=spec.bytes_per_block * ((len(ids) + args.decode_tokens) // spec.block_size + 3))
+                        weight_format=weight_format,
+                        pool_bytes=spec.bytes_per_block * ((len(ids) + args.decode_tokens) // spec.block_size + 3))
         runners[f"kvchat-{kv}"] = kvchat_runner(engine)
     del weights
     llama = LlamaCpp(gguf, len(ids) + args.decode_tokens + 16, threads)
@@ -264,8 +265,8 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
 
     from kvchat.bench.engine import prompt_ids
     from kvchat.bench.run_info import run_info
-    from kvchat.runtime import set_threads
     from kvchat.model.registry import resolve_model
+    from kvchat.runtime import set_threads
     from kvchat.texts import stdlib_text
 
     try:

@@ -45,8 +45,7 @@ import tempfile
 from pathlib import Path
 
 from kvchat.bench import PYTHON
-from kvchat.bench.page_cache import (drop_file_cache, kept_pages_warning, read_file, resident_fraction,
-                                     write_random_file)
+from kvchat.bench.page_cache import drop_file_cache, kept_pages_warning, read_file, resident_fraction, write_random_file
 from kvchat.bench.stats import Spread, format_table, ratios
 
 DEFAULT_TOKENS = (256, 512, 2048, 4096, 8000)
@@ -100,9 +99,9 @@ def build_conversation(rt, n_tokens: int, text: str) -> tuple[list[int], list, d
     Raises:
         BenchResumeError: ``n_tokens`` too small for a prefix and one turn, or the text runs out.
     """
-    from kvchat.model.chat_format import append_segment
     from kvchat.conversation.records import new_settings
     from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
+    from kvchat.model.chat_format import append_segment
 
     settings = new_settings(["python-docstrings.txt"])
     settings["date_string"] = "01 Jan 2025"  # fixed, so every process builds the same ids
@@ -147,8 +146,8 @@ def build_conversation(rt, n_tokens: int, text: str) -> tuple[list[int], list, d
 # ---- children (fresh processes) ----------------------------------------------------------------
 
 def _session(rt, spec: dict, persist=None):
-    from kvchat.model.chat_format import Segment
     from kvchat.engine.session import Session
+    from kvchat.model.chat_format import Segment
 
     segments = [Segment(k, a, b) for k, a, b in spec["segments"]]
     return Session(rt.engine, rt.chat_format(spec["settings"]), list(spec["ids"]), segments, persist)

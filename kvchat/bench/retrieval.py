@@ -152,11 +152,11 @@ def run_retrieval(info, tokenizer, filler: BenchText, doc_tokens: int = DEFAULT_
     Raises:
         RetrievalSetupError: see :func:`filler_document`, :func:`build_probe`; ValueError: a depth outside 0–1.
     """
-    from kvchat.engine.runner import Engine
     from kvchat.engine.kv_pool import KVCacheSpec
-    from kvchat.runtime import Runtime, ensure_calibration
-    from kvchat.model.registry import load_weights
+    from kvchat.engine.runner import Engine
     from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT
+    from kvchat.model.registry import load_weights
+    from kvchat.runtime import Runtime, ensure_calibration
 
     if any(not 0 <= d <= 1 for d in depths):
         raise ValueError(f"--depths must lie in 0..1, got {list(depths)}")

@@ -29,7 +29,9 @@ class Spread:
 
     def as_dict(self, digits: int = 3) -> dict:
         """JSON-ready ``{median, min, max, samples}`` rounded to ``digits``."""
-        r = lambda x: round(x, digits)
+        def r(x):
+            return round(x, digits)
+
         return {"median": r(self.median), "min": r(self.min), "max": r(self.max), "samples": [r(s) for s in self.samples]}
 
 

@@ -38,9 +38,9 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     """:func:`cmd_ask` with its Ctrl-C flag ``cancel``."""
     from kvchat.cpu_threads import checked_threads
     from kvchat.documents import read_document
-    from kvchat.phase_trace import mark
     from kvchat.engine.sampling import SamplingParams
     from kvchat.engine.session import EmptyPromptError
+    from kvchat.phase_trace import mark
     from kvchat.utf8 import require_utf8
 
     if not args.prompt.strip():
@@ -164,9 +164,9 @@ def turn_figures(s) -> str:
 
 def _find_chat(chat_id: str):
     """Look a chat up without creating anything in the data dir."""
+    from kvchat.index import get_db
     from kvchat.paths import db_path
     from kvchat.store.conversations import get_conversation
-    from kvchat.index import get_db
     from kvchat.store.errors import ConversationNotFoundError
 
     if not db_path().exists():

@@ -39,9 +39,9 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     from kvchat.engine.turn import SamplingParams
     from kvchat.index import get_db
     from kvchat.paths import db_path
-    from kvchat.server_address import plain_http_warning
     from kvchat.remote.chats import RemoteChats, require_remote
     from kvchat.remote.client import ServerClient, context_limit, pick_model
+    from kvchat.server_address import plain_http_warning
     from kvchat.store.conversations import get_conversation
     from kvchat.store.db import require_writable
     from kvchat.utf8 import require_utf8

@@ -49,7 +49,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
                   f"{'yes' if o.pinned else '   '}  {printable(o.title[:50])}")
     elif sub == "stats":
         t = cache_admin.store_totals()
-        print(f"chunks {t.chunks}, {size_text(t.bytes)} of a {size_text(t.budget_bytes)} budget; pinned {t.pinned_chunks} ({size_text(t.pinned_bytes)})")
+        print(f"chunks {t.chunks}, {size_text(t.bytes)} of a {size_text(t.budget_bytes)} budget; "
+              f"pinned {t.pinned_chunks} ({size_text(t.pinned_bytes)})")
     elif sub == "verify":  # like fsck: exit 1 when anything was damaged
         dropped, verified = cache_admin.verify()
         for line in dropped:
@@ -76,13 +77,15 @@ def _explain(r) -> None:
     """Print a :class:`kvchat.conversation.views.ChainReport`: the chunk chain and where (and why) it stops."""
     print(f"chat {r.chat_id}: {r.tokens} tokens, cache fingerprint {r.fingerprint[:12]} ({r.kv_dtype})")
     for link in r.links:
-        print(f"  [{link.start:>6}, {link.end:>6})  {'tail' if link.tail else 'chunk':5} {link.key[:12]}  {size_text(link.bytes):>9}  on disk")
+        print(f"  [{link.start:>6}, {link.end:>6})  {'tail' if link.tail else 'chunk':5} {link.key[:12]}  "
+              f"{size_text(link.bytes):>9}  on disk")
     print(f"restorable from disk: {r.restorable_tokens} of {r.tokens} tokens "
           f"(a resume recomputes the rest)")
     if r.stops_at is not None:
         print(f"chain stops at token {r.stops_at}: the next chunk is not on disk (never written, evicted LRU, or dropped as corrupt)")
     if r.other_fingerprints:
-        print(f"{r.other_fingerprints} chunk(s) belong to other cache fingerprints (another model, KV dtype or scale scheme): never used here")
+        print(f"{r.other_fingerprints} chunk(s) belong to other cache fingerprints (another model, KV dtype or scale scheme): "
+              "never used here")
 
 
 def cmd_doc(args: argparse.Namespace) -> int:
@@ -110,8 +113,8 @@ def _doc_add(args: argparse.Namespace) -> int:
     from kvchat.conversation.events import PrefillProgress
     from kvchat.conversation.service import ChatService
     from kvchat.documents import read_document
-    from kvchat.runtime import load_runtime, set_threads
     from kvchat.paths import db_path
+    from kvchat.runtime import load_runtime, set_threads
     from kvchat.store.db import require_writable
     from kvchat.utf8 import require_utf8
 

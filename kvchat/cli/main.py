@@ -66,7 +66,8 @@ def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     """``--model --kv-dtype --dtype --weights --gpu-memory --threads``; on sub-commands they default to the
     top-level values."""
     keep = {} if top else {"default": argparse.SUPPRESS}
-    p.add_argument("--model", metavar="NAME|PATH", help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
+    p.add_argument("--model", metavar="NAME|PATH",
+                   help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
     p.add_argument("--dtype", choices=DTYPE_CHOICES,
                    help="compute dtype of activations and unquantized weights (default: KVCHAT_DTYPE, else auto)", **keep)

@@ -34,8 +34,8 @@ def _calibrate(model_dir: Path) -> None:
     """Make the fp8 K-centring calibration now (once per model), so the first load stays fast."""
     from transformers import AutoTokenizer
 
-    from kvchat.runtime import ensure_calibration
     from kvchat.model.registry import load_weights, resolve_model
+    from kvchat.runtime import ensure_calibration
 
     info = resolve_model(str(model_dir), auto_pull=False)
     ensure_calibration(info, load_weights(info), AutoTokenizer.from_pretrained(str(info.path)))

@@ -66,8 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     get_db()  # a damaged or newer database is one line now, as for every other command, not a 500 per request
     from kvchat.cpu_threads import checked_threads, on_own_thread
-    from kvchat.runtime import load_runtime, set_threads
     from kvchat.progress import print_start_progress
+    from kvchat.runtime import load_runtime, set_threads
 
     set_threads(checked_threads(args.threads))
     # the scheduler thread runs it (see on_own_thread); each request gets its own dense copy: none preallocated

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 from sqlite_utils import Database
 
-from kvchat.conversation.cache_admin import set_pinned
-from kvchat.engine.disk_budget import budget_bytes
-from kvchat.engine.persistence import document_tokens, release_owner, restorable_tokens
 from kvchat.conversation import records
+from kvchat.conversation.cache_admin import set_pinned
 from kvchat.conversation.cache_state import all_in_memory, disk_bytes, state
 from kvchat.conversation.search import search_conversation_ids
 from kvchat.conversation.views import CacheReport, CacheRow, ChatSummary, DocumentSummary
+from kvchat.engine.disk_budget import budget_bytes
+from kvchat.engine.persistence import document_tokens, release_owner, restorable_tokens
 from kvchat.index import get_db
 from kvchat.store.chunk_index import totals
 from kvchat.store.conversations import (

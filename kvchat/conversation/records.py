@@ -8,16 +8,24 @@ from typing import Sequence
 
 from sqlite_utils import Database
 
+from kvchat.conversation.titles import ChatModelMismatchError, chat_title
+from kvchat.documents import PASTED_PATH, prefix_doc_id
+from kvchat.engine.session import Session
 from kvchat.model.chat_format import PASTED_DOCUMENT_TOKENS, Segment
 from kvchat.runtime import Runtime
-from kvchat.engine.session import Session
-from kvchat.documents import PASTED_PATH, prefix_doc_id
-from kvchat.store.conversations import (Conversation, NewMessage, append_turn, create_conversation, delete_conversation,
-                                        histories, list_conversations)
-from kvchat.store.documents import delete_document, list_documents
-from kvchat.store.db import write_transaction
-from kvchat.conversation.titles import ChatModelMismatchError, chat_title
 from kvchat.server_address import server_of
+from kvchat.store.conversations import (
+    Conversation,
+    NewMessage,
+    append_turn,
+    create_conversation,
+    delete_conversation,
+    histories,
+    list_conversations,
+)
+from kvchat.store.db import write_transaction
+from kvchat.store.documents import delete_document, list_documents
+
 
 def new_settings(documents: list[str]) -> dict:
     """Settings pinned when a chat is created: the template date and the attached documents' titles."""

@@ -14,33 +14,41 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from kvchat.conversation.records import drop_orphaned_documents, new_settings, save_new_chat, save_turn, session_from_store
-from kvchat.conversation.titles import UNTITLED, chat_title
-from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
-from kvchat.documents import Document, doc_id, read_document
-from kvchat.phase_trace import mark
-from kvchat.store.documents import upsert_document
-from kvchat.free_space import check_turn_space
-from kvchat.engine.loop import EngineLoop
-from kvchat.runtime import Runtime
-from kvchat.paths import data_dir
-from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session, TurnOverflowError
-from kvchat.store.conversations import get_conversation, rewind_conversation
-from kvchat.store.errors import ConversationConflictError
-from kvchat.index import get_db
-from kvchat.store.db import write_transaction
-from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, AttachCancelled, ChatMessage, ChatView, ContextFullError, ResumeInfo, Status
-from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
+from kvchat.conversation.continuation import ANSWER_ROOM_TOKENS, CarryWay, Continuation, answer_room
 from kvchat.conversation.events import AttachStep, Emit, TurnDone
 from kvchat.conversation.pasted import register_turn_documents
-from kvchat.conversation.continuation import ANSWER_ROOM_TOKENS, CarryWay, Continuation, answer_room
+from kvchat.conversation.records import drop_orphaned_documents, new_settings, save_new_chat, save_turn, session_from_store
 from kvchat.conversation.rewind import carry_over, turn_spans
 from kvchat.conversation.streaming import PrefillTimer, TokenBatcher
+from kvchat.conversation.titles import UNTITLED, chat_title
+from kvchat.conversation.views import (
+    SYSTEM_PROMPT_FIXED,
+    AttachCancelled,
+    ChatMessage,
+    ChatView,
+    ContextFullError,
+    ResumeInfo,
+    Status,
+)
+from kvchat.documents import Document, doc_id, read_document
+from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
+from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
+from kvchat.engine.loop import EngineLoop
+from kvchat.engine.sequence import PrefillChunk
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session, TurnOverflowError
 from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.engine.token_rules import TokenRules
 from kvchat.engine.turn import SamplingParams, TurnStats
-from kvchat.engine.sequence import PrefillChunk
+from kvchat.free_space import check_turn_space
+from kvchat.index import get_db
 from kvchat.model.chat_format import UserTurn, append_segment
+from kvchat.paths import data_dir
+from kvchat.phase_trace import mark
+from kvchat.runtime import Runtime
+from kvchat.store.conversations import get_conversation, rewind_conversation
+from kvchat.store.db import write_transaction
+from kvchat.store.documents import upsert_document
+from kvchat.store.errors import ConversationConflictError
 
 
 @dataclass(slots=True)
@@ -150,7 +158,8 @@ class ChatService:
         e = self.rt.engine
         chat, errors = self.chat, self.persist.errors
         return Status(
-            phase="ready", message=errors[-1] if errors else self._eviction_note() or "ready", model=self.rt.info.name, device=str(e.device),
+            phase="ready", message=errors[-1] if errors else self._eviction_note() or "ready", model=self.rt.info.name,
+            device=str(e.device),
             kv_dtype=e.spec.kv_dtype,
             pool_blocks_used=e.pool.num_blocks - e.blocks.num_free_blocks, pool_blocks_total=e.pool.num_blocks,
             pool_bytes=e.pool.nbytes, context_used=len(chat.session.token_ids) if chat else 0,

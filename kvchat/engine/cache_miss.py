@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from kvchat.engine.cache_identity import (FORMAT_COMPUTE, KV_DTYPE_NAMES, WEIGHT_FORMATS, CacheIdentity, compute_keys,
-                                          fingerprint_variants)
+from kvchat.engine.cache_identity import (
+    FORMAT_COMPUTE,
+    KV_DTYPE_NAMES,
+    WEIGHT_FORMATS,
+    CacheIdentity,
+    compute_keys,
+    fingerprint_variants,
+)
 from kvchat.store.chunk_refs import owner_fingerprints
-
-
 
 # each int8 kernel (kvchat.model.int8_scheme.SMALL_ROWS_KERNELS): its name, and what makes a run use it
 INT8_KERNELS = {"avx2": ("the compiled int8 kernel", "KVCHAT_CPU_KERNEL=1 and a C compiler restore it"),

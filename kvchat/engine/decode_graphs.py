@@ -1,7 +1,8 @@
 """CUDA graphs of the decode step: one per (batch bucket, context bucket), replayed per token.
 
 A decode step of a small model is launch-bound (10 kernel launches per layer with the fused Triton
-kernels, ``kvchat.bench.launch_count``); replaying a captured graph issues them as one. As nano-vllm's ``model_runner.py`` does, the graph is captured over
+kernels, ``kvchat.bench.launch_count``); replaying a captured graph issues them as one. As nano-vllm's ``model_runner.py``
+does, the graph is captured over
 the persistent input tensors (:mod:`kvchat.engine.decode_buffers`): each step writes its values into
 them and replays. Within one (batch, context) bucket pair every launch parameter is fixed (the Triton
 decode kernel's split count follows the block-table view's width, its row stride is the full table's),

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from kvchat.kernels import dispatch
 from kvchat.engine.block_manager import BlockManager, SeqBlocks
 from kvchat.engine.kv_pool import KVPool
+from kvchat.kernels import dispatch
 from kvchat.store.snapshot import ChunkData
 
 MIN_CAPACITY = 256  # tokens; capacity is a multiple of it

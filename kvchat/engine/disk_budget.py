@@ -22,8 +22,8 @@ from sqlite_utils import Database
 from kvchat.paths import data_dir
 from kvchat.settings import CACHE_BUDGET_GB, cache_budget_gb
 from kvchat.store.chunk_index import evict_to_budget, list_chunks, set_pinned, totals, with_ancestors
-from kvchat.units import size_text
 from kvchat.store.chunk_refs import pinned_owner_keys
+from kvchat.units import size_text
 
 FREE_FRACTION = 0.20
 CAP_BYTES = 50 * 10**9

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.kernels.reference import FP8_DTYPE
 from kvchat.engine.cache_identity import BLOCK_SIZE, KV_DTYPE_NAMES
+from kvchat.kernels.reference import FP8_DTYPE
 
 KV_DTYPES: dict[str, torch.dtype] = dict(zip(KV_DTYPE_NAMES, (FP8_DTYPE, torch.bfloat16, torch.float16)))
 

@@ -78,10 +78,14 @@ class Request:
         return isinstance(self.waiting, PrefillChunk) and self.waiting.settle
 
 
-def sample_step(requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
+def sample_step(requests: Sequence[Request], logits: torch.Tensor) -> list[int | Exception]:
     """The next id of each request waiting on a ``DecodeStep``, from one batched forward's float32 logits
     ``[len(requests), vocab_size]`` (row ``i`` is ``requests[i]``'s), each row by its step's sampler; all
-    ids come back in one host read. The one place the loop samples: per-request logit processing goes here."""
+    ids come back in one host read. The one place the loop samples: per-request logit processing goes here.
+
+    A row whose sampler raises gets its exception in place of an id (:func:`sample_rows`): it ends that
+    request alone.
+    """
     return sample_rows([r.waiting.sampler for r in requests], logits)
 
 
@@ -208,6 +212,7 @@ class EngineLoop:
                 except Exception as exc:  # noqa: BLE001 - a bug in one step: fail the running requests, keep going
                     for req in [r for r in self.running if not r.settling]:  # answered ones finish next
                         self._abort(req, exc)
+                    self.running = [r for r in self.running if not r.future.done()]  # never decoded again
 
     def _iteration(self) -> bool:
         """One iteration (calls, admit, one batched decode, prefill chunks up to the budget); True to stop."""
@@ -254,7 +259,10 @@ class EngineLoop:
             return
         self.decode_steps += 1
         for req, token in zip(reqs, sample_step(reqs, logits)):
-            self._advance(req, token)
+            if isinstance(token, Exception):
+                self._abort(req, token)
+            else:
+                self._advance(req, token)
 
     def _advance(self, req: Request, reply) -> None:
         """Run ``req``'s steps to the next one (one prefill chunk, or up to its next decode step)."""

@@ -30,12 +30,12 @@ from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.device_copies import DeviceCopies
 from kvchat.engine.disk_budget import Eviction, make_room
 from kvchat.engine.disk_budget import enforce as enforce_budget
-from kvchat.engine.runner import Engine
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.read_speed import ReadSpeed, restore_pays
+from kvchat.engine.runner import Engine
 from kvchat.engine.timing import DeviceTimer
-from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
 from kvchat.index import get_db
+from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
 from kvchat.store import chunk_refs
 from kvchat.store.chunk_index import (
     ChunkRow,
@@ -363,8 +363,8 @@ class KVPersist:
         for link, size, pin in zip(new, sizes, pins):
             chunk, copied = _read_tokens(self.engine.pool, self.engine.blocks, seq, link.start, link.end, pin)
             self._queue.put((link, chunk, copied, size if pin else 0))
-        self._queue.put(("refs", owner, [l.key for l in links]))
-        return [l.key for l in links]
+        self._queue.put(("refs", owner, [link.key for link in links]))
+        return [link.key for link in links]
 
     def add_refs(self, owner: str, keys: Sequence[str]) -> None:
         """Queue ``owner``'s references on ``keys`` (as :meth:`save` does), chunks a save already queued or

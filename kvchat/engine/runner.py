@@ -17,26 +17,26 @@ from typing import Callable, Sequence
 import torch
 
 from kvchat import settings
-from kvchat.kernels import dispatch
+from kvchat.device import activate, check_device, device_guard
 from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
 from kvchat.engine.cache_identity import FORMAT_COMPUTE, CacheIdentity, compute_key
-from kvchat.model.config import ModelConfig
+from kvchat.engine.calibration import KVCalibration
 from kvchat.engine.decode_buffers import BATCH_BUCKETS, DecodeBuffers, DecodeRow, batch_bucket, context_bucket, context_buckets
 from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
-from kvchat.engine.calibration import KVCalibration
-from kvchat.kernels.warmup import warm_up
-from kvchat.device import activate, check_device, device_guard
 from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
-from kvchat.engine.timing import DeviceTimer
-from kvchat.model.transformer import AttnMetadata, build_model
-from kvchat.model.compiled_decode import compiled_decode
-from kvchat.model.weights import weight_reader
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
+from kvchat.engine.timing import DeviceTimer
+from kvchat.kernels import dispatch
 from kvchat.kernels.cpu_int8 import small_rows_kernel
+from kvchat.kernels.warmup import warm_up
+from kvchat.model.compiled_decode import compiled_decode
+from kvchat.model.config import ModelConfig
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, stored_scheme
 from kvchat.model.quant import int8_path, quantize_linears
+from kvchat.model.transformer import AttnMetadata, build_model
+from kvchat.model.weights import weight_reader
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
 FORMAT_COMPUTE_DTYPES = {f: COMPUTE_DTYPES[n] for f, n in FORMAT_COMPUTE.items()}  # see cache_identity.FORMAT_COMPUTE
@@ -214,7 +214,8 @@ class Engine:
         implied = FORMAT_COMPUTE_DTYPES[self.weight_format]  # what the weight format computes in unless overridden
         self.dtype = implied if dtype_name == "auto" else COMPUTE_DTYPES[dtype_name]
         if self.weight_format == "int8" and self.dtype != torch.float32:
-            raise ValueError(f"int8 weights compute in fp32 (bf16 only at torch's int8 kernel's input, where it runs); drop --dtype {dtype_name}")
+            raise ValueError("int8 weights compute in fp32 (bf16 only at torch's int8 kernel's input, where it runs); "
+                             f"drop --dtype {dtype_name}")
         timer = DeviceTimer(self.device).start()
         self.model = model = build_model(cfg, weights, self.device, self.dtype)
         weights.close()

@@ -138,7 +138,21 @@ def _token_logprob(logprobs: torch.Tensor, token_id: int, top: int) -> TokenLogp
     return TokenLogprob(token_id, row[0], list(zip(ids.tolist(), row[1:])))
 
 
-def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
+def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int | Exception]:
     """One id per row of float32 ``logits`` ``[len(samplers), vocab_size]``, row ``i`` by ``samplers[i]``;
-    all ids come back in one host read."""
-    return torch.stack([s.pick(row) for s, row in zip(samplers, logits)]).tolist()
+    all ids come back in one host read.
+
+    A row whose sampler raises (a grammar the matcher cannot follow, probabilities that are not finite) gets
+    its exception in place of an id and the other rows their ids: each pick runs once (a grammar advances
+    on it), so one request's failure is its own.
+    """
+    picks: list[torch.Tensor] = []
+    out: list[int | Exception | None] = []
+    for sampler, row in zip(samplers, logits):
+        try:
+            picks.append(sampler.pick(row))
+            out.append(None)
+        except Exception as exc:  # noqa: BLE001 - that row's error, returned for its request alone
+            out.append(exc)
+    ids = iter(torch.stack(picks).tolist() if picks else [])
+    return [next(ids) if o is None else o for o in out]

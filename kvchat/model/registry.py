@@ -16,8 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.model.config import ModelConfig, UnsupportedModelError
-from kvchat.model.fingerprint import (HASHES, IMPORT_FINGERPRINT_VERSION, WeightFileError, cached_fingerprint,
-                                      compute_fingerprint, tensor_entries, weight_files)
+from kvchat.model.fingerprint import (
+    HASHES,
+    IMPORT_FINGERPRINT_VERSION,
+    WeightFileError,
+    cached_fingerprint,
+    compute_fingerprint,
+    tensor_entries,
+    weight_files,
+)
 from kvchat.model.importer import (
     DEFAULT_MODEL_NAME,
     import_default_model,

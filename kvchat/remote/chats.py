@@ -22,19 +22,37 @@ from kvchat.conversation.events import Emit, TurnDone
 from kvchat.conversation.search import search_conversation_ids
 from kvchat.conversation.streaming import TokenBatcher
 from kvchat.conversation.titles import UNTITLED, ChatModelMismatchError, chat_title
-from kvchat.conversation.views import (SYSTEM_PROMPT_FIXED, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView,
-                                       ContextFullError)
+from kvchat.conversation.views import (
+    SYSTEM_PROMPT_FIXED,
+    CacheReport,
+    CacheRow,
+    ChatMessage,
+    ChatSummary,
+    ChatView,
+    ContextFullError,
+)
 from kvchat.documents import Document
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.index import get_db
-from kvchat.server_address import SERVER_PREFIX, server_fingerprint, server_of
 from kvchat.remote.client import Reply, ServerClient
 from kvchat.remote.figures import reuse_line, turn_stats
-from kvchat.store.conversations import (Conversation, NewMessage, append_turn, create_conversation, delete_conversation,
-                                        get_conversation, list_conversations, pin_conversation, rename_conversation,
-                                        rewind_conversation, set_model, set_settings, settings_of)
+from kvchat.server_address import SERVER_PREFIX, server_fingerprint, server_of
+from kvchat.store.conversations import (
+    Conversation,
+    NewMessage,
+    append_turn,
+    create_conversation,
+    delete_conversation,
+    get_conversation,
+    list_conversations,
+    pin_conversation,
+    rename_conversation,
+    rewind_conversation,
+    set_model,
+    set_settings,
+    settings_of,
+)
 from kvchat.store.db import write_transaction
-
 
 NOT_HERE = "the KV cache of a chat held with a server is the server's"
 

@@ -25,8 +25,18 @@ from starlette.routing import Route
 
 from kvchat.server.choices import SeveralChoices
 from kvchat.server.host_check import HostCheck
-from kvchat.server.protocol import (ApiError, answer_message, chunk_body, completion_body, held_delta, joined_logprobs,
-                                    kvchat_block, parse_chat_request, sse_line, usage_block)
+from kvchat.server.protocol import (
+    ApiError,
+    answer_message,
+    chunk_body,
+    completion_body,
+    held_delta,
+    joined_logprobs,
+    kvchat_block,
+    parse_chat_request,
+    sse_line,
+    usage_block,
+)
 from kvchat.server.scheduler import Finished, Job
 
 DISCONNECT_POLL_S = 0.25  # a client waiting for a whole answer is checked for a closed connection this often

@@ -14,8 +14,18 @@ import asyncio
 import dataclasses
 
 from kvchat.engine.shared_prompt import SharedPrompt
-from kvchat.server.protocol import (ApiError, ChatRequest, answer_message, chunk_body, completion_body, held_delta,
-                                    joined_logprobs, kvchat_block, sse_line, usage_block)
+from kvchat.server.protocol import (
+    ApiError,
+    ChatRequest,
+    answer_message,
+    chunk_body,
+    completion_body,
+    held_delta,
+    joined_logprobs,
+    kvchat_block,
+    sse_line,
+    usage_block,
+)
 from kvchat.server.scheduler import Finished, Job
 
 

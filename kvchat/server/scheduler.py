@@ -148,7 +148,8 @@ class Scheduler:
     def health(self) -> dict:
         """Pool and queue counters (read without locking; approximate while the loop runs)."""
         e = self.rt.engine
-        return {"status": "ok" if self.alive else "the scheduler thread has stopped", "model": self.rt.info.name, "kv_dtype": e.spec.kv_dtype,
+        return {"status": "ok" if self.alive else "the scheduler thread has stopped", "model": self.rt.info.name,
+                "kv_dtype": e.spec.kv_dtype,
                 "pool_blocks_total": e.pool.num_blocks, "pool_blocks_used": e.pool.num_blocks - e.blocks.num_free_blocks,
                 "running": len(self.running), "queued": len(self.queued) + len(self._inbox),
                 "decode_steps": self.loop.decode_steps, "context_limit": e.max_context}

@@ -23,11 +23,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvchat.documents import read_document
-from kvchat.conversation.views import SYSTEM_PROMPT_FIXED, AttachCancelled, CacheReport, CacheRow, ChatMessage, ChatSummary, ChatView, ContextFullError, DocumentSummary, ResumeInfo, Status
 from kvchat.conversation.continuation import CarryWay, Continuation, answer_room
 from kvchat.conversation.events import AttachStep, Emit, LoadProgress, PrefillProgress, TurnDone
 from kvchat.conversation.streaming import TokenBatcher
+from kvchat.conversation.views import (
+    SYSTEM_PROMPT_FIXED,
+    AttachCancelled,
+    CacheReport,
+    CacheRow,
+    ChatMessage,
+    ChatSummary,
+    ChatView,
+    ContextFullError,
+    DocumentSummary,
+    ResumeInfo,
+    Status,
+)
+from kvchat.documents import read_document
 from kvchat.engine.turn import SamplingParams, TurnStats
 
 TURN_OVERHEAD = 4

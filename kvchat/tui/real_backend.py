@@ -15,11 +15,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from kvchat.tui.backend import BackendNotReadyError, StoreUnavailableError
-from kvchat.conversation.views import CacheReport, ChatSummary, ChatView, DocumentSummary, Status
 from kvchat.conversation.continuation import CarryWay, Continuation
 from kvchat.conversation.events import Emit, LoadProgress, TurnDone
+from kvchat.conversation.views import CacheReport, ChatSummary, ChatView, DocumentSummary, Status
 from kvchat.engine.turn import SamplingParams
+from kvchat.tui.backend import BackendNotReadyError, StoreUnavailableError
 
 
 def _close_thread_dbs() -> None:
@@ -77,13 +77,13 @@ class RealBackend:
             self._status = Status(phase="error", message=str(exc))
             raise
         emit(LoadProgress("importing torch and transformers"))
+        from kvchat.conversation.service import ChatService
         from kvchat.cpu_threads import on_own_thread
         from kvchat.engine.loop import EngineLoop
         from kvchat.load_steps import listening
-        from kvchat.runtime import load_runtime, set_threads
         from kvchat.model.importer import DEFAULT_MODEL_NAME, read_manifest
         from kvchat.paths import models_dir
-        from kvchat.conversation.service import ChatService
+        from kvchat.runtime import load_runtime, set_threads
 
         set_threads(self.threads)
         if self.model is None and read_manifest(models_dir() / DEFAULT_MODEL_NAME) is None:

@@ -69,9 +69,9 @@ class RemoteBackend:
         return self._turn_lane.call(self._load, emit)
 
     def _load(self, emit: Emit) -> Status:
-        from kvchat.server_address import plain_http_warning
         from kvchat.remote.chats import RemoteChats
         from kvchat.remote.client import ServerClient, context_limit, pick_model
+        from kvchat.server_address import plain_http_warning
         from kvchat.tui.store_open import open_store
 
         try:

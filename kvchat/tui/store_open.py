@@ -21,8 +21,8 @@ def open_store() -> None:
             the database is damaged, locked past the busy timeout, or newer
             than this kvchat.
     """
-    from kvchat.paths import db_path
     from kvchat.index import get_db
+    from kvchat.paths import db_path
     from kvchat.store.db import require_writable
     from kvchat.store.errors import DamagedDatabaseError, ReadOnlyStoreError, StoreError
 

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.bench.page_cache import (drop_file_cache, kept_pages_warning, read_file, resident_fraction,
-                                     write_random_file)
-from kvchat.bench.resume import dropped_restore_verdicts, build_conversation, summarise
+from kvchat.bench.page_cache import drop_file_cache, kept_pages_warning, read_file, resident_fraction, write_random_file
+from kvchat.bench.resume import build_conversation, dropped_restore_verdicts, summarise
 from kvchat.model.chat_format import ChatFormat
 from kvchat.texts import stdlib_text
 

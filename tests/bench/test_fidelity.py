@@ -15,10 +15,10 @@ from transformers import AutoTokenizer
 
 from kvchat.bench.fidelity import GOAL_PPL_DELTA_PCT, compare_to_reference
 from kvchat.bench.kv_schemes import all_schemes
-from kvchat.engine.runner import Engine
 from kvchat.engine.kv_pool import KVCacheSpec
-from kvchat.runtime import ensure_calibration
+from kvchat.engine.runner import Engine
 from kvchat.model.registry import load_weights
+from kvchat.runtime import ensure_calibration
 
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
 TOKENS = 2048

@@ -6,12 +6,11 @@ import pytest
 import torch
 import transformers
 
-from kvchat.kernels import dispatch
 from kvchat.bench.kv_schemes import all_schemes, write_fixed_scale
-from kvchat.model.config import ModelConfig
-from kvchat.kernels import reference
-from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.calibration import make_calibration
+from kvchat.engine.kv_pool import KVCacheSpec, KVPool
+from kvchat.kernels import dispatch, reference
+from kvchat.model.config import ModelConfig
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 3, 64
 T = 40  # crosses block boundaries; the block table is deliberately out of order

@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 from kvchat.bench.fidelity import GOAL_PPL_DELTA_PCT
 from kvchat.bench.weight_fidelity import compare_weights, kernel_chunks
 from kvchat.kernels import cpu_int8
-from kvchat.runtime import ensure_calibration
 from kvchat.model.registry import load_weights
+from kvchat.runtime import ensure_calibration
 
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
 TOKENS = 2048

@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-
 from process_helpers import run_kvchat
 
 pytestmark = pytest.mark.model

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from process_helpers import run_kvchat
 
 from kvchat.texts import stdlib_text
-from process_helpers import run_kvchat
 
 pytestmark = pytest.mark.model
 

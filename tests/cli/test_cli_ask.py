@@ -22,7 +22,8 @@ def tree(root: Path) -> dict[str, bytes]:
     """Every file under root with its content (to prove nothing changed)."""
     if not root.exists():
         return {}
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
 
 
 @pytest.fixture
@@ -92,10 +93,12 @@ def test_context_overflow_names_both_lengths(tmp_path, models, kvchat_home):
 @pytest.mark.skipif(not SEEDS.is_dir(), reason="shared/seeds not beside the checkout")
 def test_ask_about_a_document_then_continue_the_chat(models, kvchat_home):
     doc = SEEDS / "004_4d805c1dfa684b44.txt"
-    first = run_cli(["ask", "What problem does PagedAttention solve?", "--doc", str(doc), "--max-tokens", "24", "--json"], kvchat_home, models)
+    first = run_cli(["ask", "What problem does PagedAttention solve?", "--doc", str(doc), "--max-tokens", "24", "--json"],
+                    kvchat_home, models)
     assert first.returncode == 0, first.stderr
     a = json.loads(first.stdout)
-    for key in ("text", "chat_id", "prompt_tokens", "reused_tokens", "prefilled_tokens", "ttft_ms", "decode_tokens_per_s", "kv_dtype", "model"):
+    for key in ("text", "chat_id", "prompt_tokens", "reused_tokens", "prefilled_tokens", "ttft_ms", "decode_tokens_per_s", "kv_dtype",
+                "model"):
         assert key in a
     assert a["kv_dtype"] == "fp8" and a["model"] == "SmolLM2-135M-Instruct"
     assert a["prompt_tokens"] > 4000, "the document is in the prompt"
@@ -145,7 +148,7 @@ def test_a_closed_stdout_stops_quietly_and_keeps_a_stored_turn(models, kvchat_ho
     err = proc.stderr.read()
     assert proc.wait(timeout=600) == 141, err  # as a shell reports SIGPIPE
     assert "error" not in err and "Traceback" not in err
-    from kvchat.store.conversations import list_conversations
     from kvchat.index import get_db
+    from kvchat.store.conversations import list_conversations
 
     assert [c.num_messages for c in list_conversations(get_db())] == [2], "the turn was stored before the write"

@@ -8,9 +8,9 @@ import os
 import sqlite3
 
 import pytest
+from process_helpers import run_kvchat
 
 from kvchat.texts import stdlib_text
-from process_helpers import run_kvchat
 
 pytestmark = pytest.mark.model
 PROMPT_CHARS = 4000  # about 900 tokens: a chain of three full chunks and a tail

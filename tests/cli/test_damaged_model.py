@@ -8,7 +8,6 @@ import os
 import shutil
 
 import pytest
-
 from process_helpers import assert_one_error_line, run_kvchat
 
 pytestmark = pytest.mark.model

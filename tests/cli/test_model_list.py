@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from process_helpers import run_kvchat
 
 from kvchat.cli.model import weights_origin
-from process_helpers import run_kvchat
 
 
 def test_weights_origin_names_a_gguf_quantization():

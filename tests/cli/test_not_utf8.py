@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from process_helpers import assert_one_error_line, run_kvchat
 
 BAD = {name: os.fsdecode(raw) for name, raw in

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvchat.model.config import ModelConfig
 from kvchat.cli.plan import cmd_plan
+from kvchat.model.config import ModelConfig
 from kvchat.plan import GIB, PlanInputError, count_params, plan_memory
 
 # Llama-2-7B's published config.json (the article quotes L=32, hidden 4096, 32 heads, no GQA).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from test_cache_resume_tokens import StoreReport, store_chain
 from textual.widgets import DataTable, Static
 
 from kvchat.cli.main import main
@@ -18,7 +19,6 @@ from kvchat.index import get_db
 from kvchat.store.conversations import append_turn, create_conversation
 from kvchat.store.documents import upsert_document
 from kvchat.tui.app import KvchatApp
-from test_cache_resume_tokens import StoreReport, store_chain
 
 DOC = "d_5cc92d75b0"
 SYSTEM_END, DOC_END, CHAT_TOKENS = 30, 741, 774  # the system prompt's end, the pasted document's, the chat's

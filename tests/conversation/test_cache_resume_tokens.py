@@ -18,13 +18,13 @@ import torch
 from textual.widgets import DataTable
 
 from kvchat.cli.main import main
+from kvchat.conversation import listing
 from kvchat.engine.persistence import chain
+from kvchat.index import get_db
 from kvchat.store.chunk_index import add_chunk, delete_chunk, ref_chunks
 from kvchat.store.conversations import append_turn, create_conversation
 from kvchat.store.db import write_transaction
-from kvchat.index import get_db
 from kvchat.store.snapshot import ChunkData
-from kvchat.conversation import listing
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.fake_backend import FakeBackend
 

@@ -16,8 +16,8 @@ from kvchat.engine import persistence
 from kvchat.engine.persistence import chain
 from kvchat.engine.turn import SamplingParams
 from kvchat.index import get_db
-from kvchat.runtime import load_runtime
 from kvchat.paths import data_dir
+from kvchat.runtime import load_runtime
 from kvchat.store.chunk_index import totals
 from kvchat.store.documents import list_documents, pin_document
 

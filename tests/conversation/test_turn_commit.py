@@ -14,12 +14,12 @@ import time
 
 import pytest
 
+from kvchat.engine.turn import SamplingParams
+from kvchat.index import get_db
 from kvchat.phase_trace import read_trace
 from kvchat.store.conversations import get_conversation
 from kvchat.store.db import close_thread_dbs
-from kvchat.index import get_db
 from kvchat.store.errors import ConversationConflictError
-from kvchat.engine.turn import SamplingParams
 
 POOL_BYTES = 12 * 2**20  # 1,024 tokens of SmolLM2 fp8 KV
 GS = SamplingParams(max_tokens=4)

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from turn_helpers import prefill, run_prefix, run_turn
 
-from kvchat.engine.block_manager import SeqBlocks
 from kvchat.conversation.records import new_settings
+from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.runner import chunk_plan, last_cut
-from kvchat.runtime import load_runtime
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
-from turn_helpers import prefill, run_prefix, run_turn
+from kvchat.runtime import load_runtime
 
 DOC = ("Paged attention stores the KV cache in fixed-size blocks, like virtual memory pages, "
        "so memory is allocated on demand and shared between sequences. ") * 12

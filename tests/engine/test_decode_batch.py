@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from turn_helpers import run_turn
 
 from kvchat.conversation.records import new_settings
 from kvchat.engine.dense_kv import DenseKV
@@ -19,7 +20,6 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.session import Session
 from kvchat.runtime import load_runtime
-from turn_helpers import run_turn
 
 PROMPTS = ["Name a fruit.", "What is two plus two?", "Say hello in French."]
 

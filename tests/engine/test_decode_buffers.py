@@ -22,16 +22,17 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules and importlib.util.find_spec("triton"):
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported (see tests/kernels/test_kernels_triton.py)
 
+from turn_helpers import prefill
+
 from kvchat.engine.block_manager import SeqBlocks  # noqa: E402
 from kvchat.engine.decode_buffers import batch_bucket, context_bucket, context_buckets  # noqa: E402
 from kvchat.engine.dense_kv import DenseKV  # noqa: E402
-from kvchat.kernels import cpu_attention  # noqa: E402
 from kvchat.engine.runner import Engine  # noqa: E402
 from kvchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from kvchat.engine.sequence import DecodeStep, Sequence  # noqa: E402
+from kvchat.kernels import cpu_attention  # noqa: E402
 from kvchat.model.registry import load_weights  # noqa: E402
 from kvchat.model.transformer import AttnMetadata  # noqa: E402
-from turn_helpers import prefill
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,13 +7,13 @@ import importlib.util
 
 import pytest
 import torch
+from turn_helpers import prefill
 
 from kvchat import settings
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
 from kvchat.engine.sampling import Sampler, SamplingParams, sample_rows
 from kvchat.engine.sequence import DecodeStep, Sequence
-from turn_helpers import prefill
 
 CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with Triton")

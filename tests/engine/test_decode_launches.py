@@ -22,6 +22,7 @@ if not CUDA and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported (see tests/kernels/test_kernels_triton.py)
 
 import transformers  # noqa: E402
+from turn_helpers import prefill  # noqa: E402
 
 from kvchat.bench.launch_count import LaunchCounter, decode_step_launches  # noqa: E402
 from kvchat.engine.block_manager import SeqBlocks  # noqa: E402
@@ -30,7 +31,6 @@ from kvchat.engine.runner import Engine  # noqa: E402
 from kvchat.kernels import dispatch, triton_fused  # noqa: E402
 from kvchat.kernels.reference import dequantize_fp8  # noqa: E402
 from kvchat.model.config import ModelConfig  # noqa: E402
-from turn_helpers import prefill
 
 if not CUDA and not triton_fused.INTERPRETED:
     pytest.skip("Triton was imported earlier in this process without TRITON_INTERPRET=1", allow_module_level=True)

@@ -14,17 +14,15 @@ from dataclasses import replace
 import pytest
 import torch
 import transformers
-
-from kvchat.kernels import dispatch
-from kvchat.engine import dense_kv
-from kvchat.engine.block_manager import SeqBlocks
-from kvchat.engine import persistence
-from kvchat.engine.persistence import CHUNK_TOKENS, KVPersist
-from kvchat.model.config import ModelConfig
-from kvchat.engine.runner import Engine
-from kvchat.kernels import cpu_attention
-from kvchat.kernels import reference as ref
 from turn_helpers import prefill
+
+from kvchat.engine import dense_kv, persistence
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.persistence import CHUNK_TOKENS, KVPersist
+from kvchat.engine.runner import Engine
+from kvchat.kernels import cpu_attention, dispatch
+from kvchat.kernels import reference as ref
+from kvchat.model.config import ModelConfig
 
 
 def _engine(kv_dtype: str = "fp8", pool_bytes: int = 2**20, dense: bool = True) -> Engine:

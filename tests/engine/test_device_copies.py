@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from turn_helpers import prefill
 
 from kvchat.engine.device_copies import DeviceCopies
-from turn_helpers import prefill
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
-from kvchat.kernels import dispatch
-from kvchat.engine.block_manager import SeqBlocks
-from kvchat.model.config import ModelConfig
-from kvchat.engine.runner import Engine
-from kvchat.kernels import reference as ref
-from kvchat.engine.calibration import calibration_path, load_calibration, make_calibration
-from kvchat.engine.scratch import calibrate_k_mean
-from kvchat.runtime import ensure_calibration
 from turn_helpers import prefill
+
+from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.calibration import calibration_path, load_calibration, make_calibration
+from kvchat.engine.runner import Engine
+from kvchat.engine.scratch import calibrate_k_mean
+from kvchat.kernels import dispatch
+from kvchat.kernels import reference as ref
+from kvchat.model.config import ModelConfig
+from kvchat.runtime import ensure_calibration
 
 
 @pytest.fixture(scope="module")

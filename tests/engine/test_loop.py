@@ -11,6 +11,7 @@ from kvchat.conversation.records import new_settings
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.loop import EngineLoop
 from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.sequence import DecodeStep
 from kvchat.engine.session import Session
 from kvchat.runtime import load_runtime
 
@@ -74,3 +75,54 @@ def test_a_call_runs_on_the_loops_thread_and_its_error_reaches_the_caller(rt):
     finally:
         loop.close()
     assert not loop.alive
+
+
+class _BrokenSampler:
+    """A sampler whose pick fails, as a grammar the matcher cannot follow does."""
+
+    def pick(self, logits):
+        raise RuntimeError("sampler broke")
+
+
+def _with_broken_sampler(steps):
+    """``steps`` with every ``DecodeStep`` handed to the loop carrying :class:`_BrokenSampler` (an error the
+    loop throws back in reaches the turn)."""
+    reply = None
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(step, DecodeStep):
+            step = DecodeStep(step.sequence, step.token_ids, _BrokenSampler())
+        try:
+            reply = yield step
+        except BaseException as exc:  # noqa: BLE001 - the turn's own rollback runs, then its error goes on
+            steps.throw(exc)
+
+
+def test_a_sampler_that_fails_ends_its_own_request_alone(rt):
+    """One request's sampler raises in a batched step: that request fails, the other in the same forward
+    answers as it does alone, and the loop takes later requests."""
+    alone = EngineLoop(rt.engine, thread=False, snapshots=False)
+    expected = _answer_ids(alone, rt, PROMPTS[0])
+    alone.close()
+    loop = EngineLoop(rt.engine, snapshots=False)
+    try:
+        good, bad = _session(rt), _session(rt)
+        if rt.engine.dense is not None:
+            for s in (good, bad):
+                s.sequence.dense = DenseKV(rt.engine.pool, rt.engine.blocks)
+        with loop._wake:  # both start in one iteration and decode in one forward
+            ok = loop.submit(good.turn(PROMPTS[0], SamplingParams(max_tokens=6)))
+            broken = loop.submit(_with_broken_sampler(bad.turn(PROMPTS[1], SamplingParams(max_tokens=6))))
+        ok.future.result(timeout=300)
+        with pytest.raises(RuntimeError, match="sampler broke"):
+            broken.future.result(timeout=300)
+        assert list(good.token_ids) == expected
+        good.close()
+        bad.close()
+        assert _answer_ids(loop, rt, PROMPTS[2])  # a later request runs
+        assert loop.running == [] and loop.alive
+    finally:
+        loop.close()

@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from turn_helpers import run_turn
 
 from kvchat.conversation.records import new_settings
 from kvchat.engine.persistence import CHUNK_TOKENS, chain
-from kvchat.runtime import load_runtime
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
-from turn_helpers import run_turn
+from kvchat.runtime import load_runtime
 
 DOC = (
     "The lighthouse keeper of Varn Island logged the weather every hour for thirty-one years. "
@@ -101,7 +101,7 @@ def _user_turn_tokens(text: str) -> int:
 def test_chain_keys_and_tails():
     ids = list(range(700))
     links = chain("f" * 32, ids, [300, 700])
-    assert [(l.start, l.end) for l in links] == [(0, 256), (256, 512), (256, 300), (512, 700)]
+    assert [(link.start, link.end) for link in links] == [(0, 256), (256, 512), (256, 300), (512, 700)]
     assert links[2].parent_key == links[0].key and links[3].parent_key == links[1].key
     other = chain("e" * 32, ids, [700])
-    assert not {l.key for l in links} & {l.key for l in other}, "another cache fingerprint never shares keys"
+    assert not {link.key for link in links} & {link.key for link in other}, "another cache fingerprint never shares keys"

@@ -9,9 +9,9 @@ import pytest
 from kvchat.conversation.records import new_settings
 from kvchat.engine.loop import EngineLoop
 from kvchat.engine.runner import ContextOverflowError, last_cut
-from kvchat.runtime import load_runtime
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, EmptyPromptError, Session
+from kvchat.runtime import load_runtime
 
 DOC = "Kvchat keeps the KV cache of every chat on disk. " * 40
 

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from kvchat.cli.main import main
+from kvchat.index import get_db
 from kvchat.store.chunk_index import WRITER_WINDOW_S, gc, get_chunk, list_chunks, load_chunk, touch
 from kvchat.store.db import connect, write_transaction
-from kvchat.index import get_db
 
 DOC = (
     "The tide tables of the Orrin estuary were kept by the harbour office from 1870 onward. "

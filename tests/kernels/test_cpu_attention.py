@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.kernels import dispatch
-from kvchat.kernels import cpu_attention
+from kvchat.kernels import cpu_attention, dispatch
 from kvchat.kernels import reference as ref
 
 needs_kernel = pytest.mark.skipif(cpu_attention._library() is None,

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import transformers
+from turn_helpers import prefill
 
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.calibration import make_calibration
@@ -19,7 +20,6 @@ from kvchat.kernels import cpu_decode
 from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.config import ModelConfig
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
-from turn_helpers import prefill
 
 needs_kernel = pytest.mark.skipif(not cpu_decode.available(), reason="the compiled CPU decode layer does not build here")
 

@@ -36,10 +36,16 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kvchat.kernels import dispatch  # noqa: E402
-from kvchat.kernels import reference, triton_decode, triton_extend, triton_write  # noqa: E402
+from turn_helpers import prefill  # noqa: E402
+
+from kvchat.kernels import (  # noqa: E402
+    dispatch,  # noqa: E402
+    reference,
+    triton_decode,
+    triton_extend,
+    triton_write,
+)
 from kvchat.settings import SettingError  # noqa: E402
-from turn_helpers import prefill
 
 if DEVICE.type == "cpu" and not (triton_write.INTERPRETED and triton_decode.INTERPRETED and triton_extend.INTERPRETED):
     pytest.skip("Triton was imported earlier in this process without TRITON_INTERPRET=1", allow_module_level=True)

@@ -18,8 +18,11 @@ if importlib.util.find_spec("triton") is None:
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported (see test_kernels_triton.py)
 
-from kvchat.kernels import triton_decode  # noqa: E402
-from kvchat.kernels import dispatch, triton_write  # noqa: E402
+from kvchat.kernels import (  # noqa: E402
+    dispatch,
+    triton_decode,  # noqa: E402
+    triton_write,
+)
 from kvchat.kernels.warmup import DecodeLaunch, ExtendLaunch, compile_plan, launch_warmup, plan_warmup, warm_up  # noqa: E402
 
 FP8 = torch.float8_e4m3fn

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvchat.kernels import reference as ref
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
+from kvchat.kernels import reference as ref
 
 
 def _pool(kv_dtype: str, num_blocks: int = 8, hkv: int = 3, d: int = 64) -> KVPool:

@@ -12,7 +12,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat, ChatTemplateError, Segment, append_segment, document_message

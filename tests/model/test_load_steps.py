@@ -8,10 +8,10 @@ import os
 import shutil
 
 import pytest
+from process_helpers import run_kvchat
 
 from kvchat.conversation.events import LoadProgress
 from kvchat.tui.real_backend import RealBackend
-from process_helpers import run_kvchat
 
 pytestmark = pytest.mark.model
 

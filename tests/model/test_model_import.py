@@ -23,6 +23,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
+from kvchat.cli.model import cmd_model_list, cmd_model_pull
 from kvchat.model.config import UnsupportedModelError
 from kvchat.model.fingerprint import HASHES, compute_fingerprint
 from kvchat.model.importer import (
@@ -36,7 +37,6 @@ from kvchat.model.importer import (
     import_model_file,
     read_manifest,
 )
-from kvchat.cli.model import cmd_model_list, cmd_model_pull
 from kvchat.model.registry import ModelNotFoundError, load_weights, resolve_model
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} t1 {% endfor %}"

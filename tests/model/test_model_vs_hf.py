@@ -12,8 +12,8 @@ import torch
 import transformers
 
 from kvchat.engine.block_manager import SeqBlocks
-from kvchat.model.config import ModelConfig, UnsupportedModelError
 from kvchat.engine.runner import Engine
+from kvchat.model.config import ModelConfig, UnsupportedModelError
 
 # The pool rounds every K/V (fp16: 11 significant bits, bf16: 8) while the
 # fp32 oracle keeps them exact. Observed on these peaked random models: max

@@ -7,16 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from turn_helpers import prefill
 
-from kvchat.engine.cache_identity import CacheIdentity, cache_fingerprint, resolve_weight_format
 from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.cache_identity import CacheIdentity, cache_fingerprint, resolve_weight_format
 from kvchat.engine.runner import Engine
 from kvchat.kernels import cpu_int8
 from kvchat.model import quant
-from kvchat.model.int8_scheme import stored_scheme
 from kvchat.model.config import ModelConfig
+from kvchat.model.int8_scheme import stored_scheme
 from kvchat.model.transformer import Linear
-from turn_helpers import prefill
 
 
 def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

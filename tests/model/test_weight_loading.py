@@ -10,18 +10,18 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
+from turn_helpers import prefill
 
 from kvchat import settings
 from kvchat.bench.load import RSS_FACTOR, measure_load, weight_bytes
 from kvchat.bench.random_checkpoint import write_checkpoint
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.calibration import make_calibration
-from kvchat.engine.scratch import calibrate_k_mean
 from kvchat.engine.runner import Engine
-from kvchat.model.config import ModelConfig
+from kvchat.engine.scratch import calibrate_k_mean
 from kvchat.model import weights
+from kvchat.model.config import ModelConfig
 from kvchat.model.weights import STAGING_BYTES, CheckpointReader, staging_pieces
-from turn_helpers import prefill
 
 
 def _tiny(path, tie: bool, dtype=torch.float32):

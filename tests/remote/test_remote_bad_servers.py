@@ -12,16 +12,16 @@ import json
 import sqlite3
 
 import pytest
-
-from kvchat.remote.chats import NOT_HERE
-from kvchat.tui.app import KvchatApp
-from kvchat.tui.screens.cache import CacheScreen
-from kvchat.tui.remote_backend import RemoteBackend
-from kvchat.tui.widgets.chat_input import ChatInput
-from kvchat.tui.widgets.status_bar import StatusBar
 from process_helpers import run_kvchat
 from remote_stub import KEY, MODEL, StubServer
 from server_helpers import free_port
+
+from kvchat.remote.chats import NOT_HERE
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.remote_backend import RemoteBackend
+from kvchat.tui.screens.cache import CacheScreen
+from kvchat.tui.widgets.chat_input import ChatInput
+from kvchat.tui.widgets.status_bar import StatusBar
 
 SIZE = (120, 40)
 FAILURES = {  # behaviour: (words of the error line, ask --json's error type)

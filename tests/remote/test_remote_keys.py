@@ -7,8 +7,8 @@ import pytest
 
 from kvchat import settings
 from kvchat.cli.main import main
-from kvchat.server_address import base_url, plain_http_warning, server_of, server_fingerprint
 from kvchat.remote.keys import KEYS_FILE, api_key
+from kvchat.server_address import base_url, plain_http_warning, server_fingerprint, server_of
 
 SERVER = "https://gpu-box.example:8000"
 

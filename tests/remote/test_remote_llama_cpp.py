@@ -15,7 +15,6 @@ import time
 import urllib.request
 
 import pytest
-
 from process_helpers import run_kvchat
 from server_helpers import free_port
 

@@ -8,14 +8,14 @@ import json
 import re
 
 import pytest
+from process_helpers import run_kvchat
+from server_helpers import API_KEY, MODEL, Server
 
 from kvchat.engine.turn import SamplingParams
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.remote_backend import RemoteBackend
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.status_bar import StatusBar
-from process_helpers import run_kvchat
-from server_helpers import API_KEY, MODEL, Server
 
 pytestmark = [pytest.mark.model, pytest.mark.tui]
 SIZE = (120, 40)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from kvchat.conversation.history_match import generated_answer, strip_think
 from kvchat.index import get_db
 from kvchat.model.chat_format import ChatFormat
-from kvchat.conversation.history_match import generated_answer, strip_think
 from kvchat.server.prefix import render
 from kvchat.store.conversations import NewMessage, append_turn, create_conversation
 

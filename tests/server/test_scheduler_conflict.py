@@ -8,11 +8,11 @@ import queue
 import sqlite3
 
 import pytest
+from process_helpers import run_kvchat
 
 from kvchat.runtime import load_runtime
 from kvchat.server.protocol import parse_chat_request
 from kvchat.server.scheduler import Job, Scheduler
-from process_helpers import run_kvchat
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,10 @@ def test_a_turn_on_a_chat_changed_by_another_process_is_stored_in_a_new_chat(rt,
     assert kind == "done", done.body()
     assert done.chat_id not in (None, chat_id) and done.text
     db = sqlite3.connect(kvchat_home / "kvchat.db")
-    rows = lambda cid: [r for r in db.execute("SELECT role, text FROM messages WHERE conversation_id = ? "
-                                              "ORDER BY idx", [cid])]
+
+    def rows(cid):
+        return list(db.execute("SELECT role, text FROM messages WHERE conversation_id = ? ORDER BY idx", [cid]))
+
     assert [r[1] for r in rows(chat_id)][2] == "Name a fruit."  # the other process's turn, kept
     assert rows(done.chat_id) == [("user", "Name a colour."), ("assistant", answer), ("user", "Another one?"),
                                   ("assistant", done.text)]

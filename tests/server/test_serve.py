@@ -16,11 +16,11 @@ import time
 
 import openai
 import pytest
+from process_helpers import run_kvchat
+from server_helpers import API_KEY, MODEL, Server, ask_greedy
 from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat
-from process_helpers import run_kvchat
-from server_helpers import API_KEY, MODEL, Server, ask_greedy
 
 pytestmark = pytest.mark.model
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}

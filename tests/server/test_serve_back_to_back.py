@@ -5,7 +5,6 @@ then the tail from the first chat's snapshot, whose writes may still be queued w
 from __future__ import annotations
 
 import pytest
-
 from process_helpers import run_kvchat
 from server_helpers import MODEL, Server
 

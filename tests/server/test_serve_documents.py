@@ -6,10 +6,9 @@ server restart, from disk."""
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
-
 from process_helpers import run_kvchat
 from server_helpers import MODEL, Server
+from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.model
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}

@@ -12,11 +12,11 @@ import sqlite3
 import time
 
 import pytest
+from process_helpers import assert_one_error_line, run_kvchat
+from server_helpers import MODEL, Server, ask_greedy
 from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat
-from process_helpers import assert_one_error_line, run_kvchat
-from server_helpers import MODEL, Server, ask_greedy
 
 pytestmark = pytest.mark.model
 

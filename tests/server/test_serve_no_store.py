@@ -6,7 +6,6 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
-
 from server_helpers import MODEL, Server
 
 pytestmark = pytest.mark.model

@@ -10,10 +10,10 @@ import sqlite3
 
 import openai
 import pytest
+from server_helpers import MODEL, ask_greedy
 from transformers import AutoTokenizer
 
 from kvchat.model.chat_format import ChatFormat
-from server_helpers import MODEL, ask_greedy
 
 pytestmark = pytest.mark.model
 

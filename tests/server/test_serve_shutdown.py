@@ -11,7 +11,6 @@ import sqlite3
 import threading
 
 import pytest
-
 from server_helpers import MODEL, Server
 
 pytestmark = pytest.mark.model

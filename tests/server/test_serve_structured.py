@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
-
 from server_helpers import ask_greedy
 
 pytestmark = pytest.mark.model
@@ -27,7 +26,8 @@ PERSON = {
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"enum": ["engineer", "teacher", "doctor", "artist"]},
         "skills": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}, "zip": {"type": "integer", "minimum": 1000, "maximum": 99999}},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                     "zip": {"type": "integer", "minimum": 1000, "maximum": 99999}},
                     "required": ["city", "zip"], "additionalProperties": False},
     },
     "required": ["name", "age", "role", "skills", "address"],

@@ -11,7 +11,6 @@ import sqlite3
 import jsonschema
 import openai
 import pytest
-
 from server_helpers import ask_greedy
 
 pytestmark = pytest.mark.model

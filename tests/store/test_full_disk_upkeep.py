@@ -16,7 +16,9 @@ import sys
 
 import pytest
 import torch
+from process_helpers import tree
 
+from kvchat.engine.disk_budget import refresh_pins
 from kvchat.engine.persistence import chain
 from kvchat.index import get_db
 from kvchat.store.chunk_index import add_chunk
@@ -25,8 +27,6 @@ from kvchat.store.conversations import append_turn, create_conversation, pin_con
 from kvchat.store.db import close_thread_dbs
 from kvchat.store.documents import upsert_document
 from kvchat.store.snapshot import ChunkData
-from kvchat.engine.disk_budget import refresh_pins
-from process_helpers import tree
 
 pytestmark = pytest.mark.fault
 

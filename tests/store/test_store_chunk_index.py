@@ -11,14 +11,13 @@ import time
 import pytest
 import torch
 
+from kvchat.index import get_db, kv_dir
 from kvchat.store import chunk_index as ci
 from kvchat.store import snapshot
 from kvchat.store.db import close_thread_dbs
-from kvchat.index import get_db
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout
-from kvchat.index import kv_dir
 
 torch.set_num_threads(1)
 LAYOUT = ChunkLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float8_e4m3fn)

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
+from kvchat.index import get_db, kv_dir
 from kvchat.store import chunk_index as ci
 from kvchat.store.conversations import create_conversation, get_conversation
 from kvchat.store.db import close_thread_dbs
-from kvchat.index import get_db, kv_dir
 
 TURNS = 20
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvchat.index import get_db
 from kvchat.store.conversations import (
     NewMessage,
     append_turn,
@@ -23,7 +24,6 @@ from kvchat.store.conversations import (
     rename_conversation,
 )
 from kvchat.store.db import close_thread_dbs
-from kvchat.index import get_db
 from kvchat.store.errors import ConversationConflictError, ConversationNotFoundError
 
 

@@ -12,13 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kvchat.store.conversations import NewMessage, append_turn, create_conversation, get_conversation
-from kvchat.store.db import backups_dir, connect, database_error_line
-from kvchat.index import get_db
-
 from process_helpers import assert_one_error_line, run_kvchat, tree
 from server_helpers import free_port
+
+from kvchat.index import get_db
+from kvchat.store.conversations import NewMessage, append_turn, create_conversation, get_conversation
+from kvchat.store.db import backups_dir, connect, database_error_line
 
 pytestmark = pytest.mark.fault
 

@@ -13,10 +13,10 @@ import pytest
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from kvchat.index import get_db
 from kvchat.paths import db_path
 from kvchat.store import migrations as mig
 from kvchat.store.db import close_thread_dbs, connect, write_transaction
-from kvchat.index import get_db
 from kvchat.store.errors import MigrationError, SchemaTooNewError, TruncatedDatabaseError
 
 COLUMNS = {

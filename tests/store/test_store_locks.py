@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.store.conversations import NewMessage, append_turn, create_conversation, get_conversation, list_conversations
-from kvchat.store.db import close_thread_dbs
 from kvchat.index import get_db
 from kvchat.paths import db_path
+from kvchat.store.conversations import NewMessage, append_turn, create_conversation, get_conversation, list_conversations
+from kvchat.store.db import close_thread_dbs
 
 ROUNDS = 12
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from kvchat.index import kv_dir
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout, publish_chunk, stage_chunk
-from kvchat.index import kv_dir
 from kvchat.store.snapshot_read import MAX_HEADER_BYTES, read_chunk, verify_chunk_file
 
 torch.set_num_threads(1)

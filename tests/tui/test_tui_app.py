@@ -12,9 +12,10 @@ import time
 import pytest
 from textual.widgets import Button, DataTable, Input, ListView, Markdown
 
+from kvchat.conversation.views import ChatMessage, DocumentSummary
+from kvchat.engine.turn import SamplingParams
 from kvchat.tui.actions import ACTIONS, INPUT_KEYS
 from kvchat.tui.app import KvchatApp
-from kvchat.conversation.views import ChatMessage, DocumentSummary
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.screens.chat import ChatScreen
 from kvchat.tui.screens.confirm import ConfirmScreen
@@ -23,7 +24,6 @@ from kvchat.tui.screens.prompt import PromptScreen, split_paths
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message_view import PAGE, MessageView
 from kvchat.tui.widgets.status_bar import StatusBar
-from kvchat.engine.turn import SamplingParams
 
 SIZE = (120, 40)
 pytestmark = [pytest.mark.asyncio, pytest.mark.tui]

@@ -15,14 +15,14 @@ import sys
 import threading
 
 import pytest
+from server_helpers import API_KEY, Server
 
-from kvchat.documents import DocumentError
-from kvchat.conversation.views import AttachCancelled, ContextFullError
 from kvchat.conversation.events import AttachStep, PrefillProgress, TokenBatch, TurnDone
+from kvchat.conversation.views import AttachCancelled, ContextFullError
+from kvchat.documents import DocumentError
+from kvchat.engine.turn import SamplingParams
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.remote_backend import RemoteBackend
-from kvchat.engine.turn import SamplingParams
-from server_helpers import API_KEY, Server
 
 POOL_BYTES = 12 * 2**20  # 64 blocks of SmolLM2-135M fp8 KV = 1,024 tokens of context
 GS = SamplingParams(max_tokens=8)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from test_tui_app import SIZE, Harness, ready, shown, until
 from textual.widgets import Input
 
 from kvchat.conversation.events import PrefillProgress
@@ -17,8 +18,6 @@ from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.screens.busy import Act, Job, Verdict, decide
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.status_bar import StatusBar
-
-from test_tui_app import SIZE, Harness, ready, shown, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.tui]
 

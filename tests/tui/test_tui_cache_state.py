@@ -11,17 +11,17 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvchat.store.db import write_transaction
-from kvchat.index import get_db
 from textual.widgets import Input, ListView
 
-from kvchat.engine.cache_identity import CacheIdentity, cache_fingerprint
-from kvchat.tui.app import KvchatApp
-from kvchat.engine.cache_miss import why_not_restored
 from kvchat.conversation.cache_state import all_in_memory, disk_bytes
+from kvchat.engine.cache_identity import CacheIdentity, cache_fingerprint
+from kvchat.engine.cache_miss import why_not_restored
+from kvchat.engine.turn import SamplingParams
+from kvchat.index import get_db
+from kvchat.store.db import write_transaction
+from kvchat.tui.app import KvchatApp
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.status_bar import StatusBar
-from kvchat.engine.turn import SamplingParams
 
 pytestmark = pytest.mark.tui
 

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import assert_one_error_line, run_kvchat, tree
 
 from kvchat.tui.app import EXIT_CANNOT_RUN, EXIT_NOT_SAVED, KvchatApp
 from kvchat.tui.fake_backend import FakeBackend
 from kvchat.tui.real_backend import RealBackend
-from process_helpers import assert_one_error_line, run_kvchat, tree
 
 pytestmark = [pytest.mark.tui, pytest.mark.fault]
 

@@ -13,15 +13,14 @@ import subprocess
 import sys
 
 import pytest
+from test_tui_app import SIZE, real_app, until
 
+from kvchat.engine.turn import SamplingParams
+from kvchat.index import get_db
 from kvchat.store.conversations import get_conversation, list_conversations
 from kvchat.store.db import close_thread_dbs
-from kvchat.index import get_db
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message_view import MessageView
-from kvchat.engine.turn import SamplingParams
-
-from test_tui_app import SIZE, real_app, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.tui]
 

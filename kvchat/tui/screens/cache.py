@@ -12,8 +12,8 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
-from kvchat.tui.backend import Backend
 from kvchat.conversation.views import CacheReport, CacheRow
+from kvchat.tui.backend import Backend
 from kvchat.tui.text import one_line, tokens
 from kvchat.units import size_text
 

@@ -23,12 +23,12 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from kvchat.conversation.events import AttachStep, BackendEvent, LoadProgress, PrefillProgress, TokenBatch, TurnDone
+from kvchat.conversation.views import AttachCancelled, ChatView, ContextFullError
+from kvchat.engine.turn import SamplingParams
 from kvchat.store.errors import StoreError
 from kvchat.tui.actions import ACTIONS
 from kvchat.tui.backend import Backend, StoreUnavailableError
-from kvchat.conversation.views import AttachCancelled, ChatView, ContextFullError
-from kvchat.conversation.events import BackendEvent
-from kvchat.conversation.events import AttachStep, LoadProgress, PrefillProgress, TokenBatch, TurnDone
 from kvchat.tui.screens.busy import Act, Decision, Job, Verdict, decide
 from kvchat.tui.screens.chat_actions import ChatActions
 from kvchat.tui.screens.messages import BackendEventPosted, CannotRun, TurnFailed
@@ -39,7 +39,6 @@ from kvchat.tui.widgets.message_view import MessageView
 from kvchat.tui.widgets.prefill_bar import PrefillBar
 from kvchat.tui.widgets.sidebar import Sidebar
 from kvchat.tui.widgets.status_bar import StatusBar
-from kvchat.engine.turn import SamplingParams
 
 
 class ChatScreen(ChatActions, Screen):

@@ -6,9 +6,9 @@ import os
 
 from textual.timer import Timer
 
-from kvchat.paths import data_dir
 from kvchat.conversation.continuation import Continuation
 from kvchat.conversation.views import SYSTEM_PROMPT_FIXED
+from kvchat.paths import data_dir
 from kvchat.tui.export import export_chat, export_dir
 from kvchat.tui.screens.busy import Act, Verdict
 from kvchat.tui.screens.cache import CacheScreen

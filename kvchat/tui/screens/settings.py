@@ -10,8 +10,8 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from kvchat.tui.text import literal
 from kvchat.engine.turn import SamplingParams
+from kvchat.tui.text import literal
 
 LABELS = {"temperature": "Temperature (0 = greedy)", "top_p": "Top-p (0, 1]", "top_k": "Top-k (0 = all)",
           "seed": "Seed (blank = random)", "max_tokens": "Max tokens", "presence_penalty": "Presence penalty [-2, 2]",
