@@ -14,25 +14,11 @@ import openai
 import pytest
 from server_helpers import ask_greedy
 
+from kvchat.bench.grammar import SCHEMA
+
 pytestmark = pytest.mark.model
 
-# strings bounded: at temperature 0 the 135M model can repeat a phrase inside an unbounded string until
-# max_tokens (the grammar keeps it valid JSON so far, but never closes the string); maxLength makes every
-# answer end within 300 tokens
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["engineer", "teacher", "doctor", "artist"]},
-        "skills": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                                     "zip": {"type": "integer", "minimum": 1000, "maximum": 99999}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "role", "skills", "address"],
-    "additionalProperties": False,
-}
+PERSON = SCHEMA  # the benchmark's schema: one fact for the test and `kvchat bench grammar`
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 PEOPLE = ["a nurse from Lyon", "a retired pilot", "a young painter in Rome", "a chemistry teacher", "a chef",
           "a software engineer in Oslo", "a farmer aged 130", "a child of 5", "a violinist", "a doctor in Lagos",
