@@ -24,6 +24,7 @@ Exit status 1 when a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -325,11 +326,13 @@ def decode_table(kernels: Kernels, device: torch.device, contexts: list[int], ba
                 ms, call = time_ms(fn, device, reps, graph=device.type == "cuda"), time_ms(fn, device, reps)
                 gbps = nbytes / ms / 1e6
                 rows.append(Row("decode", _name(kv_dtype), context, batch, ms, gbps, gbps / copy_gbps, call))
-                if kv_dtype == FP8 and device.type == "cuda":  # the path of GPUs below sm_89 (RTX 3090, A100)
-                    fn = functools.partial(kernels.decode.paged_decode, *args, fp8_bits=True)
-                    ms = time_ms(fn, device, reps, graph=True)
-                    gbps = nbytes / ms / 1e6
-                    rows.append(Row("decode", "fp8-bits", context, batch, ms, gbps, gbps / copy_gbps))
+                if kv_dtype == FP8 and device.type == "cuda":  # fp8-bits: the path of GPUs below sm_89 (3090, A100)
+                    f16 = dataclasses.replace(kernels.decode.DEFAULT_TILES, f16_math=True)
+                    for name, kw in (("fp8-bits", {"fp8_bits": True}), ("fp8-f16", {"tiles": f16}),
+                                     ("fp8-bits-f16", {"fp8_bits": True, "tiles": f16})):
+                        ms = time_ms(functools.partial(kernels.decode.paged_decode, *args, **kw), device, reps, graph=True)
+                        gbps = nbytes / ms / 1e6
+                        rows.append(Row("decode", name, context, batch, ms, gbps, gbps / copy_gbps))
     return rows
 
 
@@ -342,7 +345,8 @@ def decode_sweep(kernels: Kernels, device: torch.device, contexts: list[int], ba
                  shape: str, copy_gbps: float, reps: int, tilings=SWEEP_TILES, waves_list=SWEEP_WAVES) -> list[Row]:
     """(c): the split kernel's device time under other launches: tile size x warps x stages
     (``tilings``, ``triton_decode.DecodeTiles``) and split waves (``waves_list``: splits for that many
-    programs per SM, ``triton_decode.splits_for``); ``tiles`` names each as ``n64w4s3x1``."""
+    programs per SM, ``triton_decode.splits_for``); ``tiles`` names each as ``n64w4s3x1``. fp8 pools also run
+    each tiling at :data:`triton_decode.SPLIT_WAVES` with ``f16_math`` (named with an ``h``: ``n64w4s3x2h``)."""
     dec = kernels.decode
     sms = dec.num_sms(device)
     rows = []
@@ -352,12 +356,13 @@ def decode_sweep(kernels: Kernels, device: torch.device, contexts: list[int], ba
                 args, nbytes = _decode_setup(kernels, device, shape, kv_dtype, batch, context)
                 num_kv_heads, capacity = args[1].shape[2], args[5].shape[1] * args[1].shape[1]
                 for block_n, warps, stages in tilings:
-                    for waves in waves_list:
+                    f16 = [(dec.SPLIT_WAVES, True)] if kv_dtype == FP8 else []
+                    for waves, f16_math in [(w, False) for w in waves_list] + f16:
                         splits = dec.splits_for(batch, num_kv_heads, capacity, sms, waves)
                         fn = functools.partial(dec.paged_decode, *args, num_splits=splits,
                                                split_tokens=dec.MIN_TOKENS_PER_SPLIT,
-                                               tiles=dec.DecodeTiles(block_n, warps, stages))
-                        name = f"n{block_n}w{warps}s{stages}x{waves}"
+                                               tiles=dec.DecodeTiles(block_n, warps, stages, f16_math))
+                        name = f"n{block_n}w{warps}s{stages}x{waves}" + ("h" if f16_math else "")
                         try:
                             ms = time_ms(fn, device, reps, graph=device.type == "cuda")
                         except Exception as exc:  # e.g. a tiling over the SM's shared memory: that row says so

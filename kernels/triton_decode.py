@@ -118,7 +118,7 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt, stride_ks, stride_kh,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IS_FP8: tl.constexpr, FP8_BITS: tl.constexpr, HAS_SINK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, F16_MATH: tl.constexpr,
 ):
     tl.static_assert(BLOCK_G >= 16)  # GPU tl.dot minimums: M, N, K >= 16 (K >= 32 for 8-bit operands)
     tl.static_assert(BLOCK_N >= 32)
@@ -141,6 +141,8 @@ def _decode_split_kernel(
     heads = kv_head * group + offs_g
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if F16_MATH:  # bf16 -> fp16 is exact for |q| in fp16's normal range; fp8 -> fp16 is exact for every value
+        q = q.to(tl.float16)
     compute_dtype = q.dtype
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
 
@@ -169,8 +171,14 @@ def _decode_split_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        pv = (p * vs[None, :]).to(compute_dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        if F16_MATH:  # V scales relative to the tile's largest keep p x scale in [0, 1], inside fp16's normal range
+            v_top = tl.max(vs, axis=0)
+            v_top = tl.where(v_top > 0.0, v_top, 1.0)
+            pv = (p * (vs / v_top)[None, :]).to(compute_dtype)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION) * v_top
+        else:
+            pv = (p * vs[None, :]).to(compute_dtype)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
         m = m_new
 
     has = l_sum > 0.0  # false for an empty split (or a zero-length sequence)
@@ -216,11 +224,22 @@ def _merge_kernel(
 @dataclass(frozen=True, slots=True)
 class DecodeTiles:
     """How the split kernel is launched: ``block_n`` KV tokens per tile (a multiple of 32), and Triton's
-    ``num_warps`` and ``num_stages`` (software-pipelined tile loads in flight per program)."""
+    ``num_warps`` and ``num_stages`` (software-pipelined tile loads in flight per program).
+
+    ``f16_math``: for an fp8 pool and a 16-bit query, convert the pool's bytes to fp16 and run both products
+    in fp16 (fp32 accumulation), whatever the query's dtype. The fp8 -> bf16 cast is two conversions per
+    value on sm_90 (e4m3 -> f16 -> bf16; the second through fp32), fp8 -> fp16 one packed conversion per two
+    values (or none on the integer path), and the fp8 kernel measured on an H200 is bound by those
+    conversions, not by memory (docs/performance.md). The scores keep their bits up to the summation
+    order: fp8 and bf16 values are exact in fp16. ``p x V scale`` is taken relative to the tile's largest V
+    scale, so it lies in [0, 1] and keeps fp16's 11 bits where bf16 kept 8; the tile's scale multiplies the
+    fp32 product. An fp32 query ignores it (the fp32 path converts the pool to fp32).
+    """
 
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
+    f16_math: bool = False
 
 
 DEFAULT_TILES = DecodeTiles(block_n=128, num_warps=4, num_stages=3)
@@ -353,7 +372,7 @@ def paged_decode(
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=tiles.block_n, DIRECT_OUT=num_splits == 1, IS_FP8=is_fp8, FP8_BITS=is_fp8 and fp8_bits,
         HAS_SINK=sink is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        F16_MATH=is_fp8 and tiles.f16_math and query.dtype != torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

@@ -237,6 +237,48 @@ def test_decode_extreme_values_and_block_size_8(pool_dtype):
     assert_matches(out, ref, torch.float32)
 
 
+F16_QUERIES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])  # interpreter bf16: see top
+
+
+@pytest.mark.parametrize("fp8_bits", FP8_READS, ids=lambda b: "bits" if b else "cast")
+@pytest.mark.parametrize("q_dtype", F16_QUERIES, ids=str)
+@pytest.mark.parametrize("values", ["normal", "extreme", "tiny-v"])
+def test_decode_f16_math_matches_reference(values, q_dtype, fp8_bits):
+    """fp8 pools read in fp16 (``DecodeTiles.f16_math``) within the 16-bit tolerance: random values; +-1e4 and
+    all-zero tokens (tiles whose V scales are partly at the floor); and V scales a thousandth of normal, where
+    ``p x scale`` would fall below fp16's normal range without the tile-relative scale (checked relative to the
+    output's own size, as an absolute tolerance would pass an output of zeros)."""
+    k_cache, v_cache, k_scale, v_scale, table, lens = make_pool([15, 150, 300], 2, 64, FP8, extreme=values == "extreme",
+                                                               seed=11)
+    if values == "tiny-v":
+        v_scale = v_scale * 1e-3
+    pool = (k_cache, v_cache, k_scale, v_scale, table, lens)
+    query = torch.randn(3, 8, 64).to(q_dtype)
+    ref = reference.decode_attention(query.cpu(), *[t.cpu() for t in pool], 0.125)
+    tiles = triton_decode.DecodeTiles(block_n=32, f16_math=True)
+    out = triton_decode.paged_decode(query.to(DEVICE), *pool, 0.125, num_splits=2, fp8_bits=fp8_bits, tiles=tiles)
+    assert out.dtype == q_dtype and torch.isfinite(out).all()
+    size = float(ref.float().abs().max())
+    assert size > 0
+    if values == "tiny-v":
+        err = float((out.float().cpu() - ref.float()).abs().max())
+        assert err <= 4e-3 * size, f"max abs error {err:.3g} > {4e-3 * size:.3g}"
+    else:
+        assert_matches(out, ref, q_dtype)
+
+
+def test_decode_f16_math_leaves_fp32_queries_and_16bit_pools_alone():
+    """``f16_math`` changes only an fp8 pool read by a 16-bit query: fp32 queries and fp16 pools give the
+    same bits with it and without it."""
+    for pool_dtype, q_dtype in ((FP8, torch.float32), (torch.float16, torch.float16)):
+        pool = make_pool([40, 90], 2, 64, pool_dtype, seed=3)
+        query = torch.randn(2, 4, 64).to(q_dtype).to(DEVICE)
+        plain, f16 = (triton_decode.paged_decode(query, *pool, 0.125, num_splits=2,
+                                                 tiles=triton_decode.DecodeTiles(block_n=32, f16_math=flag))
+                      for flag in (False, True))
+        assert torch.equal(plain, f16), (pool_dtype, q_dtype)
+
+
 def test_each_sequence_splits_by_its_own_length():
     """A launch whose grid has the table capacity's split count: each sequence uses splits_for(its length), its
     row bit-identical to a launch of exactly that many splits; and the result matches the reference."""
