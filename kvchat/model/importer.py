@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -301,15 +302,18 @@ def _write_dense_model(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     src, file = str(gguf.parent), gguf.name
-    try:
-        config = AutoConfig.from_pretrained(src, gguf_file=file)
-    except Exception as e:  # transformers raises many types for unreadable or unknown GGUFs
-        raise ModelImportError(f"transformers cannot read {gguf.name} as a GGUF model: {e}") from e
-    ModelConfig.from_hf(config.to_dict())  # unsupported model type: fail before the slow part
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=file)
-    model = AutoModelForCausalLM.from_pretrained(
-        src, gguf_file=file, config=config, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
-    )
+    # transformers draws its own progress bars (plain tqdm on stderr, not behind its logging switch) inside
+    # the import's one bar; its failures arrive as exceptions, so nothing the user needs is in that text
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            config = AutoConfig.from_pretrained(src, gguf_file=file)
+        except Exception as e:  # transformers raises many types for unreadable or unknown GGUFs
+            raise ModelImportError(f"transformers cannot read {gguf.name} as a GGUF model: {e}") from e
+        ModelConfig.from_hf(config.to_dict())  # unsupported model type: fail before the slow part
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(
+            src, gguf_file=file, config=config, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+        )
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

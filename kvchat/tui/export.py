@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from pathlib import Path
 
 from kvchat.conversation.views import ChatView
@@ -35,7 +36,10 @@ def export_dir(fallback: Path) -> Path:
 
 def export_chat(view: ChatView, directory: Path) -> Path:
     """Write the chat to ``directory/kvchat-<id>-<title slug>.md`` (replacing an older export); return the path."""
-    slug = re.sub(r"[^a-z0-9]+", "-", view.title.lower()).strip("-")[:40] or "chat"
+    # letters and digits of any script are kept (a title in Greek or Japanese keeps its words), NFC so that one
+    # title gives one name; the rest (separators, punctuation, path characters) become single hyphens
+    slug = re.sub(r"[\W_]+", "-", unicodedata.normalize("NFC", view.title).casefold()).strip("-")[:40].strip("-")
+    slug = slug or "chat"
     path = directory / f"kvchat-{view.id or 'new'}-{slug}.md"
     path.write_text(chat_to_markdown(view), encoding="utf-8")
     return path

