@@ -7,8 +7,9 @@ The format (the Hermes/Qwen2.5 convention, which small instruction-tuned models 
   line inside ``<tools></tools>``, and how to call one (``kvchat doc list`` shows such a stored prefix as
   ``tools: <names>``);
 - an assistant call is ``<tool_call>\\n{"name":NAME,"arguments":ARGS}\\n</tool_call>`` (several calls one per
-  line), ``ARGS`` the arguments' JSON text exactly as generated, so a client resending the call renders the
-  ids kvchat generated and the history is reused token-exactly;
+  line), ``ARGS`` the arguments' JSON text exactly as generated; a generated call answer is stored as that
+  rendering (:func:`calls_text`) whatever spacing the model wrote, so a client resending the calls renders
+  the stored text, which maps back to the ids kvchat generated (the history is reused token-exactly);
 - a ``tool`` message is a user turn ``<tool_response>\\n…\\n</tool_response>``.
 
 The model's own chat template is not asked to render tools: kvchat builds conversations append-only from
@@ -51,6 +52,18 @@ class ToolCall:
         """OpenAI's ``tool_calls`` entry."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
+    def deltas(self, index: int) -> list[dict]:
+        """The call as OpenAI streams one: a first delta with ``id``, ``type``, ``function.name`` and empty
+        ``arguments``, then the arguments (one piece)."""
+        return [{"tool_calls": [{"index": index, "id": self.id, "type": "function",
+                                 "function": {"name": self.name, "arguments": ""}}]},
+                {"tool_calls": [{"index": index, "function": {"arguments": self.arguments}}]}]
+
+
+def new_call_id() -> str:
+    """A fresh ``tool_calls[i].id`` (``call_`` and 24 hex digits)."""
+    return "call_" + secrets.token_hex(12)
+
 
 def tools_prompt(tools: list[Tool]) -> str:
     """The ``# Tools`` block appended to the system prompt (deterministic: equal tools give equal text, so the
@@ -68,6 +81,20 @@ def tools_prompt(tools: list[Tool]) -> str:
 def call_text(name: str, arguments: str) -> str:
     """One call as the assistant writes it (``arguments``: JSON text, kept verbatim)."""
     return f'{CALL_OPEN}\n{{"name":{json.dumps(name, ensure_ascii=False)},"arguments":{arguments}}}\n{CALL_CLOSE}'
+
+
+def calls_text(content: str | None, calls: list[tuple[str, str]]) -> str:
+    """An assistant answer of ``calls`` ``(name, arguments JSON text)`` as the model writes it: ``content`` (if
+    any), then each call (:func:`call_text`), one per line. The one rendering of a call answer: a resent
+    ``tool_calls`` message and the stored text of a generated call answer are both this, so a resent history
+    matches the stored chat and maps back to the ids generated."""
+    return "\n".join(([content] if content else []) + [call_text(name, arguments) for name, arguments in calls])
+
+
+def first_call_end(text: str) -> int | None:
+    """The offset just past the first complete ``<tool_call>…</tool_call>`` block of ``text``; None if none."""
+    match = _CALL.search(text)
+    return None if match is None else match.end()
 
 
 def result_text(content: str) -> str:
@@ -95,19 +122,109 @@ def call_grammar(tools: list[Tool], only: str | None = None) -> Grammar:
 def parse_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]] | None:
     """The calls in an answer: ``(the text before the first call, or None if blank; the calls)``, or None
     when the answer holds no call or one that is not a JSON object naming an offered function with an
-    object of arguments (``tool_choice: auto`` then answers it as text)."""
+    object of arguments (``tool_choice: auto`` then answers it as text). A call's ``arguments`` is its
+    JSON text exactly as generated (what a stream sends piece by piece, see :class:`CallPieces`)."""
     found = list(_CALL.finditer(text))
     if not found:
         return None
     names, calls = {t.name for t in tools}, []
     for match in found:
-        try:
-            obj = json.loads(match.group(1))
-        except json.JSONDecodeError:
+        fields = _top_level_fields(match.group(1))
+        if fields is None or set(fields) - {"name", "arguments"} or "arguments" not in fields:
             return None
-        if not (isinstance(obj, dict) and obj.get("name") in names and isinstance(obj.get("arguments"), dict)):
+        name, arguments = fields.get("name", (None, ""))[0], fields["arguments"]
+        if name not in names or not isinstance(arguments[0], dict):
             return None
-        arguments = json.dumps(obj["arguments"], separators=(",", ":"), ensure_ascii=False)
-        calls.append(ToolCall("call_" + secrets.token_hex(12), obj["name"], arguments))
+        calls.append(ToolCall(new_call_id(), name, arguments[1]))
     before = text[: found[0].start()].strip()
     return (before or None), calls
+
+
+def _top_level_fields(text: str) -> dict[str, tuple[object, str]] | None:
+    """A JSON object's text as ``{key: (value, the value's text as written)}``; None if it is not exactly one
+    JSON object (a key given twice: the last, as ``json.loads``)."""
+    decoder, ws = json.JSONDecoder(), re.compile(r"[ \t\n\r]*")
+    i = ws.match(text, 0).end()
+    if not text.startswith("{", i):
+        return None
+    fields: dict[str, tuple[object, str]] = {}
+    i = ws.match(text, i + 1).end()
+    try:
+        while not text.startswith("}", i):
+            key, i = decoder.raw_decode(text, i)
+            i = ws.match(text, i).end()
+            if not isinstance(key, str) or not text.startswith(":", i):
+                return None
+            start = ws.match(text, i + 1).end()
+            value, end = decoder.raw_decode(text, start)
+            fields[key] = (value, text[start:end])
+            i = ws.match(text, end).end()
+            if text.startswith(",", i):
+                i = ws.match(text, i + 1).end()
+                if text.startswith("}", i):  # a trailing comma
+                    return None
+            elif not text.startswith("}", i):
+                return None
+    except json.JSONDecodeError:
+        return None
+    return fields if ws.match(text, i + 1).end() == len(text) else None
+
+_FORCED_HEAD = re.compile(re.escape(CALL_OPEN) + r'\n\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
+
+
+class CallPieces:
+    """A forced call (``tool_choice`` required or named: :func:`call_grammar`'s compact
+    ``<tool_call>\n{"name":…,"arguments":…}\n</tool_call>``) streamed as OpenAI streams one, while it is
+    generated: a first delta with ``id``, ``type``, ``function.name`` and empty ``arguments`` once the name is
+    complete, then each piece of the arguments' text as it arrives (the envelope around them is not sent).
+    The arguments' end is found by their JSON nesting, so no character of the envelope is sent as theirs."""
+
+    def __init__(self):
+        self.text = ""
+        self.id = new_call_id()
+        self._start: int | None = None  # offset of the arguments' first character
+        self._scanned = 0  # characters of the arguments read so far
+        self._end: int | None = None  # offset just past the arguments, once they are complete
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def feed(self, piece: str) -> list[dict]:
+        """The stream deltas ``piece`` (the next generated text) completes (possibly none)."""
+        self.text += piece
+        out = []
+        if self._start is None:
+            head = _FORCED_HEAD.match(self.text)
+            if head is None:
+                return out
+            self._start = head.end()
+            out.append({"tool_calls": [{"index": 0, "id": self.id, "type": "function",
+                                        "function": {"name": json.loads(head.group(1)), "arguments": ""}}]})
+        if self._end is None:
+            begin = self._start + self._scanned
+            stop = self._scan()
+            if stop > begin:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[begin:stop]}}]})
+        return out
+
+    def _scan(self) -> int:
+        """Read the arguments' new characters (strings, escapes and nesting); the offset reached."""
+        i = self._start + self._scanned
+        while i < len(self.text) and self._end is None:
+            ch = self.text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+            i += 1
+            if self._depth == 0 and ch in "}]":  # the arguments are a JSON object: its closing brace
+                self._end = i
+        self._scanned = i - self._start
+        return i
