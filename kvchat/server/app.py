@@ -107,7 +107,7 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
         if api_key is None and request.headers.get("content-type", "").partition(";")[0].strip().lower() != JSON:
             raise ApiError(415, f"POST needs 'Content-Type: {JSON}' (a server without --api-key accepts no other, "
                                 "so that web pages cannot post to it)", code="unsupported_media_type")
-        req = parse_chat_request(await read_body(request))
+        req = parse_chat_request(await read_body(request), state["scheduler"].tool_style)
         if req.model != model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist (this server runs {model_name!r})",
                            param="model", code="model_not_found")

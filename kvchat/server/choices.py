@@ -201,7 +201,7 @@ class _Deltas:
 
     def __init__(self, req: ChatRequest):
         self.req = req
-        self.calls = CallPieces() if req.tool_choice in ("required", "function") else None
+        self.calls = CallPieces(req.tool_style) if req.tool_choice in ("required", "function") else None
         self.held = req.tool_choice == "auto"
         self._logprobs: list[dict | None] = []  # pushes' logprobs not yet sent
 

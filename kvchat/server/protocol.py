@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvchat.engine.grammar import Grammar, GrammarError, json_schema_grammar
 from kvchat.engine.token_rules import MAX_TOP_LOGPROBS, TokenLogprob
 from kvchat.engine.turn import SamplingParams, TurnStats
-from kvchat.server.tools import Tool, ToolCall, call_grammar, calls_text, parse_calls, result_text, tools_prompt
+from kvchat.server.tools import GENERIC, Tool, ToolCall, ToolStyle, call_grammar, calls_text, parse_calls, result_text
 from kvchat.utf8 import NotUtf8Error, require_utf8
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -79,6 +79,7 @@ class ChatRequest:
         tool_choice: ``none``, ``auto``, ``required`` or ``function`` (``tool_name``); ``required`` and
             ``function`` have their call's grammar in ``grammar``.
         tool_name: the function ``tool_choice`` names.
+        tool_style: how the model is told about tools and writes calls (the server's model's).
         n: choices to generate (:mod:`kvchat.server.choices`).
         parallel_tool_calls: an answer may hold several calls (``tool_choice: auto``); False: at most one, the
             answer ends after its first call. A forced call is always one.
@@ -101,6 +102,7 @@ class ChatRequest:
     tool_name: str | None = None
     n: int = 1
     parallel_tool_calls: bool = True
+    tool_style: ToolStyle = GENERIC
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -148,8 +150,8 @@ def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
     return value
 
 
-def parse_chat_request(raw: bytes) -> ChatRequest:
-    """Validate a request body (JSON bytes).
+def parse_chat_request(raw: bytes, tool_style: ToolStyle = GENERIC) -> ChatRequest:
+    """Validate a request body (JSON bytes); ``tool_style``: the model's (:mod:`kvchat.server.template_tools`).
 
     Raises:
         ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
@@ -180,7 +182,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}", where)
         role = m["role"]
         if role == "assistant" and m.get("tool_calls"):
-            text = _assistant_calls(m, where)
+            text = _assistant_calls(m, where, tool_style)
         elif role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 raise _bad(f"{where}.tool_call_id is required (a string) in a tool message", where)
@@ -230,18 +232,21 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if choice in ("required", "function"):
         if grammar is not None:
             raise _bad("response_format cannot be combined with a tool_choice that forces a call", "response_format")
-        grammar = _tool_grammar(tools, name)
+        grammar = _tool_grammar(tools, name, tool_style)
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools:
-        system.append(tools_prompt(tools))
+        try:
+            system = [tool_style.system(system, tools)]
+        except ValueError as exc:  # the model's template on these tools
+            raise _bad(f"tools: the model's chat template cannot render them: {exc}", "tools") from None
     return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
                        stop, stream, bool(options.get("include_usage")), grammar, _logit_bias(body.get("logit_bias")),
-                       _top_logprobs(body), tools, choice, name, n, parallel)
+                       _top_logprobs(body), tools, choice, name, n, parallel, tool_style)
 
 
-def _assistant_calls(m: dict, where: str) -> str:
+def _assistant_calls(m: dict, where: str, style: ToolStyle) -> str:
     """An assistant message with ``tool_calls`` as the text the model writes
     (:func:`kvchat.server.tools.calls_text`: the text a generated call answer is stored as).
 
@@ -264,7 +269,7 @@ def _assistant_calls(m: dict, where: str) -> str:
         if not isinstance(arguments, dict):
             raise _bad(f"{where}.tool_calls[{j}].function.arguments must be a JSON object's text", where)
         pairs.append((fn["name"], fn["arguments"]))
-    return calls_text(content or None, pairs)
+    return calls_text(content or None, pairs, style)
 
 
 def _tools(value) -> list[Tool]:
@@ -328,9 +333,9 @@ def _tool_choice(value, tools: list[Tool]) -> tuple[str, str | None]:
     return "function", fn["name"]
 
 
-def _tool_grammar(tools: list[Tool], name: str | None) -> Grammar:
+def _tool_grammar(tools: list[Tool], name: str | None, style: ToolStyle) -> Grammar:
     try:
-        return call_grammar(tools, name)
+        return call_grammar(tools, name, style)
     except GrammarError as exc:  # each function's parameters compiled alone; together they may still not
         raise _bad(f"tools: {exc}", "tools", "invalid_json_schema") from None
 
@@ -469,7 +474,7 @@ def stored_answer_text(req: ChatRequest, text: str, finish: str) -> str:
     if parsed is None:
         return text
     content, calls = parsed
-    return calls_text(content, [(c.name, c.arguments) for c in calls])
+    return calls_text(content, [(c.name, c.arguments) for c in calls], req.tool_style)
 
 
 def answer_message(req: ChatRequest, text: str, finish: str) -> tuple[dict, str]:

@@ -52,7 +52,8 @@ from kvchat.model.chat_format import ChatTemplateError, UserTurn
 from kvchat.runtime import Runtime
 from kvchat.server.prefix import render
 from kvchat.server.protocol import ApiError, ChatRequest, logprobs_block, stored_answer_text
-from kvchat.server.tools import first_call_end
+from kvchat.server.template_tools import template_tool_style
+from kvchat.server.tools import GENERIC, first_call_end
 
 DEFAULT_MAX_TOKENS = 512  # when a request names none (as `kvchat ask`)
 RETRY_AFTER_S = 5
@@ -130,9 +131,11 @@ class Scheduler:
         self._inbox: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self.grammars = GrammarCompiler(rt.tokenizer, rt.chat_format(new_settings([])).stop_token_ids,
-                                        rt.engine.cfg.vocab_size)
+        fmt = rt.chat_format(new_settings([]))
+        self.grammars = GrammarCompiler(rt.tokenizer, fmt.stop_token_ids, rt.engine.cfg.vocab_size)
         self.grammars.start()  # off the loop's thread: see needs_grammar_tokenizer
+        # the model's own way with tools where its template has one kvchat can follow, else the generic one
+        self.tool_style = template_tool_style(rt.tokenizer, fmt.template_kwargs) or GENERIC
         # --no-store: not even LRU stamps are written
         self.loop = EngineLoop(rt.engine, touch_lru=store, admit=self._on_iteration)
         self.persist = self.loop.persist

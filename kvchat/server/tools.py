@@ -1,7 +1,8 @@
-"""Function calling in kvchat's generic text format: the tool definitions in the system prompt, calls and
-results as text in the conversation, the grammar that forces a call, and the parse of an answer into calls.
+"""Function calling as text: the tool definitions in the system prompt, calls and results as text in the
+conversation, the grammar that forces a call, and the parse of an answer into calls, in kvchat's generic
+format or the model's own.
 
-The format (the Hermes/Qwen2.5 convention, which small instruction-tuned models have seen):
+The generic format (the Hermes/Qwen2.5 convention, which small instruction-tuned models have seen):
 
 - the system prompt ends with a ``# Tools: <names>`` block listing each function's definition as one JSON
   line inside ``<tools></tools>``, and how to call one (``kvchat doc list`` shows such a stored prefix as
@@ -12,9 +13,10 @@ The format (the Hermes/Qwen2.5 convention, which small instruction-tuned models 
   the stored text, which maps back to the ids kvchat generated (the history is reused token-exactly);
 - a ``tool`` message is a user turn ``<tool_response>\\n…\\n</tool_response>``.
 
-The model's own chat template is not asked to render tools: kvchat builds conversations append-only from
-the template's message pieces (:class:`kvchat.model.chat_format.ChatFormat`), and templates render tools
-in places (a system message they synthesize, a list that changes earlier text) that this cannot follow.
+Where the model's own chat template renders tools in a way kvchat can follow (Qwen2.5/Qwen3 and other
+Hermes-style templates, :mod:`kvchat.server.template_tools`) its tool block and call format are used
+instead (a :class:`ToolStyle`); the grammar, the parse, the stream pieces and the stored rendering are the
+same code for both.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
+from typing import Callable
 
 from kvchat.conversation.pasted import TOOLS_HEADING
 from kvchat.engine.grammar import JSON_OPTIONS, Grammar, lark_grammar
@@ -38,6 +41,46 @@ class Tool:
     name: str
     description: str
     parameters: dict
+
+    def openai(self) -> dict:
+        """The definition as OpenAI's ``tools`` entry (what a chat template's ``tools=`` takes)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolStyle:
+    """How the model is told about tools and writes a call: a call is ``open + NAME + between + ARGS +
+    close`` (several calls one per line); ``template(system, tools)``: the system prompt with the tools as
+    the model's chat template renders them (:mod:`kvchat.server.template_tools`), None for kvchat's generic
+    ``# Tools`` block (:func:`tools_prompt`)."""
+
+    open: str
+    between: str
+    close: str
+    template: Callable[[str, list[Tool]], str] | None = None
+
+    def call_text(self, name: str, arguments: str) -> str:
+        """One call as the assistant writes it (``arguments``: JSON text, kept verbatim)."""
+        return f"{self.open}{name}{self.between}{arguments}{self.close}"
+
+    def system(self, parts: list[str], tools: list[Tool]) -> str:
+        """The system prompt of a request offering ``tools``: its system messages ``parts`` (joined by blank
+        lines) with the tools' definitions.
+
+        Raises:
+            ValueError: the template failed on these tools, or renders them outside the system message
+                (:class:`kvchat.server.template_tools.TemplateToolsError`).
+        """
+        if self.template is None:
+            return "\n\n".join([*parts, tools_prompt(tools)])
+        return self.template("\n\n".join(parts), tools)
+
+
+# kvchat's own format for models whose template has no tools it can follow (SmolLM2's has none)
+GENERIC = ToolStyle(CALL_OPEN + '\n{"name":"', '","arguments":', "}\n" + CALL_CLOSE)
+# Qwen2.5/Qwen3's (Hermes') call format, as their templates render a call (the JSON's spaces included)
+QWEN_CALLS = ToolStyle(CALL_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + CALL_CLOSE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +111,7 @@ def new_call_id() -> str:
 def tools_prompt(tools: list[Tool]) -> str:
     """The ``# Tools`` block appended to the system prompt (deterministic: equal tools give equal text, so the
     system prompt and tools are one reusable prefix)."""
-    lines = [json.dumps({"type": "function", "function": {"name": t.name, "description": t.description,
-                                                          "parameters": t.parameters}}, ensure_ascii=False)
-             for t in tools]
+    lines = [json.dumps(t.openai(), ensure_ascii=False) for t in tools]
     return (TOOLS_HEADING + ", ".join(t.name for t in tools) + "\n\n"
             "You may call one or more of these functions. Their definitions, one per line:\n"
             "<tools>\n" + "\n".join(lines) + "\n</tools>\n\n"
@@ -79,16 +120,16 @@ def tools_prompt(tools: list[Tool]) -> str:
 
 
 def call_text(name: str, arguments: str) -> str:
-    """One call as the assistant writes it (``arguments``: JSON text, kept verbatim)."""
-    return f'{CALL_OPEN}\n{{"name":{json.dumps(name, ensure_ascii=False)},"arguments":{arguments}}}\n{CALL_CLOSE}'
+    """One call in the generic format (:data:`GENERIC`)."""
+    return GENERIC.call_text(name, arguments)
 
 
-def calls_text(content: str | None, calls: list[tuple[str, str]]) -> str:
+def calls_text(content: str | None, calls: list[tuple[str, str]], style: ToolStyle = GENERIC) -> str:
     """An assistant answer of ``calls`` ``(name, arguments JSON text)`` as the model writes it: ``content`` (if
-    any), then each call (:func:`call_text`), one per line. The one rendering of a call answer: a resent
+    any), then each call (:meth:`ToolStyle.call_text`), one per line. The one rendering of a call answer: a resent
     ``tool_calls`` message and the stored text of a generated call answer are both this, so a resent history
     matches the stored chat and maps back to the ids generated."""
-    return "\n".join(([content] if content else []) + [call_text(name, arguments) for name, arguments in calls])
+    return "\n".join(([content] if content else []) + [style.call_text(name, arguments) for name, arguments in calls])
 
 
 def first_call_end(text: str) -> int | None:
@@ -102,21 +143,21 @@ def result_text(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def call_grammar(tools: list[Tool], only: str | None = None) -> Grammar:
-    """The grammar of exactly one call to one of ``tools`` (or to the one named ``only``), its arguments
-    valid against that function's ``parameters``.
+def call_grammar(tools: list[Tool], only: str | None = None, style: ToolStyle = GENERIC) -> Grammar:
+    """The grammar of exactly one call to one of ``tools`` (or to the one named ``only``) in ``style``, its
+    arguments compact JSON valid against that function's ``parameters``.
 
     Raises:
         kvchat.engine.grammar.GrammarError: a function's ``parameters`` cannot be enforced (the message
             names the keyword).
     """
-    options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for t in tools if only is None or t.name == only]
-    schema = {"anyOf": options, "x-guidance": JSON_OPTIONS}
-    lark = (f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}\n"
-            f"call: %json {json.dumps(schema)}")
-    return lark_grammar(lark, "tool call")
+    chosen = [t for t in tools if only is None or t.name == only]
+    rules = [f"start: {' | '.join(f'call_{i}' for i in range(len(chosen)))}"]
+    for i, t in enumerate(chosen):
+        rules.append(f"call_{i}: {json.dumps(style.open + t.name + style.between)} arguments_{i} "
+                     f"{json.dumps(style.close)}")
+        rules.append(f"arguments_{i}: %json {json.dumps({**t.parameters, 'x-guidance': JSON_OPTIONS})}")
+    return lark_grammar("\n".join(rules), "tool call")
 
 
 def parse_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]] | None:
@@ -169,19 +210,18 @@ def _top_level_fields(text: str) -> dict[str, tuple[object, str]] | None:
         return None
     return fields if ws.match(text, i + 1).end() == len(text) else None
 
-_FORCED_HEAD = re.compile(re.escape(CALL_OPEN) + r'\n\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
-
 
 class CallPieces:
-    """A forced call (``tool_choice`` required or named: :func:`call_grammar`'s compact
-    ``<tool_call>\n{"name":…,"arguments":…}\n</tool_call>``) streamed as OpenAI streams one, while it is
-    generated: a first delta with ``id``, ``type``, ``function.name`` and empty ``arguments`` once the name is
-    complete, then each piece of the arguments' text as it arrives (the envelope around them is not sent).
-    The arguments' end is found by their JSON nesting, so no character of the envelope is sent as theirs."""
+    """A forced call (``tool_choice`` required or named: :func:`call_grammar`'s, in a :class:`ToolStyle`)
+    streamed as OpenAI streams one, while it is generated: a first delta with ``id``, ``type``,
+    ``function.name`` and empty ``arguments`` once the name is complete, then each piece of the arguments'
+    text as it arrives (the envelope around them is not sent). The arguments' end is found by their JSON
+    nesting, so no character of the envelope is sent as theirs."""
 
-    def __init__(self):
+    def __init__(self, style: ToolStyle = GENERIC):
         self.text = ""
         self.id = new_call_id()
+        self._head = re.compile(re.escape(style.open) + "([A-Za-z0-9_-]{1,64})" + re.escape(style.between))
         self._start: int | None = None  # offset of the arguments' first character
         self._scanned = 0  # characters of the arguments read so far
         self._end: int | None = None  # offset just past the arguments, once they are complete
@@ -192,12 +232,12 @@ class CallPieces:
         self.text += piece
         out = []
         if self._start is None:
-            head = _FORCED_HEAD.match(self.text)
+            head = self._head.match(self.text)
             if head is None:
                 return out
             self._start = head.end()
             out.append({"tool_calls": [{"index": 0, "id": self.id, "type": "function",
-                                        "function": {"name": json.loads(head.group(1)), "arguments": ""}}]})
+                                        "function": {"name": head.group(1), "arguments": ""}}]})
         if self._end is None:
             begin = self._start + self._scanned
             stop = self._scan()

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from kvchat.server.protocol import ApiError, answer_message, parse_chat_request, stored_answer_text
-from kvchat.server.tools import CallPieces, Tool, call_text, parse_calls
+from kvchat.server.tools import GENERIC, QWEN_CALLS, CallPieces, Tool, call_text, parse_calls
 
 WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 
@@ -45,10 +45,11 @@ def test_a_call_answer_is_stored_as_the_text_its_resent_message_renders():
     assert stored_answer_text(req, generated, "length") == generated  # cut: not calls, stored as generated
 
 
-def test_a_forced_call_streams_a_header_then_its_arguments_piece_by_piece():
+@pytest.mark.parametrize("style", [GENERIC, QWEN_CALLS], ids=["generic", "qwen"])
+def test_a_forced_call_streams_a_header_then_its_arguments_piece_by_piece(style):
     arguments = '{"city":"Os}lo \\"x\\"","tags":[{"a":1}]}'
-    text = call_text("get_weather", arguments)
-    pieces, deltas = CallPieces(), []
+    text = style.call_text("get_weather", arguments)
+    pieces, deltas = CallPieces(style), []
     for k in range(0, len(text), 3):
         deltas += pieces.feed(text[k:k + 3])
     head = deltas[0]["tool_calls"][0]
