@@ -9,12 +9,13 @@ the figures).
 
 :func:`check_grammar` validates a grammar without a tokenizer (the HTTP side,
 before anything is queued); :class:`GrammarCompiler` holds the tokenizer's
-llguidance view (built once, ~0.5 s) and makes one :class:`Constraint` per
+llguidance view (built once, ~0.5 s, off the engine loop's thread) and makes one :class:`Constraint` per
 sequence; the sampler applies it (:class:`kvchat.engine.sampling.Sampler`).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -89,8 +90,11 @@ def _first_line(message: str) -> str:
 
 
 class GrammarCompiler:
-    """The tokenizer's llguidance view (built on first use: ~0.5 s for a 49K vocabulary) and the matchers
-    made from it.
+    """The tokenizer's llguidance view (~0.5 s to build for a 49K vocabulary) and the matchers made from it.
+
+    A server builds the view at start on a thread of its own (:meth:`start`) and waits for it
+    (:meth:`wait`) on a request's own thread before queueing a request that needs it, so the engine loop,
+    which makes the matchers, never stalls every running stream for it.
 
     Args:
         tokenizer: the model's transformers tokenizer.
@@ -102,16 +106,38 @@ class GrammarCompiler:
     def __init__(self, tokenizer, stop_ids: set[int], vocab_size: int):
         self._hf, self.stop_ids, self.vocab_size = tokenizer, sorted(stop_ids), vocab_size
         self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Build the view on a new daemon thread (returns at once; a failure there is raised again by the
+        next :meth:`wait`, which then builds it itself)."""
+        threading.Thread(target=self._build_quietly, name="kvchat-grammar-tokenizer", daemon=True).start()
+
+    @property
+    def ready(self) -> bool:
+        """The view is built: :attr:`tokenizer` returns at once."""
+        return self._tokenizer is not None
+
+    def wait(self) -> None:
+        """Return once the view is built (building it on this thread if no other is)."""
+        self.tokenizer  # noqa: B018 - the property builds it
 
     @property
     def tokenizer(self):
-        """The ``llguidance.LLTokenizer`` (built once)."""
-        if self._tokenizer is None:
-            import llguidance.hf
+        """The ``llguidance.LLTokenizer`` (built once; a caller meanwhile waits for the thread building it)."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                           eos_token=self.stop_ids)
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                                               eos_token=self.stop_ids)
         return self._tokenizer
+
+    def _build_quietly(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001, S110 - wait() on the request's thread builds again and raises it there
+            pass
 
     def constraint(self, grammar: Grammar) -> "Constraint":
         """A fresh matcher for one sequence.

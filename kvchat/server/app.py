@@ -23,23 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvchat.server.choices import SeveralChoices
+from kvchat.server.choices import Choices
 from kvchat.server.host_check import HostCheck
-from kvchat.server.protocol import (
-    ApiError,
-    answer_message,
-    chunk_body,
-    completion_body,
-    held_delta,
-    joined_logprobs,
-    kvchat_block,
-    parse_chat_request,
-    sse_line,
-    usage_block,
-)
-from kvchat.server.scheduler import Finished, Job
+from kvchat.server.protocol import ApiError, parse_chat_request
 
-DISCONNECT_POLL_S = 0.25  # a client waiting for a whole answer is checked for a closed connection this often
 JSON = "application/json"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # Host header values a server without --api-key accepts
 MAX_BODY_BYTES = 8 * 2**20  # a request body beyond this gets 413 (a 100K-token history is ~0.5 MB of JSON)
@@ -120,83 +107,22 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
         if api_key is None and request.headers.get("content-type", "").partition(";")[0].strip().lower() != JSON:
             raise ApiError(415, f"POST needs 'Content-Type: {JSON}' (a server without --api-key accepts no other, "
                                 "so that web pages cannot post to it)", code="unsupported_media_type")
-        req = parse_chat_request(await read_body(request))
+        req = parse_chat_request(await read_body(request), state["scheduler"].tool_style)
         if req.model != model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist (this server runs {model_name!r})",
                            param="model", code="model_not_found")
-        if req.n > 1:
-            choices = SeveralChoices(req, state["scheduler"].submit, "chatcmpl-" + secrets.token_hex(12), model_name)
-            if req.stream:
-                err = await choices.started()
-                if err is not None:
-                    return _error(err)
-                return StreamingResponse(choices.stream(), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+        scheduler = state["scheduler"]
+        if scheduler.needs_grammar_tokenizer(req):
+            await asyncio.to_thread(scheduler.grammars.wait)
+        choices = Choices(req, scheduler.submit, "chatcmpl-" + secrets.token_hex(12), model_name,
+                          request.is_disconnected)
+        if not req.stream:
             body, err = await choices.whole()
             return _error(err) if err is not None else JSONResponse(body)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
-        state["scheduler"].submit(job)
-        cid, pushes = "chatcmpl-" + secrets.token_hex(12), _Pushes(request, events)
-        try:
-            first = await pushes.next()
-        except BaseException:
-            job.cancel.set()
-            raise
-        if first is None:
-            job.cancel.set()  # the client went away while queued or prefilling
-            return _error(ApiError(499, "the client closed the request"))
-        if first[0] == "error":
-            return _error(first[1])
-        if not req.stream:
-            item, pieces = first, []
-            try:
-                while item is not None and item[0] == "text":
-                    pieces.append(item[2])
-                    item = await pushes.next()
-            finally:
-                job.cancel.set()  # no-op once finished; a client gone mid-answer stops it
-            if item is None:
-                return _error(ApiError(499, "the client closed the request"))
-            if item[0] == "error":
-                return _error(item[1])
-            done: Finished = item[1]
-            logprobs = joined_logprobs([*pieces, done.logprobs])
-            message, finish = answer_message(req, done.text, done.finish_reason)
-            return JSONResponse(completion_body(cid, model_name, message, finish, usage_block(done.stats),
-                                                _kvchat(done), logprobs))
-
-        # with tools offered an answer may turn out to be calls: it is held back and sent whole at its end
-        held = bool(req.tools) and req.tool_choice != "none"
-
-        async def sse():
-            item, pieces = first, []
-            try:
-                yield sse_line(chunk_body(cid, model_name, {"role": "assistant", "content": ""}))
-                while item[0] == "text":
-                    if held:
-                        pieces.append(item[2])
-                    else:
-                        yield sse_line(chunk_body(cid, model_name, {"content": item[1]}, logprobs=item[2]))
-                    item = await events.get()
-                if item[0] == "error":
-                    yield sse_line(item[1].body())
-                    return  # no [DONE]: the answer is not complete
-                done: Finished = item[1]
-                finish, logprobs = done.finish_reason, done.logprobs
-                if held:
-                    delta, finish = held_delta(req, done.text, finish)
-                    yield sse_line(chunk_body(cid, model_name, delta, logprobs=joined_logprobs([*pieces, logprobs])))
-                    logprobs = None  # all went with the delta
-                yield sse_line(chunk_body(cid, model_name, {}, finish, kvchat=_kvchat(done), logprobs=logprobs))
-                if req.include_usage:
-                    yield sse_line(chunk_body(cid, model_name, None, usage=usage_block(done.stats),
-                                          kvchat=_kvchat(done)))  # docs/server.md: stats on the last chunk too
-                yield "data: [DONE]\n\n"
-            finally:
-                job.cancel.set()  # the client went away (or the stream ended): stop generating
-
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        err = await choices.started()
+        if err is not None:
+            return _error(err)
+        return StreamingResponse(choices.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def api_error(request: Request, exc: ApiError) -> Response:
         return _error(exc)
@@ -215,29 +141,3 @@ def create_app(scheduler_factory, model_name: str, api_key: str | None = None, h
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={ApiError: api_error, HTTPException: http_error})
 
-
-class _Pushes:
-    """A request's pushes from the scheduler, watching the client's connection meanwhile: at most every
-    ``DISCONNECT_POLL_S`` it is asked whether the client went away (a non-streaming client that did stops
-    its generation; pushes arrive every token, so a timeout alone would never fire while decoding)."""
-
-    def __init__(self, request: Request, events: asyncio.Queue):
-        self.request, self.events, self.checked = request, events, time.monotonic()
-
-    async def next(self) -> tuple[str, object] | None:
-        """The next push, or None once the client has disconnected."""
-        getter = asyncio.ensure_future(self.events.get())
-        try:
-            while True:
-                wait = self.checked + DISCONNECT_POLL_S - time.monotonic()
-                if wait > 0 and (await asyncio.wait({getter}, timeout=wait))[0]:
-                    return getter.result()
-                self.checked = time.monotonic()
-                if await self.request.is_disconnected():
-                    return None
-        finally:
-            getter.cancel()  # no-op once it has its result
-
-
-def _kvchat(done: Finished) -> dict:
-    return kvchat_block(done.stats, done.ttft_ms, done.miss_reason, done.chat_id)

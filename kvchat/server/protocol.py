@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvchat.engine.grammar import Grammar, GrammarError, json_schema_grammar
 from kvchat.engine.token_rules import MAX_TOP_LOGPROBS, TokenLogprob
 from kvchat.engine.turn import SamplingParams, TurnStats
-from kvchat.server.tools import Tool, call_grammar, call_text, parse_calls, result_text, tools_prompt
+from kvchat.server.tools import GENERIC, Tool, ToolCall, ToolStyle, call_grammar, calls_text, parse_calls, result_text
 from kvchat.utf8 import NotUtf8Error, require_utf8
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -29,10 +29,9 @@ MAX_STOP_CHARS = 256  # characters per stop sequence at most: holding back a par
 # (``top_k`` is not OpenAI's: vLLM and llama.cpp's server take it, and clients written for them send it)
 USED_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "response_format",
-               "logprobs", "top_logprobs", "logit_bias", "modalities", "tools", "tool_choice")
+               "logprobs", "top_logprobs", "logit_bias", "modalities", "tools", "tool_choice", "parallel_tool_calls")
 # OpenAI fields that leave the answer as it is: accepted and not used
-NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                    "parallel_tool_calls")
+NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 # OpenAI fields that would change the answer and that kvchat does not implement: refused unless null or empty
 REFUSED_FIELDS = ("functions", "function_call", "audio",
                   "prediction", "reasoning_effort", "verbosity", "web_search_options")
@@ -80,7 +79,10 @@ class ChatRequest:
         tool_choice: ``none``, ``auto``, ``required`` or ``function`` (``tool_name``); ``required`` and
             ``function`` have their call's grammar in ``grammar``.
         tool_name: the function ``tool_choice`` names.
+        tool_style: how the model is told about tools and writes calls (the server's model's).
         n: choices to generate (:mod:`kvchat.server.choices`).
+        parallel_tool_calls: an answer may hold several calls (``tool_choice: auto``); False: at most one, the
+            answer ends after its first call. A forced call is always one.
     """
 
     model: str
@@ -99,6 +101,8 @@ class ChatRequest:
     tool_choice: str = "none"
     tool_name: str | None = None
     n: int = 1
+    parallel_tool_calls: bool = True
+    tool_style: ToolStyle = GENERIC
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -146,8 +150,8 @@ def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
     return value
 
 
-def parse_chat_request(raw: bytes) -> ChatRequest:
-    """Validate a request body (JSON bytes).
+def parse_chat_request(raw: bytes, tool_style: ToolStyle = GENERIC) -> ChatRequest:
+    """Validate a request body (JSON bytes); ``tool_style``: the model's (:mod:`kvchat.server.template_tools`).
 
     Raises:
         ApiError: 400 for malformed or too deeply nested JSON, wrong types, out-of-range values, unsupported
@@ -178,7 +182,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}", where)
         role = m["role"]
         if role == "assistant" and m.get("tool_calls"):
-            text = _assistant_calls(m, where)
+            text = _assistant_calls(m, where, tool_style)
         elif role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 raise _bad(f"{where}.tool_call_id is required (a string) in a tool message", where)
@@ -228,17 +232,23 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if choice in ("required", "function"):
         if grammar is not None:
             raise _bad("response_format cannot be combined with a tool_choice that forces a call", "response_format")
-        grammar = _tool_grammar(tools, name)
+        grammar = _tool_grammar(tools, name, tool_style)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools:
-        system.append(tools_prompt(tools))
+        try:
+            system = [tool_style.system(system, tools)]
+        except ValueError as exc:  # the model's template on these tools
+            raise _bad(f"tools: the model's chat template cannot render them: {exc}", "tools") from None
     return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
                        stop, stream, bool(options.get("include_usage")), grammar, _logit_bias(body.get("logit_bias")),
-                       _top_logprobs(body), tools, choice, name, n)
+                       _top_logprobs(body), tools, choice, name, n, parallel, tool_style)
 
 
-def _assistant_calls(m: dict, where: str) -> str:
-    """An assistant message with ``tool_calls`` as the text the model writes: its content (if any), then
-    each call (:func:`kvchat.server.tools.call_text`), one per line.
+def _assistant_calls(m: dict, where: str, style: ToolStyle) -> str:
+    """An assistant message with ``tool_calls`` as the text the model writes
+    (:func:`kvchat.server.tools.calls_text`: the text a generated call answer is stored as).
 
     Raises:
         ApiError: 400 for a call without a function name or with arguments that are not JSON object text.
@@ -247,7 +257,7 @@ def _assistant_calls(m: dict, where: str) -> str:
     calls = m["tool_calls"]
     if not isinstance(calls, list):
         raise _bad(f"{where}.tool_calls must be a list", where)
-    texts = []
+    pairs = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
@@ -258,8 +268,8 @@ def _assistant_calls(m: dict, where: str) -> str:
             arguments = None
         if not isinstance(arguments, dict):
             raise _bad(f"{where}.tool_calls[{j}].function.arguments must be a JSON object's text", where)
-        texts.append(call_text(fn["name"], fn["arguments"]))
-    return "\n".join(([content] if content else []) + texts)
+        pairs.append((fn["name"], fn["arguments"]))
+    return calls_text(content or None, pairs, style)
 
 
 def _tools(value) -> list[Tool]:
@@ -273,6 +283,9 @@ def _tools(value) -> list[Tool]:
         return []
     if not isinstance(value, list):
         raise _bad("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    if not value:  # as the OpenAI API: leave the field out to offer none
+        raise _bad("tools is an empty array; expected at least one tool (leave tools out to offer none)", "tools",
+                   "empty_array")
     tools, seen = [], set()
     for i, entry in enumerate(value):
         fn = entry.get("function") if isinstance(entry, dict) and entry.get("type") == "function" else None
@@ -320,9 +333,9 @@ def _tool_choice(value, tools: list[Tool]) -> tuple[str, str | None]:
     return "function", fn["name"]
 
 
-def _tool_grammar(tools: list[Tool], name: str | None) -> Grammar:
+def _tool_grammar(tools: list[Tool], name: str | None, style: ToolStyle) -> Grammar:
     try:
-        return call_grammar(tools, name)
+        return call_grammar(tools, name, style)
     except GrammarError as exc:  # each function's parameters compiled alone; together they may still not
         raise _bad(f"tools: {exc}", "tools", "invalid_json_schema") from None
 
@@ -444,17 +457,35 @@ def logprobs_block(entries: list[TokenLogprob], token_bytes) -> dict:
                         for e in entries], "refusal": None}
 
 
-def answer_message(req: ChatRequest, text: str, finish: str) -> tuple[dict, str]:
-    """The assistant ``message`` and ``finish_reason`` of an answer: with tools offered (``tool_choice`` not
-    ``none``) an answer that ended by itself and holds calls to offered functions is
-    ``{"content": text before the calls or None, "tool_calls": [...]}`` with ``finish_reason: tool_calls``;
-    any other answer is its text."""
+def answer_calls(req: ChatRequest, text: str, finish: str) -> tuple[str | None, list[ToolCall]] | None:
+    """The calls of an answer (:func:`kvchat.server.tools.parse_calls`) when it is calls: tools offered
+    (``tool_choice`` not ``none``), and the answer ended by itself; None otherwise."""
     if req.tools and req.tool_choice != "none" and finish == "stop":
-        parsed = parse_calls(text, req.tools)
-        if parsed is not None:
-            content, calls = parsed
-            return {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}, "tool_calls"
-    return {"role": "assistant", "content": text}, finish
+        return parse_calls(text, req.tools)
+    return None
+
+
+def stored_answer_text(req: ChatRequest, text: str, finish: str) -> str:
+    """The text an answer is stored as: an answer of calls (:func:`answer_calls`) as
+    :func:`kvchat.server.tools.calls_text` renders them, which is what a client resending the calls
+    (:func:`answer_message`'s) renders, whatever spacing the model wrote around them; any other answer as
+    it is."""
+    parsed = answer_calls(req, text, finish)
+    if parsed is None:
+        return text
+    content, calls = parsed
+    return calls_text(content, [(c.name, c.arguments) for c in calls], req.tool_style)
+
+
+def answer_message(req: ChatRequest, text: str, finish: str) -> tuple[dict, str]:
+    """The assistant ``message`` and ``finish_reason`` of an answer: an answer of calls (:func:`answer_calls`)
+    is ``{"content": text before the calls or None, "tool_calls": [...]}`` with ``finish_reason: tool_calls``;
+    any other answer is its text."""
+    parsed = answer_calls(req, text, finish)
+    if parsed is None:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parsed
+    return {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}, "tool_calls"
 
 
 def joined_logprobs(blocks: list[dict | None]) -> dict | None:
@@ -465,26 +496,24 @@ def joined_logprobs(blocks: list[dict | None]) -> dict | None:
     return {"content": [entry for block in blocks for entry in block["content"]], "refusal": None}
 
 
-def completion_body(cid: str, model: str, message: dict, finish: str, usage: dict, kvchat: dict,
-                    logprobs: dict | None = None) -> dict:
-    """A non-streaming ``chat.completion`` object (``message``: :func:`answer_message`'s; ``logprobs``:
-    :func:`logprobs_block`, when asked for)."""
+def completion_body(cid: str, model: str, choices: list[dict], usage: dict, kvchat: dict) -> dict:
+    """A non-streaming ``chat.completion`` object (``choices``: each ``{index, message, logprobs,
+    finish_reason}``, ``message`` :func:`answer_message`'s, ``logprobs`` :func:`logprobs_block` or None)."""
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage, "kvchat": kvchat}
+            "choices": choices, "usage": usage, "kvchat": kvchat}
 
 
-def held_delta(req: ChatRequest, text: str, finish: str) -> tuple[dict, str]:
-    """A held-back answer (tools offered, so it may be calls) as the one stream delta that carries it, and
-    its ``finish_reason``: ``tool_calls`` (each with its ``index``, and the text before them as
-    ``content`` if any) or ``content``."""
-    message, finish = answer_message(req, text, finish)
-    if "tool_calls" not in message:
-        return {"content": text}, finish
-    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
-    if message["content"] is not None:
-        delta["content"] = message["content"]
-    return delta, finish
+def held_deltas(req: ChatRequest, text: str, finish: str) -> tuple[list[dict], str]:
+    """A held-back answer (``tool_choice: auto``: only its end says whether it is calls) as the stream deltas
+    that carry it, and its ``finish_reason``: the text before the calls as ``content`` (if any), then each
+    call as OpenAI streams one (:meth:`kvchat.server.tools.ToolCall.deltas`); or the whole text as
+    ``content``."""
+    parsed = answer_calls(req, text, finish)
+    if parsed is None:
+        return [{"content": text}], finish
+    content, calls = parsed
+    head = [] if content is None else [{"content": content}]
+    return head + [d for i, call in enumerate(calls) for d in call.deltas(i)], "tool_calls"
 
 
 def chunk_body(cid: str, model: str, delta: dict, finish: str | None = None, usage: dict | None = None,

@@ -51,7 +51,9 @@ from kvchat.engine.turn import TurnStats
 from kvchat.model.chat_format import ChatTemplateError, UserTurn
 from kvchat.runtime import Runtime
 from kvchat.server.prefix import render
-from kvchat.server.protocol import ApiError, ChatRequest, logprobs_block
+from kvchat.server.protocol import ApiError, ChatRequest, logprobs_block, stored_answer_text
+from kvchat.server.template_tools import template_tool_style
+from kvchat.server.tools import GENERIC, first_call_end
 
 DEFAULT_MAX_TOKENS = 512  # when a request names none (as `kvchat ask`)
 RETRY_AFTER_S = 5
@@ -129,8 +131,11 @@ class Scheduler:
         self._inbox: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self.grammars = GrammarCompiler(rt.tokenizer, rt.chat_format(new_settings([])).stop_token_ids,
-                                        rt.engine.cfg.vocab_size)
+        fmt = rt.chat_format(new_settings([]))
+        self.grammars = GrammarCompiler(rt.tokenizer, fmt.stop_token_ids, rt.engine.cfg.vocab_size)
+        self.grammars.start()  # off the loop's thread: see needs_grammar_tokenizer
+        # the model's own way with tools where its template has one kvchat can follow, else the generic one
+        self.tool_style = template_tool_style(rt.tokenizer, fmt.template_kwargs) or GENERIC
         # --no-store: not even LRU stamps are written
         self.loop = EngineLoop(rt.engine, touch_lru=store, admit=self._on_iteration)
         self.persist = self.loop.persist
@@ -144,6 +149,12 @@ class Scheduler:
                 return
             self._inbox.append(job)
         self.loop.wake()
+
+    def needs_grammar_tokenizer(self, req: ChatRequest) -> bool:
+        """``req`` needs the grammar tokenizer (a grammar, or log-probabilities' token bytes) and it is still
+        being built: the HTTP side then waits for it (:meth:`GrammarCompiler.wait`) on a thread of its own
+        before :meth:`submit`, so the loop never builds or waits for it while other requests decode."""
+        return (req.grammar is not None or req.top_logprobs is not None) and not self.grammars.ready
 
     def health(self) -> dict:
         """Pool and queue counters (read without locking; approximate while the loop runs)."""
@@ -222,8 +233,8 @@ class Scheduler:
                 self.running.append(job)
                 steps = job.service.send_steps(job.request.user, job.request.params, job.cancel,
                                                lambda ev, job=job: self._on_event(job, ev),
-                                               lambda text, job=job: text[: job.stop_at], job.user, job.rules,
-                                               job.shared)
+                                               lambda text, job=job: self._stored_text(job, text), job.user,
+                                               job.rules, job.shared)
                 job.req = self.loop.submit(steps)
                 job.req.future.add_done_callback(lambda fut, job=job: self._ended(job, fut))
             elif time.perf_counter() - job.received > self.queue_timeout_s:
@@ -328,8 +339,10 @@ class Scheduler:
         if job.first_at is None:
             job.first_at = time.perf_counter()
         job.text += event.text
-        stops = job.request.stop
+        req, stops = job.request, job.request.stop
         hits = [i for i in (job.text.find(s, max(0, job.sent - len(s))) for s in stops) if i >= 0]
+        if req.tool_choice == "auto" and not req.parallel_tool_calls:  # one call at most: the answer ends with it
+            hits += [i for i in [first_call_end(job.text)] if i is not None]
         if hits:
             job.stop_at = min(hits)
             job.cancel.set()  # the turn ends after this token
@@ -337,6 +350,17 @@ class Scheduler:
             return
         hold = max((k for s in stops for k in range(1, len(s)) if job.text.endswith(s[:k])), default=0)
         self._push_text(job, len(job.text) - hold)
+
+    def _stored_text(self, job: Job, text: str) -> str:
+        """The answer's text as stored (the turn's ``answer_text``, on the loop thread): cut where the client's
+        answer was (a stop string, the end of the one call allowed), calls rendered as a client resends them
+        (:func:`kvchat.server.protocol.stored_answer_text`); the ids stay those generated, so the resent
+        history maps back to them token-exactly."""
+        stats = job.service.chat.session.last_turn.stats
+        if job.stop_at is not None:  # the cancel that followed the cut only stopped the decoding; the service
+            stats.finish_reason = "stop"  # sees a cut only where it shortens the text, and the end of a call
+        text = text[: job.stop_at]  # may be the last text generated
+        return stored_answer_text(job.request, text, stats.finish_reason)
 
     def _push_text(self, job: Job, upto: int) -> None:
         if upto > job.sent:

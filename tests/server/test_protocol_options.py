@@ -77,7 +77,7 @@ def test_top_k_reaches_the_sampling_params_and_text_modality_is_accepted():
 
 
 def test_fields_that_do_not_change_the_answer_are_accepted():
-    assert _parse(user="u1", metadata={"k": "v"}, store=False, logprobs=False, tools=[], logit_bias=None,
+    assert _parse(user="u1", metadata={"k": "v"}, store=False, logprobs=False, tools=None, logit_bias={},
                   parallel_tool_calls=True, service_tier="auto").user == "hi"
 
 

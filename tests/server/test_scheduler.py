@@ -1,10 +1,14 @@
-"""The scheduler thread in-process with the real SmolLM2 runtime: a failing step answers 500 and serving goes on."""
+"""The scheduler thread in-process with the real SmolLM2 runtime: a failing step answers 500 and serving goes on;
+requests that arrive together decode together; a follow-up sent at "done" continues its chat; the grammar
+tokenizer is built off the engine loop's thread."""
 
 from __future__ import annotations
 
 import json
 import queue
+import threading
 
+import llguidance.hf
 import pytest
 
 from kvchat.runtime import load_runtime
@@ -110,3 +114,29 @@ def test_a_follow_up_sent_at_done_continues_the_same_chat(rt):
         assert done1.stats.settle_ms > 0  # its recompute ran after it was answered
     finally:
         sched.stop()
+
+
+def test_the_grammar_tokenizer_is_built_off_the_engine_loop_thread(rt, monkeypatch):
+    """Building llguidance's tokenizer view takes ~0.5 s: on the loop's thread it would stall every running
+    stream. The scheduler starts it at construction; a structured request waits for it on its own thread,
+    as the HTTP handler does, before it is queued."""
+    real, builders = llguidance.hf.from_tokenizer, []
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer",
+                        lambda *a, **kw: builders.append(threading.current_thread().name) or real(*a, **kw))
+    sched = Scheduler(rt, store=False)
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "A JSON object with your name."}],
+                "max_tokens": 24, "temperature": 0, "response_format": {"type": "json_object"}}
+        req = parse_chat_request(json.dumps(body).encode())
+        if sched.needs_grammar_tokenizer(req):
+            sched.grammars.wait()  # the handler's await asyncio.to_thread(...)
+        assert sched.grammars.ready and not sched.needs_grammar_tokenizer(req)
+        got: queue.Queue = queue.Queue()
+        sched.submit(Job(req, got.put))
+        item = got.get(timeout=120)
+        while item[0] == "text":
+            item = got.get(timeout=120)
+        assert item[0] == "done" and item[1].text.startswith("{"), item
+    finally:
+        sched.stop()
+    assert len(builders) == 1 and builders[0] != "kvchat-engine", builders  # the loop thread's name

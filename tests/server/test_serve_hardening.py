@@ -71,17 +71,19 @@ def test_an_answer_cut_at_a_stop_string_is_reused_when_resent(server, smol_dir):
     assert r2.model_extra["kvchat"]["miss_reason"] is None
 
 
-def test_a_non_streaming_client_that_disconnects_stops_its_generation(server):
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_non_streaming_client_that_disconnects_stops_its_generation(server, n):
     start = server.wait_idle()
     assert start["pool_blocks_used"] == 0
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.request("POST", "/v1/chat/completions", json.dumps({
         "model": MODEL, "messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
-        "max_tokens": 1000, "temperature": 0}), {"Content-Type": "application/json"})
+        "max_tokens": 1000, "temperature": 0, "n": n}), {"Content-Type": "application/json"})
     deadline = time.time() + 60
-    while (h := server.health())["decode_steps"] < start["decode_steps"] + 3 and time.time() < deadline:
+    while ((h := server.health())["running"] < n or h["decode_steps"] < start["decode_steps"] + 3) and \
+            time.time() < deadline:
         time.sleep(0.05)
-    assert h["running"] == 1 and h["pool_blocks_used"] > 0  # decoding
+    assert h["running"] == n and h["pool_blocks_used"] > 0  # every choice decoding
     conn.close()
     idle = server.wait_idle(timeout=15)
     assert (idle["running"], idle["pool_blocks_used"]) == (0, 0)

@@ -1,7 +1,9 @@
-"""kvchat's generic tool format: a call written as the model writes it parses back to the same call (and
-renders to the same text, so a resent call maps to the generated ids), ``auto`` answers that are not calls
-stay text, tool messages and assistant calls render into the conversation, and ``required`` or a named
-function get the forced-call grammar (its effect on the model: tests/server/test_serve_tools.py)."""
+"""kvchat's generic tool format: a call written as the model writes it parses back to the same call, its
+arguments verbatim; a call answer is stored as the text its resent message renders, whatever spacing the
+model wrote (so a resent call maps to the generated ids); a forced call streams as a header delta and its
+arguments' pieces; ``auto`` answers that are not calls stay text, tool messages and assistant calls render
+into the conversation, and ``required`` or a named function get the forced-call grammar (its effect on the
+model: tests/server/test_serve_tools.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import json
 
 import pytest
 
-from kvchat.server.protocol import ApiError, answer_message, parse_chat_request
-from kvchat.server.tools import Tool, call_text, parse_calls
+from kvchat.server.protocol import ApiError, answer_message, parse_chat_request, stored_answer_text
+from kvchat.server.tools import GENERIC, QWEN_CALLS, CallPieces, Tool, call_text, parse_calls
 
 WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 
@@ -28,6 +30,33 @@ def test_a_call_parses_back_and_renders_to_the_text_it_came_from():
     content, calls = parse_calls("Let me check.\n" + text + "\n" + call_text("get_weather", '{"city":"Rome"}'),
                                  [WEATHER])
     assert content == "Let me check." and [json.loads(c.arguments)["city"] for c in calls] == ["Oslo", "Rome"]
+
+
+def test_a_call_answer_is_stored_as_the_text_its_resent_message_renders():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}]
+    req = _request(tools=tools)
+    generated = 'Let me look.\n<tool_call> {"name": "get_weather",\n "arguments": {"city": "Oslo", "days": 2.50}}</tool_call>'
+    message, finish = answer_message(req, generated, "stop")
+    assert finish == "tool_calls" and message["content"] == "Let me look."
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo", "days": 2.50}'  # verbatim
+    resent = _request(tools=tools, messages=[{"role": "user", "content": "Weather in Oslo?"}, message,
+                                             {"role": "tool", "tool_call_id": "x", "content": "21 C"}])
+    assert resent.turns[0][1] == stored_answer_text(req, generated, "stop")
+    assert stored_answer_text(req, generated, "length") == generated  # cut: not calls, stored as generated
+
+
+@pytest.mark.parametrize("style", [GENERIC, QWEN_CALLS], ids=["generic", "qwen"])
+def test_a_forced_call_streams_a_header_then_its_arguments_piece_by_piece(style):
+    arguments = '{"city":"Os}lo \\"x\\"","tags":[{"a":1}]}'
+    text = style.call_text("get_weather", arguments)
+    pieces, deltas = CallPieces(style), []
+    for k in range(0, len(text), 3):
+        deltas += pieces.feed(text[k:k + 3])
+    head = deltas[0]["tool_calls"][0]
+    assert (head["id"], head["type"], head["function"]) == (pieces.id, "function",
+                                                            {"name": "get_weather", "arguments": ""})
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:]) == arguments
+    assert len(deltas) > 3
 
 
 @pytest.mark.parametrize("text", ["It is sunny.", call_text("unknown", "{}"), "<tool_call>\n{not json}\n</tool_call>",
