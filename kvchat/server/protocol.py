@@ -80,6 +80,8 @@ class ChatRequest:
             ``function`` have their call's grammar in ``grammar``.
         tool_name: the function ``tool_choice`` names.
         tool_style: how the model is told about tools and writes calls (the server's model's).
+        template_kwargs: the chat template's variables for this chat (its tools where the template renders
+            them itself: :meth:`kvchat.server.tools.ToolStyle.chat_kwargs`), stored with the chat.
         n: choices to generate (:mod:`kvchat.server.choices`).
         parallel_tool_calls: an answer may hold several calls (``tool_choice: auto``); False: at most one, the
             answer ends after its first call. A forced call is always one.
@@ -103,6 +105,7 @@ class ChatRequest:
     n: int = 1
     parallel_tool_calls: bool = True
     tool_style: ToolStyle = GENERIC
+    template_kwargs: dict = field(default_factory=dict)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -237,13 +240,10 @@ def parse_chat_request(raw: bytes, tool_style: ToolStyle = GENERIC) -> ChatReque
     if not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools:
-        try:
-            system = [tool_style.system(system, tools)]
-        except ValueError as exc:  # the model's template on these tools
-            raise _bad(f"tools: the model's chat template cannot render them: {exc}", "tools") from None
+        system = [tool_style.system(system, tools)]
     return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
                        stop, stream, bool(options.get("include_usage")), grammar, _logit_bias(body.get("logit_bias")),
-                       _top_logprobs(body), tools, choice, name, n, parallel, tool_style)
+                       _top_logprobs(body), tools, choice, name, n, parallel, tool_style, tool_style.chat_kwargs(tools))
 
 
 def _assistant_calls(m: dict, where: str, style: ToolStyle) -> str:
@@ -251,12 +251,15 @@ def _assistant_calls(m: dict, where: str, style: ToolStyle) -> str:
     (:func:`kvchat.server.tools.calls_text`: the text a generated call answer is stored as).
 
     Raises:
-        ApiError: 400 for a call without a function name or with arguments that are not JSON object text.
+        ApiError: 400 for a call without a function name or with arguments that are not JSON object text, or
+            several calls in one message where the model's template takes one (an untagged style's).
     """
     content = "" if m.get("content") is None else _text(m["content"], where)
     calls = m["tool_calls"]
     if not isinstance(calls, list):
         raise _bad(f"{where}.tool_calls must be a list", where)
+    if len(calls) > 1 and not style.tagged:
+        raise _bad(f"{where}.tool_calls: the model's chat template takes one call per assistant message", where)
     pairs = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
@@ -461,7 +464,7 @@ def answer_calls(req: ChatRequest, text: str, finish: str) -> tuple[str | None, 
     """The calls of an answer (:func:`kvchat.server.tools.parse_calls`) when it is calls: tools offered
     (``tool_choice`` not ``none``), and the answer ended by itself; None otherwise."""
     if req.tools and req.tool_choice != "none" and finish == "stop":
-        return parse_calls(text, req.tools)
+        return parse_calls(text, req.tools, req.tool_style)
     return None
 
 
