@@ -266,9 +266,9 @@ class Scheduler:
             raise ApiError(400, f"tools: the model's chat template cannot render them: {exc}", param="tools") from None
         _refuse_too_many_turns(fmt, len(req.turns), rt.engine)  # before tokenizing them all on this thread
         fp = rt.info.fingerprint
-        rendered = render(fmt, req.system, req.turns, lambda ids, text: generated_answer(ids, text, fp))
+        rendered = render(fmt, req.system, req.turns, lambda ids, text: generated_answer(ids, text, fp), req.user_roles)
         job.drift = rendered.drift
-        job.user = fmt.user_turn(req.user)
+        job.user = fmt.user_turn(req.user, req.user_roles[-1])
         prompt = len(rendered.token_ids) + len(job.user.ids)
         limit = rt.engine.max_context
         room = limit - prompt - len(fmt.assistant_close_ids(None))

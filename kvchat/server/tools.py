@@ -55,6 +55,9 @@ class ToolStyle:
     Attributes:
         tagged: calls sit in ``<tool_call></tool_call>`` tags, several one per line, after any text; False:
             an answer is a call only when it is one bare JSON object and nothing else (Llama 3.1+'s).
+        result_role: how a ``tool`` message is rendered: ``"user"``, a user turn :func:`result_text`;
+            ``"tool"``, the template's own turn for a tool message, its content as sent (Llama 3's
+            ``ipython`` turn).
         template: None: kvchat's generic ``# Tools`` block at the end of the system prompt
             (:func:`tools_prompt`); else the model's chat template renders the tools itself, given
             ``tools=`` and these template variables (:meth:`chat_kwargs`).
@@ -65,6 +68,7 @@ class ToolStyle:
     close: str
     key: str = "arguments"
     tagged: bool = True
+    result_role: str = "user"
     template: dict | None = None
 
     def call_text(self, name: str, arguments: str) -> str:
@@ -90,7 +94,7 @@ GENERIC = ToolStyle(CALL_OPEN + '\n{"name":"', '","arguments":', "}\n" + CALL_CL
 QWEN_CALLS = ToolStyle(CALL_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + CALL_CLOSE, template={})
 # Llama 3.1/3.2/3.3's custom-tool call, as their templates render one: one JSON object, the whole answer; their
 # tools go in the system message only with tools_in_user_message=False (by default, in the first user message)
-LLAMA_CALLS = ToolStyle('{"name": "', '", "parameters": ', "}", key="parameters", tagged=False,
+LLAMA_CALLS = ToolStyle('{"name": "', '", "parameters": ', "}", key="parameters", tagged=False, result_role="tool",
                         template={"tools_in_user_message": False})
 
 

@@ -71,12 +71,11 @@ def _answer(sched: Scheduler, req):
     return item[1]
 
 
-def _own_ids(rt, style, messages, **kw) -> list[int]:
-    """The ids of the template's own rendering of ``messages`` with :data:`TOOLS` and ``style``'s variables."""
+def _own(rt, style, messages, **kw) -> str:
+    """The template's own rendering of ``messages`` with :data:`TOOLS` and ``style``'s variables."""
     fmt = rt.chat_format(new_settings([]))
-    text = rt.tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+    return rt.tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
                                             **{**fmt.template_kwargs, **style.template, **kw})
-    return rt.tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +120,8 @@ def _forced_call_round_trip(rt, style, start: str) -> None:
         req = parse_chat_request(json.dumps(FORCED).encode(), style)
         fmt = rt.chat_format({**new_settings([]), "template_kwargs": req.template_kwargs})
         prompt = fmt.prefix_ids(req.system, []) + fmt.user_turn_ids(req.user)
-        assert prompt == _own_ids(rt, style, FORCED["messages"], add_generation_prompt=True)
+        own = _own(rt, style, FORCED["messages"], add_generation_prompt=True)
+        assert prompt == rt.tokenizer.encode(own, add_special_tokens=False)
         sched.grammars.wait()
         done = _answer(sched, req)
         assert done.stats.prompt_tokens == len(prompt)
@@ -136,15 +136,22 @@ def _forced_call_round_trip(rt, style, start: str) -> None:
         assert streamed[0]["tool_calls"][0]["function"]["name"] == "get_weather"
         assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in streamed) == call["function"]["arguments"]
         body = {**FORCED, "tool_choice": "none", "max_tokens": 4, "messages": FORCED["messages"] + [
-            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": "21 C"}]}
         resent = parse_chat_request(json.dumps(body).encode(), style)
         assert resent.turns[0][1] == done.text  # resent in the template's own format, the text generated
         rendered = render(fmt, resent.system, resent.turns,
                           lambda ids, text: generated_answer(ids, text, rt.info.fingerprint))
         assert rendered.drift is None and rendered.token_ids[:len(prompt)] == prompt
+        # the tool result is the template's own turn for a tool message (Llama's ipython turn, Qwen's user turn)
+        assert resent.user_roles == ["user", style.result_role]
+        result = fmt.user_turn(resent.user, resent.user_roles[-1]).ids
+        whole = _own(rt, style, body["messages"], add_generation_prompt=True)
+        close = rt.tokenizer.decode(fmt.assistant_close_ids(None))  # the call's assistant turn ends with it
+        after_call = whole[whole.index(close, whole.rindex('"get_weather"')) + len(close):]
+        assert result == rt.tokenizer.encode(after_call, add_special_tokens=False), after_call
         more = _answer(sched, resent)
-        assert more.stats.prompt_tokens == len(rendered.token_ids) + len(fmt.user_turn_ids(resent.user))
+        assert more.stats.prompt_tokens == len(rendered.token_ids) + len(result)
     finally:
         sched.stop()
 
@@ -162,3 +169,4 @@ def test_the_llama_template_renders_the_tools_in_the_system_message_and_a_forced
     fmt = llama_rt.chat_format({**new_settings([]), "template_kwargs": req.template_kwargs})
     prefix = fmt.decode(fmt.prefix_ids(req.system, []))
     assert prefix.startswith("system\n\nEnvironment: ipython\nCutting Knowledge Date") and "get_weather" in prefix
+    assert fmt.decode(fmt.user_turn("21 C", "tool").ids) == 'ipython\n\n"21 C"assistant\n\n'
