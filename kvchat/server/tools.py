@@ -50,9 +50,10 @@ class Tool:
 @dataclass(frozen=True, slots=True)
 class ToolStyle:
     """How the model is told about tools and writes a call: a call is ``open + NAME + between + ARGS +
-    close``, ``ARGS`` a JSON object, the value of the call object's ``key`` field.
+    close``, ``ARGS`` a JSON object.
 
     Attributes:
+        key: the call object's field that holds the arguments (``arguments``; Llama 3's ``parameters``).
         tagged: calls sit in ``<tool_call></tool_call>`` tags, several one per line, after any text; False:
             an answer is a call only when it is one bare JSON object and nothing else (Llama 3.1+'s).
         result_role: how a ``tool`` message is rendered: ``"user"``, a user turn :func:`result_text`;
