@@ -221,8 +221,10 @@ class ChatFormat:
         """
         return self.user_turn(text).ids
 
-    def user_turn(self, text: str) -> UserTurn:
-        """:meth:`user_turn_ids` with the end of a pasted document's part (:class:`UserTurn`).
+    def user_turn(self, text: str, role: str = "user") -> UserTurn:
+        """:meth:`user_turn_ids` with the end of a pasted document's part (:class:`UserTurn`). ``role``: the
+        message's role, ``"user"`` or another the template renders as a turn after an assistant message that
+        the model then answers (``"tool"``: a tool result, Llama 3's ``ipython`` turn); same rules.
 
         A message of at least :data:`PASTED_DOCUMENT_TOKENS` tokens is a pasted document. Its document part
         is the text before its last paragraph break (a blank line, LF or CRLF) when that part alone has at
@@ -237,7 +239,7 @@ class ChatFormat:
 
         Raises: as :meth:`user_turn_ids`.
         """
-        head, content, foot = self._frame(self._after_assistant, _msg("user", text), True)
+        head, content, foot = self._frame(self._after_assistant, _msg(role, text), True)
         if not self._split_at_breaks or len(content.encode()) < PASTED_DOCUMENT_TOKENS:
             return UserTurn(self._encode_framed(head, content, foot))
         start, end = self._run_bounds(head, foot)

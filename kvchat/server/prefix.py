@@ -39,8 +39,9 @@ class Rendered:
 
 
 def render(fmt: ChatFormat, system: str, turns: Sequence[tuple[str, str]],
-           generated: Callable[[list[int], str], list[int] | None]) -> Rendered:
-    """Build the ids of ``system`` + ``turns`` ``(user, assistant)`` append-only.
+           generated: Callable[[list[int], str], list[int] | None], roles: Sequence[str] = ()) -> Rendered:
+    """Build the ids of ``system`` + ``turns`` ``(user, assistant)`` append-only; ``roles``: the role each
+    turn's user-side message renders as (:meth:`ChatFormat.user_turn`'s; default ``"user"`` for all).
 
     ``generated(ids, text)`` gives the ids kvchat generated right after ``ids`` whose text is ``text``
     (None if none): see :func:`kvchat.conversation.history_match.generated_answer`.
@@ -50,7 +51,7 @@ def render(fmt: ChatFormat, system: str, turns: Sequence[tuple[str, str]],
     append_segment(ids, segments, "prefix", fmt.prefix_ids(system, []))
     history, drift, user_turns = [], None, []
     for k, (user, answer) in enumerate(turns, 1):
-        user_turns.append(fmt.user_turn(user))
+        user_turns.append(fmt.user_turn(user, roles[k - 1] if roles else "user"))
         append_segment(ids, segments, "user", user_turns[-1].ids)
         found = generated(ids, answer)
         if found is None:

@@ -80,6 +80,11 @@ class ChatRequest:
             ``function`` have their call's grammar in ``grammar``.
         tool_name: the function ``tool_choice`` names.
         tool_style: how the model is told about tools and writes calls (the server's model's).
+        template_kwargs: the chat template's variables for this chat (its tools where the template renders
+            them itself: :meth:`kvchat.server.tools.ToolStyle.chat_kwargs`), stored with the chat.
+        user_roles: the role each user-side message is rendered as (:meth:`ChatFormat.user_turn`'s), the
+            earlier turns' then the last's: ``"user"``, or ``"tool"`` for tool results the template renders
+            as a turn of their own (:attr:`kvchat.server.tools.ToolStyle.result_role`).
         n: choices to generate (:mod:`kvchat.server.choices`).
         parallel_tool_calls: an answer may hold several calls (``tool_choice: auto``); False: at most one, the
             answer ends after its first call. A forced call is always one.
@@ -103,6 +108,8 @@ class ChatRequest:
     n: int = 1
     parallel_tool_calls: bool = True
     tool_style: ToolStyle = GENERIC
+    template_kwargs: dict = field(default_factory=dict)
+    user_roles: list[str] = field(default_factory=list)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -186,7 +193,7 @@ def parse_chat_request(raw: bytes, tool_style: ToolStyle = GENERIC) -> ChatReque
         elif role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 raise _bad(f"{where}.tool_call_id is required (a string) in a tool message", where)
-            role, text = "user", result_text(_text(m.get("content"), where))
+            text = _text(m.get("content"), where)
         else:
             text = _text(m.get("content"), where)
         if role in ("system", "developer"):
@@ -195,7 +202,7 @@ def parse_chat_request(raw: bytes, tool_style: ToolStyle = GENERIC) -> ChatReque
             system.append(text)
         else:
             seq.append((role, text, where))
-    seq = _join_runs(seq)
+    seq = _join_runs(seq, tool_style)
     if seq and seq[0][0] != "user":
         raise _bad(f"{seq[0][2]}: the first message after the system prompt must be a user message", seq[0][2])
     if not seq or seq[-1][0] != "user":
@@ -225,7 +232,7 @@ def parse_chat_request(raw: bytes, tool_style: ToolStyle = GENERIC) -> ChatReque
                             frequency_penalty=_number(body, "frequency_penalty", -2, 2, 0.0))
     if params.top_p == 0:
         raise _bad("top_p must be > 0", "top_p")
-    texts = [t for _, t, _ in seq]
+    texts = [t for _, t, _, _ in seq]
     tools = _tools(body.get("tools"))
     choice, name = _tool_choice(body.get("tool_choice"), tools)
     grammar = _response_format(body.get("response_format"))
@@ -237,13 +244,11 @@ def parse_chat_request(raw: bytes, tool_style: ToolStyle = GENERIC) -> ChatReque
     if not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools:
-        try:
-            system = [tool_style.system(system, tools)]
-        except ValueError as exc:  # the model's template on these tools
-            raise _bad(f"tools: the model's chat template cannot render them: {exc}", "tools") from None
+        system = [tool_style.system(system, tools)]
     return ChatRequest(model, "\n\n".join(system), list(zip(texts[:-1:2], texts[1:-1:2])), texts[-1], params, max_tokens,
                        stop, stream, bool(options.get("include_usage")), grammar, _logit_bias(body.get("logit_bias")),
-                       _top_logprobs(body), tools, choice, name, n, parallel, tool_style)
+                       _top_logprobs(body), tools, choice, name, n, parallel, tool_style, tool_style.chat_kwargs(tools),
+                       [r for kind, _, _, r in seq if kind == "user"])
 
 
 def _assistant_calls(m: dict, where: str, style: ToolStyle) -> str:
@@ -251,12 +256,15 @@ def _assistant_calls(m: dict, where: str, style: ToolStyle) -> str:
     (:func:`kvchat.server.tools.calls_text`: the text a generated call answer is stored as).
 
     Raises:
-        ApiError: 400 for a call without a function name or with arguments that are not JSON object text.
+        ApiError: 400 for a call without a function name or with arguments that are not JSON object text, or
+            several calls in one message where the model's template takes one (an untagged style's).
     """
     content = "" if m.get("content") is None else _text(m["content"], where)
     calls = m["tool_calls"]
     if not isinstance(calls, list):
         raise _bad(f"{where}.tool_calls must be a list", where)
+    if len(calls) > 1 and not style.tagged:
+        raise _bad(f"{where}.tool_calls: the model's chat template takes one call per assistant message", where)
     pairs = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
@@ -419,15 +427,24 @@ def _refuse_unknown(body: dict) -> None:
                    unknown[0])
 
 
-def _join_runs(seq: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-    """``(role, text, where)`` messages with each run of one role joined into its first message, texts
-    separated by a blank line (as OpenAI-compatible servers accept consecutive user messages)."""
-    out: list[tuple[str, str, str]] = []
+def _join_runs(seq: list[tuple[str, str, str]], style: ToolStyle) -> list[tuple[str, str, str, str]]:
+    """``(role, text, where)`` messages (user, tool or assistant) as ``(user | assistant, text, where, the role
+    it renders as)``: each run of user-side messages (user and tool) or of assistant messages joined into
+    its first message, texts separated by a blank line (as OpenAI-compatible servers accept consecutive user
+    messages). A run of tool results only renders as the template's tool turn where ``style`` has one
+    (``result_role: tool``); otherwise each tool result in it is :func:`result_text` in a user turn."""
+    runs: list[tuple[str, list[tuple[str, str]], str]] = []
     for role, text, where in seq:
-        if out and out[-1][0] == role:
-            out[-1] = (role, f"{out[-1][1]}\n\n{text}", out[-1][2])
+        kind = "assistant" if role == "assistant" else "user"
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append((role, text))
         else:
-            out.append((role, text, where))
+            runs.append((kind, [(role, text)], where))
+    out = []
+    for kind, parts, where in runs:
+        own = style.result_role == "tool" and all(role == "tool" for role, _ in parts)
+        texts = [result_text(text) if role == "tool" and not own else text for role, text in parts]
+        out.append((kind, "\n\n".join(texts), where, "tool" if own else "user"))
     return out
 
 
@@ -461,7 +478,7 @@ def answer_calls(req: ChatRequest, text: str, finish: str) -> tuple[str | None, 
     """The calls of an answer (:func:`kvchat.server.tools.parse_calls`) when it is calls: tools offered
     (``tool_choice`` not ``none``), and the answer ended by itself; None otherwise."""
     if req.tools and req.tool_choice != "none" and finish == "stop":
-        return parse_calls(text, req.tools)
+        return parse_calls(text, req.tools, req.tool_style)
     return None
 
 

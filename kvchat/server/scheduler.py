@@ -259,13 +259,16 @@ class Scheduler:
         req, rt = job.request, self.rt
         if self.verbose:
             print(f"kvchat serve: request: {req.user!r} ({len(req.turns)} earlier turns)", file=sys.stderr)
-        settings = new_settings([])
-        fmt = rt.chat_format(settings)
+        settings = {**new_settings([]), "template_kwargs": req.template_kwargs}
+        try:
+            fmt = rt.chat_format(settings)
+        except ChatTemplateError as exc:  # only the request's tools make a template fail: its own was checked
+            raise ApiError(400, f"tools: the model's chat template cannot render them: {exc}", param="tools") from None
         _refuse_too_many_turns(fmt, len(req.turns), rt.engine)  # before tokenizing them all on this thread
         fp = rt.info.fingerprint
-        rendered = render(fmt, req.system, req.turns, lambda ids, text: generated_answer(ids, text, fp))
+        rendered = render(fmt, req.system, req.turns, lambda ids, text: generated_answer(ids, text, fp), req.user_roles)
         job.drift = rendered.drift
-        job.user = fmt.user_turn(req.user)
+        job.user = fmt.user_turn(req.user, req.user_roles[-1])
         prompt = len(rendered.token_ids) + len(job.user.ids)
         limit = rt.engine.max_context
         room = limit - prompt - len(fmt.assistant_close_ids(None))
@@ -342,7 +345,7 @@ class Scheduler:
         req, stops = job.request, job.request.stop
         hits = [i for i in (job.text.find(s, max(0, job.sent - len(s))) for s in stops) if i >= 0]
         if req.tool_choice == "auto" and not req.parallel_tool_calls:  # one call at most: the answer ends with it
-            hits += [i for i in [first_call_end(job.text)] if i is not None]
+            hits += [i for i in [first_call_end(job.text, req.tool_style)] if i is not None]
         if hits:
             job.stop_at = min(hits)
             job.cancel.set()  # the turn ends after this token

@@ -14,9 +14,9 @@ The generic format (the Hermes/Qwen2.5 convention, which small instruction-tuned
 - a ``tool`` message is a user turn ``<tool_response>\\n…\\n</tool_response>``.
 
 Where the model's own chat template renders tools in a way kvchat can follow (Qwen2.5/Qwen3 and other
-Hermes-style templates, :mod:`kvchat.server.template_tools`) its tool block and call format are used
-instead (a :class:`ToolStyle`); the grammar, the parse, the stream pieces and the stored rendering are the
-same code for both.
+Hermes-style templates, Llama 3.1+'s with ``tools_in_user_message=False``:
+:mod:`kvchat.server.template_tools`) its tool block and call format are used instead (a :class:`ToolStyle`);
+the grammar, the parse, the stream pieces and the stored rendering are the same code for every style.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Callable
 
 from kvchat.conversation.pasted import TOOLS_HEADING
 from kvchat.engine.grammar import JSON_OPTIONS, Grammar, lark_grammar
@@ -51,14 +50,27 @@ class Tool:
 @dataclass(frozen=True, slots=True)
 class ToolStyle:
     """How the model is told about tools and writes a call: a call is ``open + NAME + between + ARGS +
-    close`` (several calls one per line); ``template(system, tools)``: the system prompt with the tools as
-    the model's chat template renders them (:mod:`kvchat.server.template_tools`), None for kvchat's generic
-    ``# Tools`` block (:func:`tools_prompt`)."""
+    close``, ``ARGS`` a JSON object.
+
+    Attributes:
+        key: the call object's field that holds the arguments (``arguments``; Llama 3's ``parameters``).
+        tagged: calls sit in ``<tool_call></tool_call>`` tags, several one per line, after any text; False:
+            an answer is a call only when it is one bare JSON object and nothing else (Llama 3.1+'s).
+        result_role: how a ``tool`` message is rendered: ``"user"``, a user turn :func:`result_text`;
+            ``"tool"``, the template's own turn for a tool message, its content as sent (Llama 3's
+            ``ipython`` turn).
+        template: None: kvchat's generic ``# Tools`` block at the end of the system prompt
+            (:func:`tools_prompt`); else the model's chat template renders the tools itself, given
+            ``tools=`` and these template variables (:meth:`chat_kwargs`).
+    """
 
     open: str
     between: str
     close: str
-    template: Callable[[str, list[Tool]], str] | None = None
+    key: str = "arguments"
+    tagged: bool = True
+    result_role: str = "user"
+    template: dict | None = None
 
     def call_text(self, name: str, arguments: str) -> str:
         """One call as the assistant writes it (``arguments``: JSON text, kept verbatim)."""
@@ -66,21 +78,25 @@ class ToolStyle:
 
     def system(self, parts: list[str], tools: list[Tool]) -> str:
         """The system prompt of a request offering ``tools``: its system messages ``parts`` (joined by blank
-        lines) with the tools' definitions.
+        lines), with the generic ``# Tools`` block when the template does not render the tools itself."""
+        return "\n\n".join([*parts, tools_prompt(tools)] if self.template is None else parts)
 
-        Raises:
-            ValueError: the template failed on these tools, or renders them outside the system message
-                (:class:`kvchat.server.template_tools.TemplateToolsError`).
-        """
-        if self.template is None:
-            return "\n\n".join([*parts, tools_prompt(tools)])
-        return self.template("\n\n".join(parts), tools)
+    def chat_kwargs(self, tools: list[Tool]) -> dict:
+        """The template variables of a chat offering ``tools`` (stored with the chat, so every piece of it is
+        rendered with them): ``tools`` and the style's variables; {} for the generic format."""
+        if self.template is None or not tools:
+            return {}
+        return {**self.template, "tools": [t.openai() for t in tools]}
 
 
 # kvchat's own format for models whose template has no tools it can follow (SmolLM2's has none)
 GENERIC = ToolStyle(CALL_OPEN + '\n{"name":"', '","arguments":', "}\n" + CALL_CLOSE)
 # Qwen2.5/Qwen3's (Hermes') call format, as their templates render a call (the JSON's spaces included)
-QWEN_CALLS = ToolStyle(CALL_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + CALL_CLOSE)
+QWEN_CALLS = ToolStyle(CALL_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + CALL_CLOSE, template={})
+# Llama 3.1/3.2/3.3's custom-tool call, as their templates render one: one JSON object, the whole answer; their
+# tools go in the system message only with tools_in_user_message=False (by default, in the first user message)
+LLAMA_CALLS = ToolStyle('{"name": "', '", "parameters": ', "}", key="parameters", tagged=False, result_role="tool",
+                        template={"tools_in_user_message": False})
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,15 +142,18 @@ def call_text(name: str, arguments: str) -> str:
 
 def calls_text(content: str | None, calls: list[tuple[str, str]], style: ToolStyle = GENERIC) -> str:
     """An assistant answer of ``calls`` ``(name, arguments JSON text)`` as the model writes it: ``content`` (if
-    any), then each call (:meth:`ToolStyle.call_text`), one per line. The one rendering of a call answer: a resent
-    ``tool_calls`` message and the stored text of a generated call answer are both this, so a resent history
-    matches the stored chat and maps back to the ids generated."""
-    return "\n".join(([content] if content else []) + [style.call_text(name, arguments) for name, arguments in calls])
+    any; an untagged style's templates drop it, as does this), then each call (:meth:`ToolStyle.call_text`), one
+    per line. The one rendering of a call answer: a resent ``tool_calls`` message and the stored text of a
+    generated call answer are both this, so a resent history matches the stored chat and maps back to the ids
+    generated."""
+    head = [content] if content and style.tagged else []
+    return "\n".join(head + [style.call_text(name, arguments) for name, arguments in calls])
 
 
-def first_call_end(text: str) -> int | None:
-    """The offset just past the first complete ``<tool_call>…</tool_call>`` block of ``text``; None if none."""
-    match = _CALL.search(text)
+def first_call_end(text: str, style: ToolStyle = GENERIC) -> int | None:
+    """The offset just past the first complete ``<tool_call>…</tool_call>`` block of ``text``; None if none, or
+    if ``style``'s calls are not tagged (such an answer is one call or none: it ends by itself)."""
+    match = _CALL.search(text) if style.tagged else None
     return None if match is None else match.end()
 
 
@@ -160,24 +179,28 @@ def call_grammar(tools: list[Tool], only: str | None = None, style: ToolStyle = 
     return lark_grammar("\n".join(rules), "tool call")
 
 
-def parse_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]] | None:
-    """The calls in an answer: ``(the text before the first call, or None if blank; the calls)``, or None
-    when the answer holds no call or one that is not a JSON object naming an offered function with an
-    object of arguments (``tool_choice: auto`` then answers it as text). A call's ``arguments`` is its
-    JSON text exactly as generated (what a stream sends piece by piece, see :class:`CallPieces`)."""
-    found = list(_CALL.finditer(text))
+def parse_calls(text: str, tools: list[Tool], style: ToolStyle = GENERIC) -> tuple[str | None, list[ToolCall]] | None:
+    """The calls in an answer written in ``style``: ``(the text before the first call, or None if blank; the
+    calls)``, or None when the answer holds no call or one that is not a JSON object naming an offered
+    function with an object of arguments (``tool_choice: auto`` then answers it as text); an untagged style's
+    answer is a call only when it is one JSON object and nothing else. A call's ``arguments`` is its JSON text
+    exactly as generated (what a stream sends piece by piece, see :class:`CallPieces`)."""
+    if style.tagged:
+        found = [(m.start(), m.group(1)) for m in _CALL.finditer(text)]
+    else:
+        found = [(0, text)] if text.strip().startswith("{") else []
     if not found:
         return None
     names, calls = {t.name for t in tools}, []
-    for match in found:
-        fields = _top_level_fields(match.group(1))
-        if fields is None or set(fields) - {"name", "arguments"} or "arguments" not in fields:
+    for _, body in found:
+        fields = _top_level_fields(body)
+        if fields is None or set(fields) - {"name", style.key} or style.key not in fields:
             return None
-        name, arguments = fields.get("name", (None, ""))[0], fields["arguments"]
+        name, arguments = fields.get("name", (None, ""))[0], fields[style.key]
         if name not in names or not isinstance(arguments[0], dict):
             return None
         calls.append(ToolCall(new_call_id(), name, arguments[1]))
-    before = text[: found[0].start()].strip()
+    before = text[: found[0][0]].strip()
     return (before or None), calls
 
 
