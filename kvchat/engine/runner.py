@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvchat import settings
+from kvchat.context_fit import check_fits
 from kvchat.device import activate, check_device, device_guard
 from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
 from kvchat.engine.cache_identity import FORMAT_COMPUTE, CacheIdentity, compute_key
@@ -43,10 +44,6 @@ FORMAT_COMPUTE_DTYPES = {f: COMPUTE_DTYPES[n] for f, n in FORMAT_COMPUTE.items()
 PREFILL_CHUNK_TOKENS = 512
 SMALL_MODEL_PARAMS = 2_000_000_000
 DEFAULT_PREFILL_TOKENS_PER_S = 150.0  # until measured; CPU-conservative
-
-
-class ContextOverflowError(ValueError):
-    """A sequence would exceed the model's context length."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,10 +298,11 @@ class Engine:
             text += f" (the KV pool holds {self.pool.capacity_tokens}; raise KVCHAT_KV_BUDGET_MB)"
         return text
 
-    def check_fits(self, num_tokens: int) -> None:
-        """Raise :class:`ContextOverflowError` if ``num_tokens`` exceeds :attr:`max_context`."""
-        if num_tokens > self.max_context:
-            raise ContextOverflowError(f"conversation would be {num_tokens} tokens; {self.context_limit_text}")
+    def check_fits(self, num_tokens: int, what: str | None = None) -> None:
+        """Raise :class:`~kvchat.context_fit.ContextFullError` if ``num_tokens`` exceeds :attr:`max_context`; its
+        message is ``what`` (default ``conversation would be N tokens``) then :attr:`context_limit_text`."""
+        check_fits(num_tokens, self.max_context,
+                   lambda: f"{what or f'conversation would be {num_tokens} tokens'}; {self.context_limit_text}")
 
     @torch.inference_mode()
     def sink_kv(self, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,7 +418,7 @@ class Engine:
             boundaries: segment start offsets (tokens) for the chunk plan.
             dense_kv: the sequence's own dense copy (see :meth:`_forward`).
         Raises:
-            ContextOverflowError: the sequence exceeds the context limit.
+            ContextFullError: the sequence exceeds the context limit.
             PoolFullError: the pool cannot hold it.
 
         The caller holds ``torch.inference_mode`` (the engine loop's thread does). ``prefill_ms`` counts this
@@ -485,7 +483,7 @@ class Engine:
         One step alone is exactly :meth:`decode`.
 
         Raises:
-            ContextOverflowError: a sequence exceeds the context limit.
+            ContextFullError: a sequence exceeds the context limit.
             PoolFullError: a sequence cannot get a slot; ``exc.index`` is its place in ``steps``
                 (the others are unchanged but for a reserved slot).
             ValueError: decoding over dense copies (not :attr:`decode_on_pool`), two steps share one (or lack one).
