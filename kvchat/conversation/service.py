@@ -304,7 +304,7 @@ class ChatService:
             return self._switch(_Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings,
                                       messages, None, conv.token_ids_version, lazy=True))
         stats, t0 = TurnStats(prompt_tokens=len(session.token_ids)), time.perf_counter()
-        session.attach_cached_prefix(stats, whole=True)
+        self.loop.call(session.attach_cached_prefix, stats, True)  # on the loop: it holds the inference mode
         ms = (time.perf_counter() - t0) * 1e3
         shortfall = self._shortfall(conv.id, len(session.token_ids), stats.reused_tokens)
         prefill = 0 if shortfall is None else max(len(session.token_ids) - stats.reused_tokens, 0)

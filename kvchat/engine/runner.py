@@ -25,6 +25,7 @@ from kvchat.engine.calibration import KVCalibration
 from kvchat.engine.decode_buffers import BATCH_BUCKETS, DecodeBuffers, DecodeRow, batch_bucket, context_bucket, context_buckets
 from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
 from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.inference import inference
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
@@ -304,7 +305,7 @@ class Engine:
         check_fits(num_tokens, self.max_context,
                    lambda: f"{what or f'conversation would be {num_tokens} tokens'}; {self.context_limit_text}")
 
-    @torch.inference_mode()
+    @inference()  # called by hand too (benchmarks, tests); on the loop its mode is held already
     def sink_kv(self, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact (unquantized) K/V of ``token_id`` at position 0, every layer: float32 ``[num_layers, num_kv_heads, head_dim]`` x2.
 
@@ -444,7 +445,7 @@ class Engine:
             self.prefill_tokens_per_s = (len(token_ids) - start) / (ms / 1e3)
         return PrefillResult(logits, len(token_ids) - start, ms)
 
-    @torch.inference_mode()
+    @inference()  # called by hand too (benchmarks, tests); on the loop its mode is held already
     def score(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = ()) -> torch.Tensor:
         """Teacher-forced logits for every position not yet in the pool.
 
@@ -460,7 +461,7 @@ class Engine:
         rows = [self.model.logits(self._forward(seq, token_ids, a, b)) for a, b in chunk_plan(start, len(token_ids), boundaries)]
         return torch.cat(rows)
 
-    @torch.inference_mode()
+    @inference()  # called by hand too (benchmarks, tests); on the loop its mode is held already
     def decode(self, seq: SeqBlocks, token_ids: Sequence[int], dense_kv: DenseKV | None = None) -> torch.Tensor:
         """Run the last id of ``token_ids`` (all earlier ones in the pool); float32 logits ``[vocab_size]``.
 
@@ -473,7 +474,7 @@ class Engine:
         dense = None if self.decode_on_pool else [dense_kv or self.dense]
         return self._decode_rows([(seq, token_ids)], dense)[0]
 
-    @torch.inference_mode()
+    @inference()  # called by hand too (benchmarks, tests); on the loop its mode is held already
     def decode_batch(self, steps: Sequence[DecodeStep]) -> torch.Tensor:
         """One decode forward for several sequences: float32 logits ``[len(steps), vocab_size]``.
 
