@@ -57,7 +57,7 @@ def print_prefill_progress(done: int, total: int, stream: TextIO | None = None) 
     if cur.bar is not None:
         cur.bar.update(done - cur.bar.n)
     elif done == total or now - cur.last_line_t >= LOG_EVERY_S:
-        print(_plain_line(done, total, _rate(cur, done, now)), file=stream, flush=True)
+        print(_plain_line(cur, done, total, now), file=stream, flush=True)
         cur.last_line_t = now
     cur.done = done
     if done == total:
@@ -73,18 +73,30 @@ def _drop_unfinished() -> None:
         _current.bar.disable = True
 
 
-def _rate(cur: _Prefill, done: int, now: float) -> float | None:
-    """Tokens/s since the prefill's first report; None before a second one."""
-    return (done - cur.first_done) / (now - cur.first_t) if done > cur.first_done and now > cur.first_t else None
+def rate_and_eta(tokens: int, seconds: float, left: int) -> tuple[float | None, float | None]:
+    """A prefill's rate and time left, for every progress report (this module's lines, the conversation
+    service's :class:`~kvchat.conversation.events.PrefillProgress`): ``tokens`` computed in ``seconds`` since
+    the rate's start, ``left`` tokens to go.
+
+    Returns:
+        ``(tokens/s, seconds left)``: the rate so far and ``left`` ÷ it; ``(None, None)`` before any token or
+        time was counted.
+    """
+    if tokens <= 0 or seconds <= 0:
+        return None, None
+    rate = tokens / seconds
+    return rate, left / rate
 
 
-def _plain_line(done: int, total: int, rate: float | None) -> str:
-    """``prefill DONE/TOTAL tokens`` with the rate and, before the end, the time left."""
+def _plain_line(cur: _Prefill, done: int, total: int, now: float) -> str:
+    """``prefill DONE/TOTAL tokens`` with the rate since the prefill's first report and, before the end, the time
+    left (neither before a second report)."""
     line = f"prefill {done}/{total} tokens"
+    rate, eta = rate_and_eta(done - cur.first_done, now - cur.first_t, total - done)
     if rate is None:
         return line
     line += f", {rate:.0f} tok/s"
-    return line if done == total else f"{line}, about {(total - done) / rate:.0f} s left"
+    return line if done == total else f"{line}, about {eta:.0f} s left"
 
 
 @dataclass(slots=True)

@@ -28,7 +28,8 @@ from .faults import crash_point
 @dataclass(slots=True)
 class NewMessage:
     """A message to store with a turn. ``token_start``/``token_end`` are offsets into that turn's new token ids;
-    ``finish_reason``: how an answer ended (:attr:`kvchat.engine.turn.TurnStats.finish_reason`)."""
+    ``finish_reason``: how an answer ended (:attr:`kvchat.engine.turn.TurnStats.finish_reason`);
+    ``document_tokens``: a user message's pasted-document part, its first tokens (0: none; None: not known)."""
 
     role: str
     text: str
@@ -37,12 +38,14 @@ class NewMessage:
     ttft_ms: float | None = None
     decode_tokens_per_s: float | None = None
     finish_reason: str | None = None
+    document_tokens: int | None = None
 
 
 @dataclass(slots=True)
 class Message:
     """A stored message; ``token_start``/``token_end`` index the conversation's token ids (half-open);
-    ``finish_reason``: how an answer ended (None for a user message or an answer stored before it was kept)."""
+    ``finish_reason``: how an answer ended (None for a user message or an answer stored before it was kept);
+    ``document_tokens``: as :class:`NewMessage`'s (None for an answer or a message stored before it was kept)."""
 
     id: int
     conversation_id: str
@@ -55,6 +58,7 @@ class Message:
     decode_tokens_per_s: float | None
     created: float
     finish_reason: str | None
+    document_tokens: int | None
 
 
 @dataclass(slots=True)
@@ -210,9 +214,10 @@ def append_turn(
         for i, m in enumerate(messages):
             db.execute(
                 "INSERT INTO messages (conversation_id, idx, role, text, token_start, token_end, ttft_ms,"
-                " decode_tokens_per_s, created, finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " decode_tokens_per_s, created, finish_reason, document_tokens)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [conv_id, r["last_idx"] + 1 + i, m.role, m.text, base + m.token_start, base + m.token_end,
-                 m.ttft_ms, m.decode_tokens_per_s, now, m.finish_reason],
+                 m.ttft_ms, m.decode_tokens_per_s, now, m.finish_reason, m.document_tokens],
             )
         crash_point("message_insert")
         segments = json.loads(r["segments"])

@@ -126,6 +126,13 @@ def m005_message_finish(db: Database) -> None:
     db["messages"].add_column("finish_reason", str)
 
 
+@MIGRATIONS(name="m006_message_document_tokens")
+def m006_message_document_tokens(db: Database) -> None:
+    """messages.document_tokens: how many of a user message's tokens are its pasted document's part (0: none;
+    NULL for answers and for messages stored before it was recorded, whose part is found again from the text)."""
+    db["messages"].add_column("document_tokens", int)
+
+
 def schema_names() -> list[str]:
     """Names of all registered migrations, oldest first."""
     return [m.name for m in MIGRATIONS.pending(Database(memory=True))]

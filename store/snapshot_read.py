@@ -11,26 +11,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from pathlib import Path
 
 import torch
 import xxhash
 
 from .errors import CorruptChunkError
+from .safetensors_header import HeaderError, read_header
 from .snapshot import DTYPE_NAMES, FORMAT, FORMAT_VERSION, ChunkData, ChunkLayout
 
 MAX_HEADER_BYTES = 64 * 1024  # a real header is ~0.5 KB
 _READ_PIECE = 8 << 20
 _NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 _META_KEYS = {"format", "format_version", "key", "parent_key", "fingerprint", "token_count", "checksum"}
-
-
-def _no_dup_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError("duplicate keys in header JSON")
-    return dict(pairs)
 
 
 def _open_header(path: Path) -> tuple[int, dict, int]:
@@ -43,19 +36,11 @@ def _open_header(path: Path) -> tuple[int, dict, int]:
     except FileNotFoundError:
         raise CorruptChunkError(path, "missing", "file not found") from None
     try:
-        size = os.fstat(fd).st_size
-        if size < 8:
-            raise CorruptChunkError(path, "truncated", f"{size} bytes, shorter than the header length")
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        if n == 0 or n > MAX_HEADER_BYTES:
-            raise CorruptChunkError(path, "header", f"header length {n} outside 1..{MAX_HEADER_BYTES}")
-        if 8 + n > size:
-            raise CorruptChunkError(path, "truncated", f"header of {n} bytes but file has {size}")
         try:
-            header = json.loads(os.pread(fd, n, 8), object_pairs_hook=_no_dup_keys)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptChunkError(path, "header", f"bad JSON ({exc})") from None
-        if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+            header, start, _ = read_header(fd, MAX_HEADER_BYTES)
+        except HeaderError as exc:
+            raise CorruptChunkError(path, exc.kind, exc.detail) from None
+        if not isinstance(header.get("__metadata__"), dict):
             raise CorruptChunkError(path, "header", "header is not an object with __metadata__")
         meta = header["__metadata__"]
         if set(meta) != _META_KEYS or not all(isinstance(v, str) for v in meta.values()):
@@ -63,7 +48,7 @@ def _open_header(path: Path) -> tuple[int, dict, int]:
         if meta["format"] != FORMAT or meta["format_version"] != FORMAT_VERSION:
             raise CorruptChunkError(path, "header", f"format {meta['format']!r} v{meta['format_version']!r}"
                                     f" is not {FORMAT} v{FORMAT_VERSION}")
-        return fd, header, 8 + n
+        return fd, header, start
     except BaseException:
         os.close(fd)
         raise

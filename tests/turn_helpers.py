@@ -37,5 +37,5 @@ def prefill(engine: Engine, seq: SeqBlocks, token_ids: Sequence[int], boundaries
     """:meth:`Engine.prefill_steps` to their end on a new engine loop over ``engine``, stopped after: the
     tokens of ``token_ids`` not yet in ``seq``'s blocks computed in the cold chunk plan of ``boundaries``;
     returns the :class:`PrefillResult` (float32 last-token logits ``[vocab_size]``). Raises what the prefill
-    raises (ContextOverflowError, PoolFullError)."""
+    raises (ContextFullError, PoolFullError)."""
     return run_alone(engine, engine.prefill_steps(seq, token_ids, boundaries, dense_kv))

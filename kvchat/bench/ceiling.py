@@ -18,6 +18,7 @@ import time
 import torch
 from torch import nn
 
+from kvchat.engine.inference import inference
 from kvchat.model.quant import INT8_LAYERS
 from kvchat.model.transformer import Linear, Transformer
 
@@ -46,7 +47,7 @@ def _pass_s(layers: list[nn.Module], head: nn.Module, rows: int, dtype: torch.dt
     return time.perf_counter() - t0
 
 
-@torch.inference_mode()
+@inference()
 def matmul_ceiling(model: Transformer, chunk_tokens: int = 512, repeats: int = 3) -> dict:
     """Median time of the model's matmuls alone, as tokens/s ceilings.
 

@@ -41,6 +41,7 @@ import torch
 from kvchat.bench.ceiling import matmul_ceiling
 from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import Spread, format_table, ratios
+from kvchat.engine.inference import inference
 from kvchat.texts import BenchText, stdlib_text
 
 LLAMA_CPP_REFERENCE = {
@@ -119,7 +120,7 @@ def transformers_runner(model, fp8_cache: bool = False) -> RunFn:
     cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
     new_cache = (lambda: QuantizedCache("fp8", model.config)) if fp8_cache else DynamicCache
 
-    @torch.inference_mode()
+    @inference()
     def run(ids: list[int], decode_tokens: int) -> tuple[float, float]:
         cache = new_cache()
         t0 = time.perf_counter()

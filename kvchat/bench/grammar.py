@@ -18,6 +18,7 @@ import time
 
 from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import format_table
+from kvchat.engine.inference import inference
 
 # a nested object, an enum, a bounded array and bounded integers (tests/server/test_serve_structured.py uses it
 # too); strings bounded: at temperature 0 the 135M model can repeat a phrase inside an unbounded string until
@@ -103,7 +104,7 @@ def cmd_bench_grammar(args: argparse.Namespace) -> int:
     grammar = json_schema_grammar(SCHEMA)
     grammars.constraint(grammar)
     t2 = time.perf_counter()
-    with torch.inference_mode():
+    with inference():
         plain = [_answer(rt, grammars, grammar, args.decode_tokens, lambda g, _: None)[1] for _ in range(args.repeats)]
         runs = [_answer(rt, grammars, grammar, args.decode_tokens, _with_grammar) for _ in range(args.repeats)]
     ids = [t for t in runs[0][0] if t not in grammars.stop_ids]

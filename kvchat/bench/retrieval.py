@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvchat.engine.inference import inference
 from kvchat.texts import BenchText
 
 FACT_KEY = "the access code for the archive room"
@@ -113,7 +114,7 @@ def build_probe(fmt, tokenizer, paragraphs: Sequence[str], depth: float | None, 
                  fact_token, doc_tokens)
 
 
-@torch.inference_mode()
+@inference()
 def score_value(engine, probe: Probe) -> dict:
     """Teacher-forced log-probabilities of the value's tokens under ``engine``'s pool.
 

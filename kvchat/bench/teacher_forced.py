@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvchat.engine.inference import inference
+
 SCORE_CHUNK_TOKENS = 512
 
 
@@ -68,7 +70,7 @@ class FidelityResult:
                 "top1_agreement": round(self.top1_agreement, 4)}
 
 
-@torch.inference_mode()
+@inference()
 def compare_to_reference(
     ref_engine,
     runs: Sequence[tuple[object, object]],

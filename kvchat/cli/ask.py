@@ -119,12 +119,7 @@ def _ask(args: argparse.Namespace, cancel: threading.Event) -> int:
     if args.json:
         print(json.dumps({
             "text": done.text, "chat_id": done.chat_id, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
-            "scale_scheme": rt.engine.scale_scheme, "prompt_tokens": s.prompt_tokens,
-            "reused_tokens": s.reused_tokens, "from_memory": s.from_memory, "from_disk": s.from_disk,
-            "restore_ms": round(s.restore_ms, 2), "bytes_read": s.bytes_read, "miss_reason": s.miss_reason,
-            "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens,
-            "ttft_ms": round(s.ttft_ms, 2), "prefill_ms": round(s.prefill_ms, 2),
-            "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
+            "scale_scheme": rt.engine.scale_scheme, **s.to_json(),
             "context_tokens": done.context_used, "context_limit": done.context_limit,
             "continued_from": conv.id if conv is not None and args.new_chat is not None else None,
             "compute_dtype": str(rt.engine.dtype).removeprefix("torch."), "kv_pool": rt.engine.pool_plan.text,

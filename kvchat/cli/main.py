@@ -289,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
 def _error_kind(exc: Exception) -> tuple[str, dict]:
     """A user error's kind for :func:`error_object` and its figures (tokens needed and the limit, when known)."""
     from kvchat.conversation.views import ContextFullError
-    from kvchat.engine.runner import ContextOverflowError
     from kvchat.model.registry import ModelNotFoundError
     from kvchat.remote.client import ServerError
     from kvchat.store.errors import StoreError
@@ -298,8 +297,6 @@ def _error_kind(exc: Exception) -> tuple[str, dict]:
         return exc.kind, {} if exc.retry_after_s is None else {"retry_after_s": exc.retry_after_s}
     if isinstance(exc, ContextFullError):
         return "context_length_exceeded", {"needed_tokens": exc.needed, "context_limit": exc.limit}
-    if isinstance(exc, ContextOverflowError):
-        return "context_length_exceeded", {}
     if isinstance(exc, (LookupError, ModelNotFoundError)):
         return "not_found", {}
     if isinstance(exc, StoreError):  # damaged, newer, read-only or locked: the database, not the request

@@ -50,16 +50,27 @@ def session_from_store(rt: Runtime, conv: Conversation) -> Session:
     fmt = rt.chat_format(conv.settings)
     segments = [Segment(kind, start, end) for start, end, kind in conv.segments]
     session = Session(rt.engine, fmt, list(conv.token_ids), segments)
-    # pasted documents' ends: the chunk edges the turns were computed with. Not for a chat stored before
-    # pasted documents existed (before 43fb155), nor where this rule's threshold moved since: such a turn
-    # was computed without the edge, so a recompute after its chain stops mid-turn may differ in the last
-    # bits from the stored part (the stored end per message, a migration, would fix it; not done yet)
+    # pasted documents' ends: the chunk edges the turns were computed with, as stored with each user message.
+    # A message stored before they were (document_tokens NULL) is tokenized again to find its end; that misses
+    # where a chat predates pasted documents or the rule's threshold moved since (the turn was computed
+    # without the edge), so a recompute after its chain stops mid-turn may differ in the last bits there
     for m in conv.messages:
-        if m.role == "user" and m.token_end - m.token_start >= PASTED_DOCUMENT_TOKENS:
+        if m.role != "user":
+            continue
+        if m.document_tokens is not None:
+            if m.document_tokens:
+                session.sequence.document_ends.append(m.token_start + m.document_tokens)
+        elif m.token_end - m.token_start >= PASTED_DOCUMENT_TOKENS:
             turn = fmt.user_turn(m.text)
             if turn.document_end is not None and turn.ids == conv.token_ids[m.token_start:m.token_end]:
                 session.sequence.document_ends.append(m.token_start + turn.document_end)
     return session
+
+
+def document_tokens(session: Session, start: int, end: int) -> int:
+    """The pasted-document part of the user message at tokens ``[start, end)`` of ``session``: its first
+    tokens up to the document's end (:attr:`kvchat.engine.sequence.Sequence.document_ends`), 0 if it has none."""
+    return next((e - start for e in session.sequence.document_ends if start < e <= end), 0)
 
 
 @dataclass(slots=True)
@@ -90,7 +101,9 @@ def save_new_chat(db: Database, rt: Runtime, session: Session, system: str, sett
         for (user, answer), seg_u, seg_a in zip(history, given[::2], given[1::2]):
             for seg, role, text in ((seg_u, "user", user), (seg_a, "assistant", answer)):
                 n = seg.end - seg.start
-                version = append_turn(db, conv.id, session.token_ids[seg.start : seg.end], [NewMessage(role, text, 0, n)],
+                doc = document_tokens(session, seg.start, seg.end) if role == "user" else None
+                version = append_turn(db, conv.id, session.token_ids[seg.start : seg.end],
+                                      [NewMessage(role, text, 0, n, document_tokens=doc)],
                                       segment_kind=seg.kind, expected_version=version)
         base = given[-1].end if given else prefix.end
         version = _append_last_turn(db, conv.id, session, user_text, base, version)
@@ -115,7 +128,8 @@ def _append_last_turn(db: Database, conv_id: str, session: Session, user_text: s
     turn = session.last_turn
     assert turn is not None and turn.user_span[0] == base, "session and store disagree on the conversation length"
     (u0, u1), (a0, a1) = turn.user_span, turn.assistant_span
-    version = append_turn(db, conv_id, session.token_ids[u0:u1], [NewMessage("user", user_text, 0, u1 - u0)],
+    version = append_turn(db, conv_id, session.token_ids[u0:u1],
+                          [NewMessage("user", user_text, 0, u1 - u0, document_tokens=document_tokens(session, u0, u1))],
                           segment_kind="user", expected_version=version)
     return append_turn(
         db, conv_id, session.token_ids[a0:a1],

@@ -78,7 +78,8 @@ def carry_over(db: Database, conv: Conversation, keep_turns: int, max_tokens: in
         for turn in kept:
             user, answer = conv.messages[2 * turn.index], conv.messages[2 * turn.index + 1]
             split = answer.token_start
-            append_turn(db, new.id, ids[turn.start:split], [NewMessage("user", user.text, 0, split - turn.start)],
+            append_turn(db, new.id, ids[turn.start:split], [NewMessage("user", user.text, 0, split - turn.start,
+                                                                     document_tokens=user.document_tokens)],
                         segment_kind="user")
             append_turn(db, new.id, ids[split:turn.end],
                         [NewMessage("assistant", answer.text, 0, turn.end - split, answer.ttft_ms,

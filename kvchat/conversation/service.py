@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
+from kvchat.context_fit import check_fits
 from kvchat.conversation.continuation import ANSWER_ROOM_TOKENS, CarryWay, Continuation, answer_room
 from kvchat.conversation.events import AttachStep, Emit, TurnDone
 from kvchat.conversation.pasted import register_turn_documents
@@ -26,7 +27,6 @@ from kvchat.conversation.views import (
     AttachCancelled,
     ChatMessage,
     ChatView,
-    ContextFullError,
     ResumeInfo,
     Status,
 )
@@ -35,7 +35,7 @@ from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
 from kvchat.engine.disk_budget import Eviction, enforce, eviction_note
 from kvchat.engine.loop import EngineLoop
 from kvchat.engine.sequence import PrefillChunk
-from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session, TurnOverflowError
+from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, Session
 from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.engine.token_rules import TokenRules
 from kvchat.engine.turn import SamplingParams, TurnStats
@@ -227,9 +227,9 @@ class ChatService:
             emit(AttachStep(f"tokenizing {sum(len(d.text) for d in docs):,} characters"))
         session = Session.new(self.rt.engine, fmt, system, [(d.title, d.text) for d in docs], self.persist)
         limit = self.rt.engine.max_context
-        if prefill_now and len(session.token_ids) + 1 > limit:  # else the first turn's check says it
-            raise ContextFullError(f"the documents are {len(session.token_ids):,} tokens with the system prompt; "
-                                   f"the context limit is {limit:,} tokens", len(session.token_ids) + 1, limit)
+        if prefill_now:  # else the first turn's check says it
+            check_fits(len(session.token_ids) + 1, limit, lambda: f"the documents are {len(session.token_ids):,} "
+                       f"tokens with the system prompt; the context limit is {limit:,} tokens")
         resume = None
         if docs and prefill_now:
             t0, timer = time.perf_counter(), PrefillTimer(emit)
@@ -304,7 +304,7 @@ class ChatService:
             return self._switch(_Chat(session, conv.id, conv.title, conv.system_prompt or "", conv.settings,
                                       messages, None, conv.token_ids_version, lazy=True))
         stats, t0 = TurnStats(prompt_tokens=len(session.token_ids)), time.perf_counter()
-        session.attach_cached_prefix(stats, whole=True)
+        self.loop.call(session.attach_cached_prefix, stats, True)  # on the loop: it holds the inference mode
         ms = (time.perf_counter() - t0) * 1e3
         shortfall = self._shortfall(conv.id, len(session.token_ids), stats.reused_tokens)
         prefill = 0 if shortfall is None else max(len(session.token_ids) - stats.reused_tokens, 0)
@@ -379,10 +379,7 @@ class ChatService:
                     user: UserTurn | None = None, rules: TokenRules | None = None,
                     shared: SharedPrompt | None = None):
         session, stored = chat.session, chat.stored_len
-        try:
-            user = session.check_turn_fits(text, user)
-        except TurnOverflowError as exc:
-            raise ContextFullError(str(exc), exc.needed, self.rt.engine.max_context) from None
+        user = session.check_turn_fits(text, user)
         check_turn_space(data_dir(), session, len(user.ids), gs.max_tokens)
         self._noted = self.persist.evicted  # the status bar says only evictions newer than this turn
         try:
@@ -457,7 +454,7 @@ class ChatService:
         Returns ``(document id, prefill stats, prefix tokens)``.
 
         Raises:
-            ContextOverflowError: the prefix does not fit the context.
+            ContextFullError: the prefix does not fit the context.
         """
         system = DEFAULT_SYSTEM_PROMPT if system is None else system
         fmt = self.rt.chat_format(new_settings([doc.title]))

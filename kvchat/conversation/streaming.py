@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from kvchat.conversation.events import Emit, PrefillProgress, TokenBatch
+from kvchat.progress import rate_and_eta
 
 
 class TokenBatcher:
@@ -34,7 +35,7 @@ class TokenBatcher:
 class PrefillTimer:
     """Turns the engine's ``progress(done, total)`` callback into :class:`PrefillProgress` with an ETA.
 
-    ETA = tokens left ÷ the rate measured so far (tokens/s since the first call).
+    ETA: :func:`kvchat.progress.rate_and_eta`, the rate counted from this timer's start.
     """
 
     def __init__(self, emit: Emit):
@@ -42,6 +43,5 @@ class PrefillTimer:
         self._t0 = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
-        elapsed = time.perf_counter() - self._t0
-        eta = (total - done) * elapsed / done if done and elapsed > 0 else None
+        _, eta = rate_and_eta(done, time.perf_counter() - self._t0, total - done)
         self.emit(PrefillProgress(done, total, eta))

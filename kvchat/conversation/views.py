@@ -11,20 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from kvchat.context_fit import ContextFullError as ContextFullError  # the front ends catch it from here
+
 if TYPE_CHECKING:
     from kvchat.engine.disk_budget import Eviction
 
 CacheState = Literal["memory", "disk", "none"]
 SYSTEM_PROMPT_FIXED = "the system prompt starts the chat's cached prefix; it can be set only before the first message"
-
-
-class ContextFullError(ValueError):
-    """A message does not fit in the chat's context (``needed`` > ``limit`` tokens)."""
-
-    def __init__(self, message: str, needed: int, limit: int):
-        super().__init__(message)
-        self.needed = needed
-        self.limit = limit
 
 
 class AttachCancelled(Exception):

@@ -55,6 +55,10 @@ PREFILL_BUDGET_TOKENS = PREFILL_CHUNK_TOKENS  # prefill tokens per iteration (be
 Steps = Generator[Any, Any, Any]
 
 
+class LoopStoppedError(RuntimeError):
+    """Work was handed to an engine loop whose thread has ended or is ending (stopped, or died)."""
+
+
 @dataclass(eq=False)
 class Request:
     """One request in the loop: its steps, the step it waits on, its result.
@@ -119,6 +123,7 @@ class EngineLoop:
         self._calls: list[tuple[Callable[[], Any], Future]] = []
         self._wake = threading.Condition()
         self._stopping = False
+        self._stopped = False  # the thread has left (or is leaving) its loop: nothing queued now would run
         self._woken = False  # a wake() since the last iteration began: no sleep this time
         self._thread = threading.Thread(target=self._loop, name="kvchat-engine", daemon=True) if thread else None
         if self._thread is not None:
@@ -130,15 +135,18 @@ class EngineLoop:
         """Queue ``steps`` (any thread, the loop's own included); returns the :class:`Request`, whose
         ``future`` ends with the steps' result.
 
+        A request submitted while the loop stops (:meth:`request_stop`) still runs if the thread has not yet
+        decided to end; once it has, this raises, so no caller waits on a future nothing will end.
+
         Raises:
-            RuntimeError: the loop has stopped, or has no thread of its own (:meth:`run` drives that one).
+            LoopStoppedError: the loop's thread has ended or is ending (stopped, or died).
+            RuntimeError: the loop has no thread of its own (:meth:`run` drives that one).
         """
         if self._thread is None:
             raise RuntimeError("this engine loop has no thread of its own: run() drives its requests")
         req = Request(steps, progress, on_text)
         with self._wake:
-            if self._stopping and not self._thread.is_alive():
-                raise RuntimeError("the engine loop has stopped")
+            self._check_running()
             self._inbox.append(req)
             self._wake.notify()
         return req
@@ -162,14 +170,17 @@ class EngineLoop:
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the loop thread between two iterations and return its result (re-raising its
-        exception). On the loop thread itself, or on a loop without a thread, it runs at once."""
+        exception). On the loop thread itself, or on a loop without a thread, it runs at once.
+
+        Raises:
+            LoopStoppedError: the loop's thread has ended or is ending (as :meth:`submit`).
+        """
         if self._on_loop_thread():
             with torch.inference_mode():
                 return fn(*args)
         fut: Future = Future()
         with self._wake:
-            if not self._thread.is_alive():
-                raise RuntimeError("the engine loop has stopped")
+            self._check_running()
             self._calls.append((lambda: fn(*args), fut))
             self._wake.notify()
         return fut.result()
@@ -179,6 +190,11 @@ class EngineLoop:
         with self._wake:
             self._woken = True
             self._wake.notify()
+
+    def _check_running(self) -> None:
+        """Raise :class:`LoopStoppedError` unless the loop's thread will still take queued work (hold ``_wake``)."""
+        if self._stopped or not self._thread.is_alive():
+            raise LoopStoppedError("the engine loop has stopped")
 
     def _on_loop_thread(self) -> bool:
         return self._thread is None or threading.current_thread() is self._thread
@@ -204,15 +220,35 @@ class EngineLoop:
 
     # ---- the loop thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        with torch.inference_mode():  # every forward of a loop with a thread runs on this thread
-            while True:
-                try:
-                    if self._iteration():
-                        return
-                except Exception as exc:  # noqa: BLE001 - a bug in one step: fail the running requests, keep going
-                    for req in [r for r in self.running if not r.settling]:  # answered ones finish next
-                        self._abort(req, exc)
-                    self.running = [r for r in self.running if not r.future.done()]  # never decoded again
+        try:
+            with torch.inference_mode():  # every forward of a loop with a thread runs on this thread
+                while True:
+                    try:
+                        if self._iteration():
+                            return
+                    except Exception as exc:  # noqa: BLE001 - a bug in one step: fail the running requests, keep going
+                        for req in [r for r in self.running if not r.settling]:  # answered ones finish next
+                            self._abort(req, exc)
+                        self.running = [r for r in self.running if not r.future.done()]  # never decoded again
+        finally:
+            self._fail_left_over()
+
+    def _fail_left_over(self) -> None:
+        """The thread ends: refuse new work, and end what is queued or running with :class:`LoopStoppedError`
+        (after a normal stop nothing is; a thread killed by a ``BaseException`` may leave some)."""
+        with self._wake:
+            self._stopped = True
+            calls, self._calls = self._calls, []
+            left = self.running + self._inbox
+            self.running, self._inbox = [], []
+        stopped = LoopStoppedError("the engine loop has stopped")
+        for _, fut in calls:
+            fut.set_exception(stopped)
+        for req in left:
+            try:
+                self._abort(req, stopped)
+            except BaseException:  # noqa: BLE001 - its rollback failed too: its caller still gets the error
+                self._end(req, error=stopped)
 
     def _iteration(self) -> bool:
         """One iteration (calls, admit, one batched decode, prefill chunks up to the budget); True to stop."""
@@ -226,6 +262,7 @@ class EngineLoop:
             self.running.extend(self._inbox)
             self._inbox.clear()
             if self._stopping and not (calls or self.running or pending):
+                self._stopped = True  # decided under the lock: a submit from now on raises instead of queueing
                 return True
         for fn, fut in calls:
             try:

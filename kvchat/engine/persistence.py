@@ -30,6 +30,7 @@ from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.device_copies import DeviceCopies
 from kvchat.engine.disk_budget import Eviction, make_room
 from kvchat.engine.disk_budget import enforce as enforce_budget
+from kvchat.engine.inference import inference
 from kvchat.engine.kv_pool import KVPool
 from kvchat.engine.read_speed import ReadSpeed, restore_pays
 from kvchat.engine.runner import Engine
@@ -209,7 +210,6 @@ class KVPersist:
         """Rows of the longest stored chain that prefixes ``token_ids`` (see :func:`find_chain`)."""
         return find_chain(get_db(), self.fingerprint, token_ids)
 
-    @torch.inference_mode()  # as every caller's forward: the pool and dense copy may be inference tensors
     def restore(self, seq: SeqBlocks, token_ids: Sequence[int], whole: bool = False,
                 recompute_from: int | None = None) -> RestoreResult:
         """Read the stored chain of ``token_ids`` into ``seq``'s blocks, beyond what it already holds.
@@ -275,7 +275,7 @@ class KVPersist:
         copies = DeviceCopies(pool.k.device)
         taken: list[torch.Tensor] = []  # the CPU staging buffers this restore's readers hold, given back at its end
 
-        @torch.inference_mode()  # per thread: the dense copy may be an inference tensor, updated in place here
+        @inference()  # a reader thread of its own: the dense copy may be an inference tensor, updated in place here
         def load(a: int, b: int, row: ChunkRow) -> None:
             if not hasattr(staging, "buf"):
                 if copies.cuda:

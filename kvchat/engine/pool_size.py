@@ -148,7 +148,9 @@ def activation_peak_bytes(model, cfg, device: torch.device, chunk_tokens: int) -
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     pool = scratch_prefill(model, cfg, [0] * chunk_tokens, device, chunk_tokens)
-    with torch.inference_mode():
+    from kvchat.engine.inference import inference
+
+    with inference():  # at the engine's load, before any loop
         model.logits(torch.zeros(1, cfg.hidden_size, device=device, dtype=model.embed_tokens.dtype))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base

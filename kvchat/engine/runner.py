@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvchat import settings
+from kvchat.context_fit import check_fits
 from kvchat.device import activate, check_device, device_guard
 from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
 from kvchat.engine.cache_identity import FORMAT_COMPUTE, CacheIdentity, compute_key
@@ -24,6 +25,7 @@ from kvchat.engine.calibration import KVCalibration
 from kvchat.engine.decode_buffers import BATCH_BUCKETS, DecodeBuffers, DecodeRow, batch_bucket, context_bucket, context_buckets
 from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
 from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.inference import inference
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
@@ -43,10 +45,6 @@ FORMAT_COMPUTE_DTYPES = {f: COMPUTE_DTYPES[n] for f, n in FORMAT_COMPUTE.items()
 PREFILL_CHUNK_TOKENS = 512
 SMALL_MODEL_PARAMS = 2_000_000_000
 DEFAULT_PREFILL_TOKENS_PER_S = 150.0  # until measured; CPU-conservative
-
-
-class ContextOverflowError(ValueError):
-    """A sequence would exceed the model's context length."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,12 +299,13 @@ class Engine:
             text += f" (the KV pool holds {self.pool.capacity_tokens}; raise KVCHAT_KV_BUDGET_MB)"
         return text
 
-    def check_fits(self, num_tokens: int) -> None:
-        """Raise :class:`ContextOverflowError` if ``num_tokens`` exceeds :attr:`max_context`."""
-        if num_tokens > self.max_context:
-            raise ContextOverflowError(f"conversation would be {num_tokens} tokens; {self.context_limit_text}")
+    def check_fits(self, num_tokens: int, what: str | None = None) -> None:
+        """Raise :class:`~kvchat.context_fit.ContextFullError` if ``num_tokens`` exceeds :attr:`max_context`; its
+        message is ``what`` (default ``conversation would be N tokens``) then :attr:`context_limit_text`."""
+        check_fits(num_tokens, self.max_context,
+                   lambda: f"{what or f'conversation would be {num_tokens} tokens'}; {self.context_limit_text}")
 
-    @torch.inference_mode()
+    @inference()  # called by hand too (benchmarks, tests); on the loop its mode is held already
     def sink_kv(self, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact (unquantized) K/V of ``token_id`` at position 0, every layer: float32 ``[num_layers, num_kv_heads, head_dim]`` x2.
 
@@ -420,7 +419,7 @@ class Engine:
             boundaries: segment start offsets (tokens) for the chunk plan.
             dense_kv: the sequence's own dense copy (see :meth:`_forward`).
         Raises:
-            ContextOverflowError: the sequence exceeds the context limit.
+            ContextFullError: the sequence exceeds the context limit.
             PoolFullError: the pool cannot hold it.
 
         The caller holds ``torch.inference_mode`` (the engine loop's thread does). ``prefill_ms`` counts this
@@ -446,7 +445,7 @@ class Engine:
             self.prefill_tokens_per_s = (len(token_ids) - start) / (ms / 1e3)
         return PrefillResult(logits, len(token_ids) - start, ms)
 
-    @torch.inference_mode()
+    @inference()  # called by hand too (benchmarks, tests); on the loop its mode is held already
     def score(self, seq: SeqBlocks, token_ids: Sequence[int], boundaries: Sequence[int] = ()) -> torch.Tensor:
         """Teacher-forced logits for every position not yet in the pool.
 
@@ -462,7 +461,7 @@ class Engine:
         rows = [self.model.logits(self._forward(seq, token_ids, a, b)) for a, b in chunk_plan(start, len(token_ids), boundaries)]
         return torch.cat(rows)
 
-    @torch.inference_mode()
+    @inference()  # called by hand too (benchmarks, tests); on the loop its mode is held already
     def decode(self, seq: SeqBlocks, token_ids: Sequence[int], dense_kv: DenseKV | None = None) -> torch.Tensor:
         """Run the last id of ``token_ids`` (all earlier ones in the pool); float32 logits ``[vocab_size]``.
 
@@ -475,7 +474,7 @@ class Engine:
         dense = None if self.decode_on_pool else [dense_kv or self.dense]
         return self._decode_rows([(seq, token_ids)], dense)[0]
 
-    @torch.inference_mode()
+    @inference()  # called by hand too (benchmarks, tests); on the loop its mode is held already
     def decode_batch(self, steps: Sequence[DecodeStep]) -> torch.Tensor:
         """One decode forward for several sequences: float32 logits ``[len(steps), vocab_size]``.
 
@@ -485,7 +484,7 @@ class Engine:
         One step alone is exactly :meth:`decode`.
 
         Raises:
-            ContextOverflowError: a sequence exceeds the context limit.
+            ContextFullError: a sequence exceeds the context limit.
             PoolFullError: a sequence cannot get a slot; ``exc.index`` is its place in ``steps``
                 (the others are unchanged but for a reserved slot).
             ValueError: decoding over dense copies (not :attr:`decode_on_pool`), two steps share one (or lack one).

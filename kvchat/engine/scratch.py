@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from kvchat.engine.cache_identity import BLOCK_SIZE
+from kvchat.engine.inference import inference
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.model.config import ModelConfig
 from kvchat.model.transformer import AttnMetadata, Transformer
@@ -24,7 +25,7 @@ from kvchat.model.transformer import AttnMetadata, Transformer
 CALIBRATION_CHUNK_TOKENS = 512  # the prefill chunk the stored calibrations were computed with (runner's default then)
 
 
-@torch.inference_mode()
+@inference()  # at the engine's load, before any loop
 def scratch_prefill(model: Transformer, cfg: ModelConfig, token_ids: Sequence[int], device: torch.device,
                     chunk_tokens: int, kv_dtype: str = "bf16") -> KVPool:
     """Run ``token_ids`` through ``model`` in chunks of ``chunk_tokens``; return the scratch pool holding their K/V.
@@ -53,7 +54,7 @@ def scratch_prefill(model: Transformer, cfg: ModelConfig, token_ids: Sequence[in
     return pool
 
 
-@torch.inference_mode()
+@inference()  # at the engine's load, before any loop
 def calibrate_k_mean(engine, token_ids: Sequence[int]) -> torch.Tensor:
     """Mean post-RoPE K per layer and KV head over positions 1.., as a bf16 pool stores them.
 

@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from kvchat.context_fit import fits
 from kvchat.engine.block_manager import PoolFullError, SeqBlocks
 from kvchat.engine.persistence import chain
-from kvchat.engine.runner import ContextOverflowError, Engine, last_cut, prefill_start
+from kvchat.engine.runner import Engine, last_cut, prefill_start
 from kvchat.engine.sampling import Sampler
 from kvchat.engine.sequence import DecodeStep, PrefillChunk, Sequence
 from kvchat.engine.shared_prompt import SharedPrompt
@@ -31,14 +32,6 @@ DEFAULT_SYSTEM_PROMPT = (
 
 class EmptyPromptError(ValueError):
     """The user message is empty or whitespace only."""
-
-
-class TurnOverflowError(ContextOverflowError):
-    """A user turn does not fit the context: ``needed`` tokens (conversation + turn + one answer token)."""
-
-    def __init__(self, message: str, needed: int):
-        super().__init__(message)
-        self.needed = needed
 
 
 @dataclass(slots=True)
@@ -210,7 +203,7 @@ class Session:
         Raises:
             EmptyPromptError: blank message.
             kvchat.utf8.NotUtf8Error: the message is not UTF-8 (a lone surrogate).
-            TurnOverflowError: the conversation plus the turn and one answer
+            kvchat.context_fit.ContextFullError: the conversation plus the turn and one answer
                 token exceed the context (message names both lengths).
         """
         if not text.strip():
@@ -218,11 +211,8 @@ class Session:
         require_utf8(text, "the prompt")
         turn = user or self.fmt.user_turn(text)
         needed = len(self.token_ids) + len(turn.ids) + 1
-        if needed > self.engine.max_context:
-            raise TurnOverflowError(
-                f"this turn needs {needed} tokens (conversation {len(self.token_ids)} + message {len(turn.ids)} + 1 to answer); "
-                f"{self.engine.context_limit_text}", needed
-            )
+        self.engine.check_fits(needed, f"this turn needs {needed} tokens (conversation {len(self.token_ids)} + "
+                                        f"message {len(turn.ids)} + 1 to answer)")
         return turn
 
     def turn(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
@@ -240,7 +230,7 @@ class Session:
         produced; a turn ended by cancellation, the token limit or the context limit gets the full closing ids.
 
         Raises:
-            EmptyPromptError, ContextOverflowError: before anything changes.
+            EmptyPromptError, ContextFullError: before anything changes.
             kvchat.engine.block_manager.PoolFullError: the pool cannot hold the conversation.
         """
         t0 = time.perf_counter()
@@ -283,7 +273,8 @@ class Session:
             if len(generated) >= params.max_tokens:
                 stats.finish_reason = "length"
                 break
-            if len(self.token_ids) + len(generated) + len(self.fmt.assistant_close_ids(None)) >= self.engine.max_context:
+            if not fits(len(self.token_ids) + len(generated) + len(self.fmt.assistant_close_ids(None)) + 1,
+                        self.engine.max_context):  # no room for one more token and the closing ids
                 stats.finish_reason = "context"
                 break
             if cancel is not None and cancel.is_set():

@@ -85,3 +85,19 @@ class TurnStats:
     decode_tokens_per_s: float = 0.0
     settle_ms: float = 0.0
     finish_reason: str = ""
+
+    def to_json(self, keys: tuple[str, ...] | None = None) -> dict:
+        """The counters as JSON values, ms and rates rounded to 0.01, for ``kvchat ask --json`` and the server's
+        ``kvchat`` block: ``keys`` in their order, by default :data:`TURN_REPORT_KEYS`."""
+        out = {}
+        for key in TURN_REPORT_KEYS if keys is None else keys:
+            value = getattr(self, key)
+            out[key] = round(value, 2) if key in _ROUNDED else value
+        return out
+
+
+# a turn's report: every counter but settle_ms, the recompute after the answer was delivered (not the turn's cost)
+TURN_REPORT_KEYS = ("prompt_tokens", "reused_tokens", "from_memory", "from_disk", "restore_ms", "bytes_read",
+                    "miss_reason", "prefilled_tokens", "new_tokens", "ttft_ms", "prefill_ms", "decode_tokens_per_s",
+                    "finish_reason")
+_ROUNDED = {"restore_ms", "ttft_ms", "prefill_ms", "decode_tokens_per_s", "settle_ms"}

@@ -65,6 +65,7 @@ from tqdm import tqdm
 from kvchat.model.config import ModelConfig
 from kvchat.paths import models_dir
 from kvchat.store.atomic_write import write_atomic
+from kvchat.store.safetensors_header import HeaderError, read_header
 
 FINGERPRINT_VERSION = 2  # checkpoints used in place (see "Versions")
 IMPORT_FINGERPRINT_VERSION = 1  # models kvchat imports: stays 1 so data dirs made with them keep resuming
@@ -118,15 +119,13 @@ def read_tensor_entries(path: Path) -> list[TensorEntry]:
         WeightFileError: the file is not a valid safetensors file.
     """
     try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            size = os.fstat(f.fileno()).st_size
-            if header_len > size - 8:
-                raise ValueError("header length beyond end of file")
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError, struct.error) as e:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            header, data_start, size = read_header(fd)
+        finally:
+            os.close(fd)
+    except (OSError, HeaderError) as e:
         raise WeightFileError(f"{path}: not a readable safetensors file ({e})") from None
-    data_start = 8 + header_len
     header.pop("__metadata__", None)
     entries = []
     for name, meta in header.items():

@@ -450,9 +450,8 @@ def _join_runs(seq: list[tuple[str, str, str]], style: ToolStyle) -> list[tuple[
 
 def kvchat_block(stats: TurnStats, ttft_ms: float, miss_reason: str | None, chat_id: str | None) -> dict:
     """The ``kvchat`` object of a completion: where the prompt's K/V came from, and the chat it is stored in."""
-    return {"from_memory": stats.from_memory, "from_disk": stats.from_disk, "prefilled_tokens": stats.prefilled_tokens,
-            "restore_ms": round(stats.restore_ms, 2), "ttft_ms": round(ttft_ms, 2), "miss_reason": miss_reason,
-            "chat_id": chat_id}
+    return {**stats.to_json(("from_memory", "from_disk", "prefilled_tokens", "restore_ms")),
+            "ttft_ms": round(ttft_ms, 2), "miss_reason": miss_reason, "chat_id": chat_id}
 
 
 def usage_block(stats: TurnStats) -> dict:

@@ -43,7 +43,6 @@ from kvchat.engine.block_manager import PoolFullError
 from kvchat.engine.dense_kv import DenseKV
 from kvchat.engine.grammar import GrammarCompiler, GrammarError
 from kvchat.engine.loop import EngineLoop, Request
-from kvchat.engine.runner import ContextOverflowError
 from kvchat.engine.sequence import DecodeStep
 from kvchat.engine.shared_prompt import SharedPrompt
 from kvchat.engine.token_rules import TokenLogprob, TokenRules
@@ -254,7 +253,7 @@ class Scheduler:
         """Render the messages (mapping answers back to generated ids), open or start the chat, size the job.
 
         Raises:
-            ApiError: 400 when the prompt does not fit the context.
+            kvchat.context_fit.ContextFullError: the prompt does not fit the context (a 400, :func:`_api_error`).
         """
         req, rt = job.request, self.rt
         if self.verbose:
@@ -270,11 +269,9 @@ class Scheduler:
         job.drift = rendered.drift
         job.user = fmt.user_turn(req.user, req.user_roles[-1])
         prompt = len(rendered.token_ids) + len(job.user.ids)
-        limit = rt.engine.max_context
-        room = limit - prompt - len(fmt.assistant_close_ids(None))
-        if room < 1:
-            raise ApiError(400, f"the conversation is {prompt} tokens; {rt.engine.context_limit_text}",
-                           param="messages", code="context_length_exceeded")
+        close = len(fmt.assistant_close_ids(None))
+        rt.engine.check_fits(prompt + close + 1, f"the conversation is {prompt} tokens")  # one answer token at least
+        room = rt.engine.max_context - prompt - close
         req.params.max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, room)
         job.rules = self._rules(req)
         service = ChatService(rt, batch_interval_s=0, loop=self.loop, store=self.store,
@@ -427,21 +424,19 @@ def _refuse_too_many_turns(fmt, turns: int, engine) -> None:
     message holds at least the closing ids), so a huge history is not tokenized first.
 
     Raises:
-        ApiError: 400 ``context_length_exceeded``.
+        kvchat.context_fit.ContextFullError: it cannot fit (a 400 ``context_length_exceeded``, :func:`_api_error`).
     """
     close = len(fmt.assistant_close_ids(None))
     least = (turns + 1) * fmt.min_user_turn_tokens() + turns * close
-    if least + close >= engine.max_context:
-        raise ApiError(400, f"the conversation has {2 * turns + 1:,} user and assistant messages, at least "
-                            f"{least:,} tokens; {engine.context_limit_text}", param="messages",
-                       code="context_length_exceeded")
+    engine.check_fits(least + close + 1, f"the conversation has {2 * turns + 1:,} user and assistant messages, "
+                                         f"at least {least:,} tokens")  # one answer token at least
 
 
 def _api_error(exc: BaseException) -> ApiError:
     """The HTTP answer to an exception raised while preparing or running a request."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, (ContextFullError, ContextOverflowError)):
+    if isinstance(exc, ContextFullError):
         return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, ConversationConflictError):  # the turn branches instead (ChatService.branch_on_conflict)
         return ApiError(409, str(exc), code="conversation_conflict")

@@ -111,6 +111,30 @@ def test_a_long_message_in_a_later_turn_keeps_its_chunk_edge_but_gets_no_row(ser
     assert totals(db).count == 0 and _chunk_files() == []
 
 
+def test_a_reopened_chat_takes_its_document_ends_from_the_store_and_an_old_row_from_its_text(service, monkeypatch):
+    from kvchat.model.chat_format import ChatFormat
+
+    chat = _new(service, "Hello", DOC + "\n\nWhat does the miller keep?", DOC.replace("\n\n", " "))
+    ends = list(service.chat.session.sequence.document_ends)
+    assert len(ends) == 2
+    db = get_db()
+    users = list(db.query("SELECT token_start, document_tokens FROM messages WHERE conversation_id = ? AND role = 'user'"
+                          " ORDER BY idx", [chat]))
+    assert [u["token_start"] + u["document_tokens"] for u in users if u["document_tokens"]] == ends
+    assert users[0]["document_tokens"] == 0  # a short message: stored as having no document part
+
+    rendered = []
+    user_turn = ChatFormat.user_turn
+    monkeypatch.setattr(ChatFormat, "user_turn", lambda self, text: rendered.append(text) or user_turn(self, text))
+    service.open_chat(chat)
+    assert service.chat.session.sequence.document_ends == ends and rendered == []  # no message tokenized again
+
+    with db.conn:  # rows as a data dir from before the column holds them
+        db.execute("UPDATE messages SET document_tokens = NULL WHERE conversation_id = ?", [chat])
+    service.open_chat(chat)
+    assert service.chat.session.sequence.document_ends == ends and len(rendered) == 2  # the two long ones, again
+
+
 def test_a_message_is_tokenized_once_per_turn(service, monkeypatch):
     from kvchat.model.chat_format import ChatFormat
     from kvchat.server.prefix import render

@@ -17,6 +17,7 @@ from turn_helpers import prefill, run_prefix, run_turn
 
 from kvchat.conversation.records import new_settings
 from kvchat.engine.block_manager import SeqBlocks
+from kvchat.engine.inference import inference
 from kvchat.engine.runner import chunk_plan, last_cut
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
@@ -96,7 +97,7 @@ def test_the_answer_is_settled_in_steps_after_its_text(cold_rt):
     kinds, steps, reply = [], session.turn("What does paged attention store?", SamplingParams(max_tokens=24)), None
     while True:
         try:
-            with torch.inference_mode():  # as the engine loop drives a turn
+            with inference():  # as the engine loop drives a turn
                 item = steps.send(reply)
         except StopIteration:
             break

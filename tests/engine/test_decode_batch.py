@@ -16,6 +16,7 @@ from turn_helpers import run_turn
 
 from kvchat.conversation.records import new_settings
 from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.inference import inference
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.session import Session
@@ -49,7 +50,7 @@ def test_batched_turns_equal_single_turns(rt):
         s.sequence.dense = DenseKV(rt.engine.pool, rt.engine.blocks)
     steps = [s.turn(p, SamplingParams(max_tokens=8)) for s, p in zip(sessions, PROMPTS)]
     waiting, forwards, widest = {}, 0, 0
-    with torch.inference_mode():
+    with inference():
         for i, g in enumerate(steps):  # prefill each, up to its first decode step
             item = next(g)
             while not isinstance(item, DecodeStep):
@@ -85,7 +86,7 @@ def test_int8_decode_is_batch_invariant(rt):
         pytest.skip(f"batch invariance holds for int8 weights; this engine computes with {rt.engine.weight_format}")
     prompts = ["Name a fruit.", "Tell me about rivers. " * 20 + "Be brief.", "Say hello in French. " * 6]
     sessions = [_session(rt) for _ in prompts]
-    with torch.inference_mode():
+    with inference():
         waiting = []
         for s, p in zip(sessions, prompts):
             s.sequence.dense = DenseKV(rt.engine.pool, rt.engine.blocks)
@@ -110,7 +111,7 @@ def test_an_interleaved_prefill_times_only_its_own_chunks(rt):
     ids = s.token_ids + s.fmt.user_turn_ids("Tell me about rivers and the mills along them. " * 55)
     pause_s, paused, chunks = 0.4, 0.0, 0
     steps = rt.engine.prefill_steps(s.blocks, ids, [0, len(s.token_ids)])
-    with torch.inference_mode():
+    with inference():
         t0 = time.perf_counter()
         while True:
             try:

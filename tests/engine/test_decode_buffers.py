@@ -27,6 +27,7 @@ from turn_helpers import prefill
 from kvchat.engine.block_manager import SeqBlocks  # noqa: E402
 from kvchat.engine.decode_buffers import batch_bucket, context_bucket, context_buckets  # noqa: E402
 from kvchat.engine.dense_kv import DenseKV  # noqa: E402
+from kvchat.engine.inference import inference
 from kvchat.engine.runner import Engine  # noqa: E402
 from kvchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from kvchat.engine.sequence import DecodeStep, Sequence  # noqa: E402
@@ -95,7 +96,7 @@ def _ids(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@torch.inference_mode()
+@inference()
 def _per_step_decode(engine: Engine, seq: SeqBlocks, ids: list[int], dense: DenseKV | None) -> torch.Tensor:
     """The earlier ``Engine.decode``: one forward (a decode step: provisional) with fresh ``slot_mapping``,
     ``block_table`` (exactly the sequence's width), ``seq_lens`` and positions tensors."""
@@ -114,7 +115,7 @@ def _per_step_decode(engine: Engine, seq: SeqBlocks, ids: list[int], dense: Dens
     return engine.model.logits(hidden)[0]
 
 
-@torch.inference_mode()
+@inference()
 def _per_step_batch(engine: Engine, steps: list[DecodeStep]) -> torch.Tensor:
     """The earlier ``Engine.decode_batch`` body for two or more steps (fresh tensors every step)."""
     denses = [s.sequence.dense for s in steps] if engine.dense is not None else None

@@ -13,6 +13,7 @@ from turn_helpers import prefill
 
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.calibration import calibration_path, load_calibration, make_calibration
+from kvchat.engine.inference import inference
 from kvchat.engine.runner import Engine
 from kvchat.engine.scratch import calibrate_k_mean
 from kvchat.kernels import dispatch
@@ -99,7 +100,7 @@ def test_exact_sink_is_deterministic_close_to_the_stored_value_and_read_by_both_
     # Both paths read the sink, not the pool: change it and the next step changes.
     before = [e.decode(s, ids + [5]) for e, s in zip((a, b), seqs)]
     for e, s in zip((a, b), seqs):
-        with torch.inference_mode():  # the engine makes its sink under inference mode: change it there
+        with inference():  # the engine makes its sink under inference mode: change it there
             e.sink_kv(ids[0])[1].mul_(3.0)
         s.num_computed -= 1
         e.decode_buffers.sink_rows[0] = None  # the decode buffers took the sink into row 0: make them copy it again
@@ -129,7 +130,7 @@ def test_triton_engines_read_the_exact_sink_under_the_torch_fingerprint(tiny, mo
     seq = SeqBlocks()
     prefill(triton_engine, seq, ids)
     before = triton_engine.decode(seq, ids + [5])
-    with torch.inference_mode():  # the sink was made inside the prefill's inference mode
+    with inference():  # the sink was made inside the prefill's inference mode
         triton_engine.sink_kv(ids[0])[1].mul_(3.0)
     seq.num_computed -= 1
     triton_engine.decode_buffers.sink_rows[0] = None  # the decode buffers took the sink into row 0: copy it again

@@ -9,7 +9,7 @@ import pytest
 
 from kvchat.conversation.records import new_settings
 from kvchat.engine.dense_kv import DenseKV
-from kvchat.engine.loop import EngineLoop
+from kvchat.engine.loop import EngineLoop, LoopStoppedError
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.sequence import DecodeStep
 from kvchat.engine.session import Session
@@ -126,3 +126,90 @@ def test_a_sampler_that_fails_ends_its_own_request_alone(rt):
         assert loop.running == [] and loop.alive
     finally:
         loop.close()
+
+
+HANG_GUARD_S = 60  # a wait that would otherwise never end fails the test instead of stalling the suite
+
+
+class _HeldAtExit(EngineLoop):
+    """A loop whose thread, once it has decided to end, waits for the test before leaving: the window in
+    which a request handed to it could be queued after the thread's last look at its inbox."""
+
+    def __init__(self, *args, **kwargs):
+        self.decided = threading.Event()
+        self.release = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _iteration(self) -> bool:
+        ends = super()._iteration()
+        if ends:
+            self.decided.set()
+            self.release.wait(HANG_GUARD_S)
+        return ends
+
+
+def _idle_steps():
+    return 0
+    yield  # a generator: the loop's steps
+
+
+def test_work_handed_to_a_loop_that_is_ending_is_refused_not_left_waiting(rt):
+    loop = _HeldAtExit(rt.engine, snapshots=False)
+    try:
+        loop.request_stop()
+        assert loop.decided.wait(HANG_GUARD_S)
+        assert loop.alive  # the thread still runs, past its last look at the queue
+        with pytest.raises(LoopStoppedError, match="stopped"):
+            loop.submit(_idle_steps()).future.result(timeout=HANG_GUARD_S)
+        with pytest.raises(LoopStoppedError, match="stopped"):
+            loop.call(lambda: None)
+    finally:
+        loop.release.set()
+        loop.close()
+    with pytest.raises(LoopStoppedError, match="stopped"):
+        loop.run(_idle_steps())
+
+
+class _Killed(BaseException):
+    """Ends the loop's thread the way an interpreter exit does (not an ``Exception`` the loop survives)."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the case
+def test_work_handed_to_a_loop_whose_thread_died_is_refused_and_queued_work_fails(rt):
+    entered, go_on = threading.Event(), threading.Event()
+
+    def admit() -> bool:
+        if go_on.is_set():
+            raise _Killed
+        return False
+
+    def blocked_call():
+        entered.set()
+        go_on.wait(HANG_GUARD_S)
+
+    loop = EngineLoop(rt.engine, snapshots=False, admit=admit)
+    done = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def call_in_background():
+        try:
+            loop.call(blocked_call)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test checks what reached the caller
+            outcome.append(exc)
+        done.set()
+
+    threading.Thread(target=call_in_background, daemon=True).start()
+    assert entered.wait(HANG_GUARD_S)
+    with loop._wake:  # queued while the thread is busy in the call: the next iteration's admit kills it
+        queued = loop.submit(_idle_steps())
+        go_on.set()
+    with pytest.raises(LoopStoppedError):
+        queued.future.result(timeout=HANG_GUARD_S)
+    assert done.wait(HANG_GUARD_S) and outcome == [None]  # the call that ran before ended normally
+    loop._thread.join(HANG_GUARD_S)
+    assert not loop.alive
+    with pytest.raises(LoopStoppedError):
+        loop.submit(_idle_steps())
+    with pytest.raises(LoopStoppedError):
+        loop.call(lambda: None)

@@ -6,9 +6,10 @@ import threading
 
 import pytest
 
+from kvchat.context_fit import ContextFullError
 from kvchat.conversation.records import new_settings
 from kvchat.engine.loop import EngineLoop
-from kvchat.engine.runner import ContextOverflowError, last_cut
+from kvchat.engine.runner import last_cut
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.session import DEFAULT_SYSTEM_PROMPT, EmptyPromptError, Session
 from kvchat.runtime import load_runtime
@@ -88,8 +89,13 @@ def test_refusals_before_any_work(rt, loop):
     before = list(s.token_ids)
     with pytest.raises(EmptyPromptError):
         loop.run(s.turn("  ", SamplingParams()))
-    with pytest.raises(ContextOverflowError, match=r"context limit is 8192 tokens"):
+    with pytest.raises(ContextFullError, match=r"context limit is 8192 tokens") as full:
         loop.run(s.turn("word " * 9000, SamplingParams()))
+    assert full.value.limit == 8192 and full.value.needed > 8192  # the one error every layer raises, with its figures
+    with pytest.raises(ContextFullError, match=r"conversation would be 8193 tokens; the context limit is 8192") as full:
+        rt.engine.check_fits(8193)
+    assert (full.value.needed, full.value.limit) == (8193, 8192)
+    rt.engine.check_fits(8192)  # a full context fits
     assert s.token_ids == before and s.blocks.num_computed == 0
     assert s.tokens_left == rt.engine.max_context - len(before)
 
@@ -102,7 +108,7 @@ def test_pool_full_refuses_clearly_and_keeps_the_conversation(smol_info):
     try:
         fmt = small.chat_format(new_settings(["kv.txt"]))
         big = Session.new(small.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("kv.txt", DOC * 3)])
-        with pytest.raises(ContextOverflowError, match="the KV pool holds 960"):
+        with pytest.raises(ContextFullError, match="the KV pool holds 960"):
             loop.run(big.turn("What does kvchat keep?", SamplingParams(max_tokens=4)))
         holder = Session.new(small.engine, fmt, DEFAULT_SYSTEM_PROMPT, [("kv.txt", DOC)])
         answer(loop, holder, "What does kvchat keep?", max_tokens=2)  # ~560 tokens stay resident

@@ -24,7 +24,7 @@ COLUMNS = {
     "conversations": {"id", "title", "model_fingerprint", "model_name", "system_prompt", "settings", "created",
                       "updated", "pinned", "token_ids", "token_ids_version", "segments"},
     "messages": {"id", "conversation_id", "idx", "role", "text", "token_start", "token_end", "ttft_ms",
-                 "decode_tokens_per_s", "created", "finish_reason"},
+                 "decode_tokens_per_s", "created", "finish_reason", "document_tokens"},
     "documents": {"id", "path", "content_hash", "title", "token_count", "created", "pinned"},
     "chunk_refs": {"owner", "key"},
     "kv_chunks": {"key", "parent_key", "fingerprint", "token_count", "file_path", "bytes", "checksum", "created",
@@ -77,6 +77,7 @@ def test_every_earlier_version_migrates_without_loss(tmp_path, version):
         assert set(db[table].columns_dict) == cols
     assert db["messages"].get(1)["text"] == "hello there"
     assert db["messages"].get(1)["finish_reason"] is None  # not recorded then: no marker
+    assert db["messages"].get(1)["document_tokens"] is None  # not recorded then: found again from the text
     assert db["conversations"].get("c_000001")["title"] == "old chat"
     assert db.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'hello'").fetchall() == [(1,)]
     assert (db["kv_chunks"].count == 1) == (version >= 2)
