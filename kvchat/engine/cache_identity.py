@@ -193,9 +193,11 @@ class CacheIdentity:
 def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
                          weight_formats: tuple[str, ...] = WEIGHT_FORMATS,
                          computes: tuple[str | None, ...] | None = None,
-                         int8_kernels: tuple[str, ...] | None = None) -> set[str]:
+                         int8_kernels: tuple[str, ...] | None = None,
+                         int8_prefills: tuple[bool, ...] = (False, True)) -> set[str]:
     """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant,
-    each int8 kernel of ``int8_kernels``, None: every :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS`),
+    each int8 kernel of ``int8_kernels``, None: every :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS`,
+    with the compiled kernel each ``int8_prefills`` choice),
     with any of ``weight_formats`` and, for each, any of ``computes`` (:func:`compute_key` values; None:
     every one the format allows, :func:`compute_keys`)."""
     from kvchat.model.int8_scheme import SMALL_ROWS_KERNELS
@@ -203,7 +205,7 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
     pairs = [(weight_scheme(w, kernel, layers, prefill), c or "") for w in weight_formats
              for kernel in ((int8_kernels or SMALL_ROWS_KERNELS) if w == "int8" else (None,))
              for layers in ((False, True) if kernel == "avx2" else (False,))
-             for prefill in ((False, True) if kernel == "avx2" else (False,))
+             for prefill in (int8_prefills if kernel == "avx2" else (False,))
              for c in (compute_keys(w) if computes is None else computes)]
     if kv_dtype != "fp8":
         return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=c, weights=w)

@@ -145,3 +145,27 @@ def test_llama_cpp_quantizes_it_to_q4_k_m_and_runs_it(tiny_gguf, tmp_path):
     assert llm.n_vocab() == 49152
     llm.eval(llm.tokenize(b"Hello there", add_bos=False))
     assert llm.n_tokens > 0
+
+
+@needs_llama_cpp
+def test_bench_peers_labels_llama_cpp_with_the_ggufs_weight_type(smol_info, default_gguf_file):
+    import argparse
+
+    from kvchat.bench.peers import format_report, run_peers
+
+    args = argparse.Namespace(model=str(smol_info.path), gguf=str(default_gguf_file), shape=None, context=24,
+                              decode_tokens=2, repeats=1, resume_tokens=0, threads=1, kv_dtype="fp8", json=None)
+    res = run_peers(args)
+    assert res["gguf"]["weight_type"] == "Q4_1" and res["llama_backend"] == "llama.cpp (Q4_1 weights, f16 KV)"
+    assert [r["backend"] for r in res["speed"]][-1] == res["llama_backend"]
+    assert {r["den"] for r in res["ratios"]} == {res["llama_backend"]}
+    assert "llama.cpp (Q4_1 weights, f16 KV)" in format_report(res)
+
+
+@needs_llama_cpp
+def test_shape_with_model_is_one_error_line(capsys):
+    from kvchat.cli.main import main
+
+    assert main(["bench", "peers", "--shape", "0.8b", "--model", "x", "--resume-tokens", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvchat: error: --shape runs its own random-weight model: give it without --model and --gguf"]
