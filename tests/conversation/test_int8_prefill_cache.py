@@ -51,3 +51,20 @@ def test_a_chat_stored_with_float_prefill_is_not_restored_with_int8_prefill(tmp_
     # the first turn's K/V come back; the second turn's were stored under the int8 prefill's fingerprint
     assert first["prompt_tokens"] - 16 <= same["from_disk"] < other["context_tokens"]
     assert same["miss_reason"].startswith("its snapshot chain stops early")
+
+
+@pytest.mark.skipif(not cpu_int8_int8.available(), reason="the compiled CPU kernels do not build here")
+def test_the_plan_decides_once_and_the_layers_follow(smol_info):
+    from kvchat.engine.runner import Engine
+    from kvchat.model.quant import Int8GroupLinear
+    from kvchat.model.registry import load_weights
+
+    weights = load_weights(smol_info)
+    engines = {c: Engine(smol_info.config, weights, smol_info.fingerprint, kv_dtype="bf16", pool_bytes=4 << 20,
+                         device="cpu", weight_format="int8", int8_prefill=c) for c in ("float", "int8", "auto")}
+    assert [e.plan.int8_prefill for e in engines.values()] == [False, True, False]  # auto: float (the default)
+    assert "int8 prefill activations" in engines["int8"].plan.line()
+    assert engines["int8"].cache_fingerprint != engines["float"].cache_fingerprint == engines["auto"].cache_fingerprint
+    for choice, e in engines.items():
+        flags = {m.integer_prefill for m in e.model.modules() if isinstance(m, Int8GroupLinear)}
+        assert flags == {choice == "int8"}  # SmolLM2's every layer has out_features a multiple of 16
