@@ -153,6 +153,16 @@ def default_weight_format() -> str:
     return resolve_weight_format(settings.weights(), "cpu")
 
 
+def default_int8_prefill() -> bool:
+    """Whether kvchat's int8 engines here run prefill chunks with int8 activations (``KVCHAT_INT8_PREFILL``,
+    :func:`kvchat.engine.cache_identity.int8_prefill_enabled`), as ``kvchat ask`` would."""
+    from kvchat import settings
+    from kvchat.engine.cache_identity import int8_prefill_enabled
+    from kvchat.kernels.cpu_int8 import small_rows_kernel
+
+    return default_weight_format() == "int8" and int8_prefill_enabled(settings.int8_prefill(), small_rows_kernel())
+
+
 def _speed(args, info, gguf: Path, label: str, ids: list[int], threads: int) -> tuple[list[dict], list[dict]]:
     """Interleaved repeats of every backend on ``ids``; returns (per-backend spreads, per-repeat ratios)."""
     from transformers import AutoTokenizer
@@ -316,6 +326,7 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
         "shape": shape, "llama_backend": label,
         "gguf": {"path": str(gguf), "sha256": _sha256(gguf), "bytes": gguf.stat().st_size, "weight_type": weight_type},
         "llama_cpp_python": llama_cpp.__version__, "threads": threads, "kvchat_weights": default_weight_format(),
+        "kvchat_int8_prefill": default_int8_prefill(),
         "context": args.context, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
         "prompt": {"name": text.name, "sha256": text.sha256}, "speed": speed, "ratios": rat, "resume": resume,
     }
@@ -327,7 +338,8 @@ def format_report(res: dict) -> str:
     head = (f"kvchat bench peers: {res['model']} vs llama-cpp-python {res['llama_cpp_python']} on "
             f"{Path(res['gguf']['path']).name}, {res['threads']} threads, {res['context']}-token prompt, "
             f"{res['decode_tokens']} decode tokens, {res['repeats']} repeats; kvchat with "
-            f"{res.get('kvchat_weights', 'fp32')} weights (its default format); median (min-max)")
+            f"{res.get('kvchat_weights', 'fp32')} weights (its default format)"
+            f"{', int8 prefill activations' if res.get('kvchat_int8_prefill') else ''}; median (min-max)")
     speed = [("backend", "prefill tok/s", "decode tok/s")]
     speed += [(r["backend"], f(r["prefill_tok_s"]), f(r["decode_tok_s"])) for r in res["speed"]]
     rat = [("ratio (per repeat)", "prefill", "decode")]

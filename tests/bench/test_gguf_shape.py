@@ -160,6 +160,7 @@ def test_bench_peers_labels_llama_cpp_with_the_ggufs_weight_type(smol_info, defa
     assert [r["backend"] for r in res["speed"]][-1] == res["llama_backend"]
     assert {r["den"] for r in res["ratios"]} == {res["llama_backend"]}
     assert "llama.cpp (Q4_1 weights, f16 KV)" in format_report(res)
+    assert res["kvchat_int8_prefill"] is False  # the default: fp32 activations in prefill
 
 
 @needs_llama_cpp
