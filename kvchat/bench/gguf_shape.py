@@ -16,8 +16,10 @@ import json
 import shutil
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 PEER_SHAPES = {  # --shape -> kvchat.bench.random_checkpoint.SHAPES name
     "0.8b": "0.8b-smollm2-vocab",
@@ -95,6 +97,7 @@ def write_gguf(checkpoint: Path, out: Path, vocab_gguf: Path) -> int:
     Raises:
         GgufError: the config is not a Llama one, or its vocabulary size differs from ``vocab_gguf``'s.
     """
+    import numpy as np
     from gguf import GGUFReader, GGUFWriter, LlamaFileType
 
     cfg = json.loads((checkpoint / "config.json").read_text())
