@@ -13,6 +13,7 @@ Two builds of each (:data:`VARIANTS`): ``avx2``, and ``avx512`` (the same source
 defined: the hot loops put two 8-lane computations, or 16 independent lanes, in each 16-lane register,
 so their bits equal the ``avx2`` build's; each source says how). A process loads ``avx512`` where the
 CPU has its flags and ``KVCHAT_CPU_KERNEL`` is not ``avx2`` (:func:`chosen_variant`), else ``avx2``.
+The integer prefill kernel (``cpu_int8_int8.c``) has a third, ``avx512vnni`` (:func:`integer_variant`).
 
 Where a library cannot be built or loaded (no compiler, no AVX2/FMA/F16C, no
 writable cache dir, no platformdirs) or ``KVCHAT_CPU_KERNEL=0``, :func:`load`
@@ -56,6 +57,11 @@ VARIANTS = {
     "avx2": Variant((), _BASE_CPU_FLAGS),
     "avx512": Variant(("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-DKVCHAT_AVX512"),
                       _BASE_CPU_FLAGS | {"avx512f", "avx512vl", "avx512bw", "avx512dq"}),
+    # avx512 plus VNNI's integer dot product (vpdpbusd): built only for the sources that use it
+    # (cpu_int8_int8.c, :func:`integer_variant`); their bits equal the other builds'
+    "avx512vnni": Variant(("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-DKVCHAT_AVX512",
+                           "-DKVCHAT_VNNI"),
+                          _BASE_CPU_FLAGS | {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx512_vnni"}),
 }
 _log = logging.getLogger(__name__)
 
@@ -84,6 +90,13 @@ def chosen_variant() -> str:
     if settings.cpu_kernel_isa() == "avx2" or not supported("avx512"):
         return "avx2"
     return "avx512"
+
+
+def integer_variant() -> str:
+    """The build an integer-dot-product source loads: ``avx512vnni`` where :func:`chosen_variant` is ``avx512``
+    and the CPU has VNNI, else :func:`chosen_variant`'s."""
+    chosen = chosen_variant()
+    return "avx512vnni" if chosen == "avx512" and supported("avx512vnni") else chosen
 
 
 def _cache_dir() -> Path:

@@ -13,6 +13,7 @@
 - ``KVCHAT_CUDA_GRAPHS``: ``0`` turns off the CUDA graphs of decode.
 - ``KVCHAT_CPU_KERNEL``: ``0`` turns off the compiled CPU kernels (int8 matmul, decode attention); ``avx2``
   keeps their AVX2 build where the CPU has AVX-512.
+- ``KVCHAT_INT8_PREFILL``: ``int8`` or ``float`` activations in int8 weights' prefill chunks on the CPU.
 - ``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends its phases to (fault tests).
 - ``KVCHAT_CRASH_AT``: a crash point for fault tests, read by :mod:`kvchat.store.faults`.
 - ``KVCHAT_API_KEY``: the key ``kvchat serve`` requires when ``--api-key`` is not given.
@@ -66,6 +67,8 @@ CUDA_GRAPHS = "KVCHAT_CUDA_GRAPHS"
 CUDA_GRAPHS_CHOICES = ("1", "0")
 CPU_KERNEL = "KVCHAT_CPU_KERNEL"
 CPU_KERNEL_CHOICES = ("1", "0", "avx2")
+INT8_PREFILL = "KVCHAT_INT8_PREFILL"
+INT8_PREFILL_CHOICES = ("auto", "int8", "float")
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -331,6 +334,20 @@ def cpu_kernel_isa() -> str:
     return "avx2" if _choice(CPU_KERNEL, CPU_KERNEL_CHOICES) == "avx2" else "auto"
 
 
+def int8_prefill() -> str:
+    """``KVCHAT_INT8_PREFILL``: how int8 weights multiply prefill chunks (more rows than the compiled fp32
+    kernel takes) on the CPU: ``int8`` quantizes the activations per 32 inputs and runs the integer kernel
+    (:mod:`kvchat.kernels.cpu_int8_int8`) where it builds, ``float`` the fp32 GEMM over the dequantized
+    weight; ``auto`` (default): :data:`kvchat.model.int8_scheme.DEFAULT_INT8_PREFILL`. Resolved by
+    :func:`kvchat.engine.cache_identity.int8_prefill_enabled`; the two store different K/V (another cache
+    fingerprint).
+
+    Raises:
+        SettingError: any other value.
+    """
+    return _choice(INT8_PREFILL, INT8_PREFILL_CHOICES)
+
+
 def phase_trace() -> Path | None:
     """``KVCHAT_PHASE_TRACE``: a file ``kvchat ask`` appends one line per phase to (fault-injection runs,
     :mod:`kvchat.phase_trace`). Default (None): no trace."""
@@ -393,5 +410,6 @@ def check() -> None:
     weights()
     cuda_graphs()
     cpu_kernel_enabled()
+    int8_prefill()
     server()
     server_timeout_s()

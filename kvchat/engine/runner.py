@@ -20,7 +20,7 @@ from kvchat import settings
 from kvchat.context_fit import check_fits
 from kvchat.device import activate, check_device, device_guard
 from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
-from kvchat.engine.cache_identity import FORMAT_COMPUTE, CacheIdentity, compute_key
+from kvchat.engine.cache_identity import FORMAT_COMPUTE, CacheIdentity, compute_key, int8_prefill_enabled
 from kvchat.engine.calibration import KVCalibration
 from kvchat.engine.decode_buffers import BATCH_BUCKETS, DecodeBuffers, DecodeRow, batch_bucket, context_bucket, context_buckets
 from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
@@ -30,13 +30,13 @@ from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
 from kvchat.engine.sequence import DecodeStep, PrefillChunk
 from kvchat.engine.timing import DeviceTimer
-from kvchat.kernels import dispatch
+from kvchat.kernels import cpu_int8_int8, dispatch
 from kvchat.kernels.cpu_int8 import small_rows_kernel
 from kvchat.kernels.warmup import warm_up
 from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.config import ModelConfig
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, stored_scheme
-from kvchat.model.quant import int8_path, quantize_linears
+from kvchat.model.quant import Int8GroupLinear, int8_path, quantize_linears
 from kvchat.model.transformer import AttnMetadata, build_model
 from kvchat.model.weights import weight_reader
 
@@ -66,6 +66,8 @@ class ExecutionPlan:
         pad_decode: decode batches are padded to :data:`BATCH_BUCKETS` (where CUDA graphs can run).
         cuda_graphs: decode steps replay CUDA graphs (:mod:`kvchat.engine.decode_graphs`).
         int8_kernel: the int8 matmul kernel's name (None: no int8 weights).
+        int8_prefill: int8 layers' prefill chunks run int8 activations on the integer kernel
+            (:func:`kvchat.engine.cache_identity.int8_prefill_enabled`), else the fp32 GEMM.
         exact_sink: position 0 is read exact (:meth:`Engine.sink_kv`).
     """
 
@@ -80,6 +82,7 @@ class ExecutionPlan:
     cuda_graphs: bool
     int8_kernel: str | None
     exact_sink: bool
+    int8_prefill: bool = False
 
     def line(self) -> str:
         """The plan in one line, e.g. ``cpu, int8 weights (avx2), float32, attention compiled, decode on the
@@ -89,7 +92,8 @@ class ExecutionPlan:
                  "decode on the pool" if self.decode_on_pool else "decode on the dense copy"]
         parts += [name for on, name in ((self.dense_kv, "dense prefill copy"), (self.compiled_layers, "compiled layers"),
                                         (self.pad_decode, "padded decode batches"), (self.cuda_graphs, "CUDA graphs"),
-                                        (self.exact_sink, "exact sink")) if on]
+                                        (self.exact_sink, "exact sink"),
+                                        (self.int8_prefill, "int8 prefill activations")) if on]
         return ", ".join(parts)
 
 
@@ -185,12 +189,15 @@ class Engine:
         dtype: str | None = None,
         weight_format: str | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        int8_prefill: str | None = None,
     ):
         """``weight_format``: ``fp32|bf16|int8`` (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`; int8:
         the loaded linear layers quantized by :func:`kvchat.model.quant.quantize_linears`, stored per model);
         None: unquantized, bf16 where :func:`compute_dtype`'s ``auto`` or ``dtype`` says bf16, else fp32.
         ``progress``: the start's steps that take long, as ``(text, done, total)`` (on a GPU's first start:
         compiling the Triton kernels, :func:`kvchat.kernels.warmup.warm_up`).
+        ``int8_prefill``: ``auto|int8|float`` (None: ``KVCHAT_INT8_PREFILL``): int8 weights' prefill chunks with
+        int8 activations where :func:`kvchat.engine.cache_identity.int8_prefill_enabled`.
         ``dtype``: a :data:`COMPUTE_DTYPES` name or ``auto`` (None: ``KVCHAT_DTYPE``); ``auto`` computes in
         :data:`FORMAT_COMPUTE_DTYPES` of the weight format, and any other choice enters the cache fingerprint.
 
@@ -225,6 +232,12 @@ class Engine:
         self.int8_kernel = small_rows_kernel() if self.weight_format == "int8" else None
         if self.int8_kernel is not None:
             quantize_linears(model, int8_path(model_fingerprint, stored_scheme(self.int8_kernel)), self.int8_kernel)
+        self.int8_prefill = self.device.type == "cpu" and int8_prefill_enabled(
+            int8_prefill or settings.int8_prefill(), self.int8_kernel)
+        if self.int8_prefill:
+            for layer in model.modules():
+                if isinstance(layer, Int8GroupLinear) and cpu_int8_int8.takes(layer.out_features, layer.in_features):
+                    layer.integer_prefill = True
         if pool_bytes is not None:
             self.pool_plan = PoolPlan(pool_bytes, f"KV pool {pool_bytes / 2**20:,.0f} MiB (set by the caller)")
         else:  # after the weights and any calibration: on CUDA it reads the memory left
@@ -250,7 +263,8 @@ class Engine:
         self.compute_key = compute_key(self.weight_format, dtype_name)  # the fingerprint's compute: None = implied
         self.identity = CacheIdentity(
             model_fingerprint, kv_dtype, self.spec.block_size, self.weight_format, self.compute_key, self.int8_kernel,
-            self.compiled_decode is not None, self.calibration.digest if self.calibration else None, self.exact_sink)
+            self.compiled_decode is not None, self.calibration.digest if self.calibration else None, self.exact_sink,
+            self.int8_prefill)
         self.scale_scheme, self.cache_fingerprint = self.identity.scale_scheme, self.identity.fingerprint
         self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
         self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
@@ -270,7 +284,8 @@ class Engine:
         pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
         self.plan = ExecutionPlan(str(self.device), self.weight_format, str(self.dtype).removeprefix("torch."), backend,
                                   self.dense is not None, decode_on_pool, self.compiled_decode is not None, pad_decode,
-                                  pad_decode and settings.cuda_graphs(), self.int8_kernel, self.exact_sink)
+                                  pad_decode and settings.cuda_graphs(), self.int8_kernel, self.exact_sink,
+                                  self.int8_prefill)
         logging.getLogger(__name__).info("kvchat: engine plan: %s", self.plan.line())
         self.decode_graphs = DecodeGraphs(self.paged_decode_step) if self.plan.cuda_graphs else None  # None: eager
         self.load_ms = timer.stop()

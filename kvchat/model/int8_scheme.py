@@ -26,14 +26,19 @@ GROUP_SIZES = {"down_proj": 256}  # per-channel scheme: input columns per scale,
 INT8_SCHEME = f"int8-v{INT8_VERSION}-per-channel-" + "-".join(f"{k}{v}" for k, v in sorted(GROUP_SIZES.items()))
 INT8_GROUPS_VERSION = 1
 INT8_GROUPS_SCHEME = f"int8-affine-g32-v{INT8_GROUPS_VERSION}"
+# prefill chunks (more than GROUPS_KERNEL_MAX_ROWS rows) with int8 activations, per 32 inputs, on the integer
+# kernel (kvchat.kernels.cpu_int8_int8), where an engine's plan runs it: named in the fingerprint with this version
+INT8_PREFILL_VERSION = 1
+DEFAULT_INT8_PREFILL = "float"  # what KVCHAT_INT8_PREFILL=auto runs (docs/performance.md has the measurements)
 SMALL_ROWS_KERNELS = ("int8mm", "avx2")  # torch's bf16-activation int8 kernel; the compiled fp32 one
 
 
-def int8_compute_scheme(small_rows_kernel: str, layers: bool = False) -> str:
+def int8_compute_scheme(small_rows_kernel: str, layers: bool = False, prefill: bool = False) -> str:
     """The name an int8 engine enters the cache fingerprint with: the quantization and the kernel of each row count
     (``avx2``: the groups scheme on the compiled kernel; ``int8mm``: per channel on torch's), and with ``layers``
     (``avx2`` only) that chunks of up to :data:`COMPILED_LAYER_MAX_TOKENS` tokens run the compiled decoder layers
-    (their attention's :data:`COMPILED_LAYER_VERSION` named with it).
+    (their attention's :data:`COMPILED_LAYER_VERSION` named with it), and with ``prefill`` (``avx2`` only) that
+    longer chunks run int8 activations on the integer kernel (:data:`INT8_PREFILL_VERSION`).
 
     ``small_rows_kernel``: a :data:`SMALL_ROWS_KERNELS` name. ``int8mm`` gives the name int8 caches had before the
     compiled kernel existed, so they stay valid where it is not built; ``avx2`` without ``layers`` the name of
@@ -47,7 +52,8 @@ def int8_compute_scheme(small_rows_kernel: str, layers: bool = False) -> str:
         raise ValueError(f"unknown int8 kernel {small_rows_kernel!r}; use {', '.join(SMALL_ROWS_KERNELS)}")
     if small_rows_kernel == "avx2":  # a layer whose inputs do not split into 32s keeps torch's kernel: -mm too
         return (f"{INT8_GROUPS_SCHEME}-avx2f32x{GROUPS_KERNEL_MAX_ROWS}-mm{INT8MM_MAX_ROWS}"
-                + (f"-layer{COMPILED_LAYER_MAX_TOKENS}v{COMPILED_LAYER_VERSION}" if layers else ""))
+                + (f"-layer{COMPILED_LAYER_MAX_TOKENS}v{COMPILED_LAYER_VERSION}" if layers else "")
+                + (f"-prefill-a8g32v{INT8_PREFILL_VERSION}" if prefill else ""))
     return f"{INT8_SCHEME}-mm{INT8MM_MAX_ROWS}"
 
 

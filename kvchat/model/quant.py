@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.kernels import cpu_int8
+from kvchat.kernels import cpu_int8, cpu_int8_int8
 from kvchat.load_steps import step
 from kvchat.model.int8_scheme import GROUP_SIZES, GROUPS_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS, stored_scheme
 from kvchat.paths import models_dir
@@ -110,7 +110,7 @@ class _Int8Layer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` float32 ``[..., in_features]`` -> float32 ``[..., out_features]``."""
         rows = x.reshape(-1, self.in_features)
-        y = self._few_rows(rows) if rows.shape[0] <= self.max_rows else F.linear(rows, self._dequantized())
+        y = self._few_rows(rows) if rows.shape[0] <= self.max_rows else self._many_rows(rows)
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
@@ -118,6 +118,10 @@ class _Int8Layer(nn.Module):
     def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 ``[M, in_features]`` -> ``[M, out_features]`` on the layer's int8 kernel (no bias)."""
         raise NotImplementedError
+
+    def _many_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 ``[M, in_features]`` -> ``[M, out_features]`` past :attr:`max_rows` (no bias): the fp32 GEMM."""
+        return F.linear(rows, self._dequantized())
 
     def _dequantized(self) -> torch.Tensor:
         """The fp32 weight ``[out, in]`` in this thread's scratch buffer (valid until the next call)."""
@@ -209,6 +213,9 @@ class Int8GroupLinear(_Int8Layer):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(*q.shape, bias)
         self.groups = scale.shape[1]
+        # past max_rows, int8 activations on the integer kernel instead of the fp32 GEMM: set by the engine's
+        # plan (kvchat.engine.runner.ExecutionPlan.int8_prefill), never per call
+        self.integer_prefill = False
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())
         self.register_buffer("offset", offset.float())
@@ -220,6 +227,11 @@ class Int8GroupLinear(_Int8Layer):
 
     def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return cpu_int8.int8_matmul(rows, self.q, self.scale, self.offset)
+
+    def _many_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.integer_prefill:
+            return cpu_int8_int8.int8_int8_matmul(rows, self.q, self.scale, self.offset)
+        return super()._many_rows(rows)
 
     def _dequantized(self) -> torch.Tensor:
         w = _scratch_buffer(self.q.numel(), self.q.device).view(self.out_features, self.groups, -1)

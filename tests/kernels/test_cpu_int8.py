@@ -76,14 +76,17 @@ def test_layouts_it_does_not_take_are_refused():
 
 
 def test_each_kernel_has_its_own_cache_fingerprint():
-    names = {int8_compute_scheme(k) for k in ("int8mm", "avx2")} | {int8_compute_scheme("avx2", layers=True)}
-    assert len(names) == 3
+    names = {int8_compute_scheme(k) for k in ("int8mm", "avx2")} | {
+        int8_compute_scheme("avx2", layers=layers, prefill=prefill) for layers in (False, True) for prefill in (False, True)}
+    assert len(names) == 5
     assert int8_compute_scheme("int8mm") == "int8-v1-per-channel-down_proj256-mm256"  # the name before this kernel
     # the name before the compiled decoder layers ran short chunks, and where they do not
     assert int8_compute_scheme("avx2") == "int8-affine-g32-v1-avx2f32x32-mm256"
     assert int8_compute_scheme("avx2", layers=True) == "int8-affine-g32-v1-avx2f32x32-mm256-layer32v2"
-    variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of either kind
-    assert len(variants) == 3 and CacheIdentity("m", "bf16", 16, "int8").fingerprint in variants
+    assert (int8_compute_scheme("avx2", layers=True, prefill=True)
+            == "int8-affine-g32-v1-avx2f32x32-mm256-layer32v2-prefill-a8g32v1")  # int8 activations in prefill
+    variants = fingerprint_variants("m", "bf16", 16, ("int8",))  # a store may hold caches of any kind
+    assert len(variants) == 5 and CacheIdentity("m", "bf16", 16, "int8").fingerprint in variants
     assert CacheIdentity("m", "bf16", 16, "int8", int8_kernel="avx2", compiled_layers=True).fingerprint in variants
     with pytest.raises(ValueError, match="unknown int8 kernel"):
         int8_compute_scheme("avx512")
