@@ -36,7 +36,7 @@ class ServerError(OSError):
     """
 
     def __init__(self, message: str, kind: str, retry_after_s: float | None = None,
-                 cut_reason: str = "the connection failed"):
+                 cut_reason: str = "its stream broke off"):
         super().__init__(message)
         self.kind = kind
         self.retry_after_s = retry_after_s
@@ -182,8 +182,10 @@ class ServerClient:
         Raises:
             ContextFullError: the server says the conversation does not fit its context (400
                 ``context_length_exceeded``).
+            AnswerCut: an error event, a cut connection or no byte for ``read_timeout_s`` after part of the
+                answer came (that part is its ``reply``).
             ServerError: unreachable, refused (401, 404, 429/503 with its ``Retry-After``, other 4xx), failed
-                (5xx), an error event or a cut connection mid-answer, no byte for ``read_timeout_s``.
+                (5xx), an error event or a cut connection before any text, no byte for ``read_timeout_s``.
         """
         t0 = time.perf_counter()
         pieces: list[str] = []
