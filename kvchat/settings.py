@@ -377,7 +377,9 @@ def server() -> str | None:
         return None
     try:
         return base_url(value)
-    except ValueError:
+    except ValueError as exc:
+        if "@" in value:  # a user or password: the value is not repeated
+            raise SettingError(f"{SERVER}: {exc}") from None
         raise SettingError(f"{SERVER} must be an http:// or https:// URL with a host, "
                            f"got {os.environ[SERVER]!r}") from None
 

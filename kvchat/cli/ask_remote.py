@@ -2,7 +2,8 @@
 
 Checked before the server is asked anything, as the local ``ask`` is; the turn runs through
 :class:`kvchat.remote.chats.RemoteChats`. Ctrl-C before the question is sent drops it (exit 130); once
-it is sent, Ctrl-C stops the stream and what was answered so far is stored (as Esc in the app).
+it is sent, Ctrl-C stops the stream and what was answered so far is stored (as Esc in the app); so is the
+part of an answer a server stopped sending (then one error line, exit 2).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def cmd_ask_remote(args: argparse.Namespace, server: str) -> int:
     Raises:
         ValueError: bad input (empty prompt, bad sampling values, options that do not go together, a bad
             key setting, a bad document); nothing was sent.
-        kvchat.remote.client.ServerError: the server failed (one line); nothing was stored.
+        kvchat.remote.client.AnswerCut: the server stopped mid-answer; the question and the part that came are
+            stored (finish reason ``interrupted``, as a Ctrl-C keeps a local one), the line names the chat.
+        kvchat.remote.client.ServerError: the server failed before answering (one line); nothing was stored.
     """
     cancel = threading.Event()
     old = signal.signal(signal.SIGINT, lambda *_: cancel.set())
@@ -40,7 +43,7 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     from kvchat.index import get_db
     from kvchat.paths import db_path
     from kvchat.remote.chats import RemoteChats, require_remote
-    from kvchat.remote.client import ServerClient, context_limit, pick_model
+    from kvchat.remote.client import AnswerCut, ServerClient, context_limit, pick_model
     from kvchat.server_address import plain_http_warning
     from kvchat.store.conversations import get_conversation
     from kvchat.store.db import require_writable
@@ -90,6 +93,8 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
             raise KeyboardInterrupt
         try:
             done = chats.send(args.prompt, params, cancel, emit)
+        except AnswerCut as exc:  # the line says which chat holds the question and the part that came
+            raise AnswerCut(f"{exc} (chat {exc.chat_id})", exc.reply, exc.chat_id) from None
         finally:
             if streamed:
                 print()  # end the answer's line before any note or error
@@ -106,8 +111,8 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
             "context_tokens": done.context_used, "context_limit": done.context_limit, "server_reuse": chats.last_line,
         }))
     else:
-        figures = [chats.last_line or f"the answer ended: {s.finish_reason}", f"TTFT {s.ttft_ms:.0f} ms",
-                   f"{s.decode_tokens_per_s:.1f} tok/s"]
+        figures = [chats.last_line or f"the answer ended: {s.finish_reason}", f"TTFT {s.ttft_ms:.0f} ms"]
+        figures += [f"{s.decode_tokens_per_s:.1f} tok/s"] if s.decode_tokens_per_s else []  # 0: too short to time
         print(f"kvchat: {' · '.join(figures)}", file=sys.stderr)
         print(f"[chat {done.chat_id}] continue with: kvchat ask --server {server} --chat {done.chat_id} \"...\"",
               file=sys.stderr)

@@ -19,6 +19,7 @@ from kvchat.engine.cache_identity import KV_DTYPE_NAMES
 from kvchat.settings import DTYPE, DTYPE_CHOICES, GPU_MEMORY, WEIGHTS, WEIGHTS_CHOICES, SettingError, fraction_value
 
 EXIT_USAGE = 2
+DEFAULT_KV_DTYPE = "fp8"
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
 EXIT_INTERRUPTED = 130
 EXIT_FAILED = 1  # an unexpected failure, as Python's own exit status for an uncaught exception
@@ -68,7 +69,7 @@ def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     keep = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("--model", metavar="NAME|PATH",
                    help="imported model name, checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)", **keep)
-    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="KV cache dtype (default fp8)", **({"default": "fp8"} if top else keep))
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help=f"KV cache dtype (default {DEFAULT_KV_DTYPE})", **keep)
     p.add_argument("--dtype", choices=DTYPE_CHOICES,
                    help="compute dtype of activations and unquantized weights (default: KVCHAT_DTYPE, else auto)", **keep)
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, help="weight format (default: KVCHAT_WEIGHTS, else auto: "
@@ -184,7 +185,8 @@ def error_object(message: str, kind: str, exit_status: int, **fields) -> dict:
 
     ``kind``: ``usage_error``, ``invalid_request``, ``not_found``, ``context_length_exceeded``, ``database_error``,
     ``interrupted``, ``internal_error`` or, with ``--server``, a :class:`kvchat.remote.client.ServerError`'s kind;
-    ``fields``: figures of the error (``needed_tokens``, ``context_limit``, ``retry_after_s``)."""
+    ``fields``: figures of the error (``needed_tokens``, ``context_limit``, ``retry_after_s``, and ``chat_id``
+    where the question and a cut answer were kept)."""
     return {"error": {"message": message, "type": kind, "exit_status": exit_status, **fields}}
 
 
@@ -223,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvchat.cli.remote import server_of_args
 
         server = server_of_args(args) if args.command in (None, "ask") else None
+        # unset until here, so that --kv-dtype given with --server is told apart from the default
+        args.kv_dtype = getattr(args, "kv_dtype", None) or DEFAULT_KV_DTYPE
         if args.command is None:
             from kvchat.tui.app import run_app
 
@@ -290,11 +294,14 @@ def _error_kind(exc: Exception) -> tuple[str, dict]:
     """A user error's kind for :func:`error_object` and its figures (tokens needed and the limit, when known)."""
     from kvchat.conversation.views import ContextFullError
     from kvchat.model.registry import ModelNotFoundError
-    from kvchat.remote.client import ServerError
+    from kvchat.remote.client import AnswerCut, ServerError
     from kvchat.store.errors import StoreError
 
     if isinstance(exc, ServerError):  # the server's failure, by kind (connection_error, authentication_error, …)
-        return exc.kind, {} if exc.retry_after_s is None else {"retry_after_s": exc.retry_after_s}
+        figures = {} if exc.retry_after_s is None else {"retry_after_s": exc.retry_after_s}
+        if isinstance(exc, AnswerCut) and exc.chat_id is not None:  # the question and the part kept there
+            figures["chat_id"] = exc.chat_id
+        return exc.kind, figures
     if isinstance(exc, ContextFullError):
         return "context_length_exceeded", {"needed_tokens": exc.needed, "context_limit": exc.limit}
     if isinstance(exc, (LookupError, ModelNotFoundError)):

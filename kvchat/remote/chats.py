@@ -5,8 +5,10 @@ A remote chat is a conversation row whose ``model_fingerprint`` names the server
 no token ids (the server tokenizes, and its KV cache is its own). Its messages hold the text; its settings
 hold ``server_tokens`` (the context the server counted at the last turn), ``documents`` (attached
 documents' titles) and ``document_texts`` (their text, sent in the system message every turn). A turn is
-stored only once the server has answered it whole (or the user stopped it): the new chat, the rewind of a
-regenerated turn and the new messages commit in one transaction, so a failed turn leaves nothing behind.
+stored only once the server has answered it whole, or the answer stopped after some of it came (the user
+stopped it, or the server stopped sending: kept as a stopped local answer is, marked ``cancelled`` or
+``interrupted``): the new chat, the rewind of a regenerated turn and the new messages commit in one
+transaction, so a turn that failed before its answer began leaves nothing behind.
 
 Runs on one thread at a time per instance, except the store-only calls (list, rename, pin, delete), which
 use the calling thread's own connection.
@@ -34,7 +36,7 @@ from kvchat.conversation.views import (
 from kvchat.documents import Document
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.index import get_db
-from kvchat.remote.client import Reply, ServerClient
+from kvchat.remote.client import AnswerCut, Reply, ServerClient
 from kvchat.remote.figures import reuse_line, turn_stats
 from kvchat.server_address import SERVER_PREFIX, server_fingerprint, server_of
 from kvchat.store.conversations import (
@@ -55,6 +57,7 @@ from kvchat.store.conversations import (
 from kvchat.store.db import write_transaction
 
 NOT_HERE = "the KV cache of a chat held with a server is the server's"
+CUT = ("cancelled", "interrupted")  # an answer that did not end by itself: the server's reuse line is not shown
 
 
 def require_remote(conv: Conversation) -> Conversation:
@@ -147,7 +150,11 @@ class RemoteChats:
         Raises:
             ValueError: an empty prompt or bad sampling settings (nothing sent).
             ContextFullError: the server says the conversation does not fit.
-            kvchat.remote.client.ServerError: the server failed (the line says how); nothing was stored.
+            kvchat.remote.client.AnswerCut: the server stopped mid-answer; the turn was stored as a stopped one
+                is (the question, and the part of the answer that came with finish reason ``interrupted``), and
+                the error carries the chat's id.
+            kvchat.remote.client.ServerError: the server failed before any answer came (the line says how);
+                nothing was stored.
         """
         return self._turn(self._open(), text, params, cancel, emit, redo=False)
 
@@ -181,6 +188,7 @@ class RemoteChats:
         messages = ([{"role": "system", "content": system}] if system else [])
         messages += [{"role": m.role, "content": m.text} for m in history] + [{"role": "user", "content": text}]
         batcher = TokenBatcher(emit, self.batch_interval_s)
+        cut: AnswerCut | None = None
         if cancel.is_set():  # stopped before it was sent: kept as a cancelled turn, as a local one is
             reply = Reply("", "cancelled", 0.0, 0.0)
         else:
@@ -189,6 +197,8 @@ class RemoteChats:
             except ContextFullError as exc:
                 limit = self.context_limit or exc.limit
                 raise ContextFullError(str(exc), max(exc.needed, limit + 1), limit) from None
+            except AnswerCut as exc:  # kept as a stopped answer is, then said
+                cut, reply = exc, exc.reply
         batcher.flush()
         stats = turn_stats(reply)
         tokens = stats.prompt_tokens + stats.new_tokens if reply.usage else chat.tokens
@@ -197,7 +207,10 @@ class RemoteChats:
         self._store(chat, text, answer, tokens, redo)
         chat.messages = history + [ChatMessage("user", text), answer]
         chat.tokens = tokens
-        self.last, self.last_line = stats, "" if reply.finish_reason == "cancelled" else reuse_line(reply)
+        self.last, self.last_line = stats, "" if reply.finish_reason in CUT else reuse_line(reply)
+        if cut is not None:
+            raise AnswerCut(f"{cut}; the question and the part of the answer that came are kept in the chat, "
+                            "marked interrupted", reply, chat.id)
         done = TurnDone(chat.id, reply.text, stats, tokens, self.context_limit)
         emit(done)
         return done

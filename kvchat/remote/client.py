@@ -35,13 +35,28 @@ class ServerError(OSError):
     ``Retry-After``, when it sent one. The message is one line.
     """
 
-    def __init__(self, message: str, kind: str, retry_after_s: float | None = None):
+    def __init__(self, message: str, kind: str, retry_after_s: float | None = None,
+                 cut_reason: str = "its stream broke off"):
         super().__init__(message)
         self.kind = kind
         self.retry_after_s = retry_after_s
+        self.cut_reason = cut_reason  # what happened, in words that name nothing of the server's, for AnswerCut
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class AnswerCut(ServerError):
+    """The server stopped sending an answer after some of it came (it shut down, was killed, sent an error
+    event or went silent): ``reply`` is that part, finish reason ``interrupted``; ``chat_id``: the local chat
+    it was kept in, once :class:`kvchat.remote.chats.RemoteChats` stored it. The message is one line that
+    names the server and what happened, never the server's own words (they may name its internals, e.g. the
+    chat it stored the cut answer in)."""
+
+    def __init__(self, message: str, reply: "Reply", chat_id: str | None = None):
+        super().__init__(message, "server_error")
+        self.reply = reply
+        self.chat_id = chat_id  # the local chat the part was stored in (None until it is)
 
 
 @dataclass(slots=True)
@@ -67,17 +82,19 @@ class Counters:
 class Reply:
     """One streamed completion as the client saw it.
 
-    ``ttft_ms``: from sending the request to the first text, measured here; ``decode_tokens_per_s``: the
-    answer's tokens after the first ÷ the time from the first text to the last (client-side; 0 when not
-    measurable). ``usage``: the server's ``usage`` object ({} if none was sent); ``kvchat``: kvchat serve's
-    per-completion object (where the prompt's K/V came from), None elsewhere. ``finish_reason``: the
-    server's, or ``cancelled`` when the caller stopped the stream; ``pieces``: the streamed text deltas.
+    ``ttft_ms``: from sending the request to the first text, measured here; ``decode_span_s``: from the
+    first text to the last, seconds, measured here (the decode speed is computed from it by
+    :func:`kvchat.remote.figures.decode_rate`). ``usage``: the server's ``usage`` object ({} if none was
+    sent); ``kvchat``: kvchat serve's per-completion object (where the prompt's K/V came from), None
+    elsewhere. ``finish_reason``: the server's, ``cancelled`` when the caller stopped the stream, or
+    ``interrupted`` for the part of an answer the server stopped sending (:class:`AnswerCut`);
+    ``pieces``: the streamed text deltas.
     """
 
     text: str
     finish_reason: str
     ttft_ms: float
-    decode_tokens_per_s: float
+    decode_span_s: float
     pieces: int = 0
     usage: dict = field(default_factory=dict)
     kvchat: dict | None = None
@@ -165,8 +182,10 @@ class ServerClient:
         Raises:
             ContextFullError: the server says the conversation does not fit its context (400
                 ``context_length_exceeded``).
+            AnswerCut: an error event, a cut connection or no byte for ``read_timeout_s`` after part of the
+                answer came (that part is its ``reply``).
             ServerError: unreachable, refused (401, 404, 429/503 with its ``Retry-After``, other 4xx), failed
-                (5xx), an error event or a cut connection mid-answer, no byte for ``read_timeout_s``.
+                (5xx), an error event or a cut connection before any text, no byte for ``read_timeout_s``.
         """
         t0 = time.perf_counter()
         pieces: list[str] = []
@@ -174,50 +193,56 @@ class ServerClient:
         finish, usage, extra = "", {}, None
         events: queue.Queue = queue.Queue()
         stop = threading.Event()
+        ttft = lambda: ((first or time.perf_counter()) - t0) * 1e3  # noqa: E731
+        span = lambda: (last - first) if first is not None else 0.0  # noqa: E731
         # the stream is read on its own thread: a read blocked on a silent server cannot be interrupted, and
         # Esc must not wait for the read timeout
         threading.Thread(target=self._read, args=(request_body(model, messages, params), events, stop),
                          name="kvchat-stream", daemon=True).start()
-        while True:
-            try:
-                kind, value = events.get(timeout=CANCEL_POLL_S)
-            except queue.Empty:
-                if cancel.is_set():
-                    stop.set()
+        try:
+            while True:
+                try:
+                    kind, value = events.get(timeout=CANCEL_POLL_S)
+                except queue.Empty:
+                    if cancel.is_set():
+                        break
+                    on_pause()
+                    continue
+                if kind == "error":
+                    raise value
+                if kind == "end":
+                    raise ServerError(f"the connection to {self.url} ended mid-answer (no [DONE])", "server_error",
+                                      cut_reason="the connection closed")
+                if value == "[DONE]":
                     break
-                on_pause()
-                continue
-            if kind == "error":
-                raise value
-            if kind == "end":
-                raise ServerError(f"the connection to {self.url} ended mid-answer (no [DONE])", "server_error")
-            if value == "[DONE]":
-                break
-            chunk = _json(value, self.url)
-            if "error" in chunk:
-                err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
-                raise ServerError(f"the server at {self.url} cut the answer: {_one_line(err.get('message', err))}",
-                                  "server_error")
-            for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    last = time.perf_counter()
-                    first = first or last
-                    pieces.append(text)
-                    on_text(text)
-                finish = choice.get("finish_reason") or finish
-            usage = chunk.get("usage") or usage
-            extra = chunk.get("kvchat") or extra
-            if cancel.is_set():
-                stop.set()
-                break
-        stop.set()  # whatever ended the loop, the reader stops at its next event
+                chunk = _json(value, self.url)
+                if "error" in chunk:
+                    err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+                    raise ServerError(f"the server at {self.url} cut the answer: "
+                                      f"{_one_line(err.get('message', err))}", "server_error",
+                                      cut_reason="it sent an error")
+                for choice in chunk.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        last = time.perf_counter()
+                        first = first or last
+                        pieces.append(text)
+                        on_text(text)
+                    finish = choice.get("finish_reason") or finish
+                usage = chunk.get("usage") or usage
+                extra = chunk.get("kvchat") or extra
+                if cancel.is_set():
+                    break
+        except ServerError as exc:
+            if not pieces:
+                raise
+            partial = Reply("".join(pieces), "interrupted", ttft(), span(), len(pieces), usage, extra)
+            raise AnswerCut(f"the server at {self.url} stopped mid-answer ({exc.cut_reason})", partial) from None
+        finally:
+            stop.set()  # whatever ended the loop, the reader stops at its next event
         if cancel.is_set() and not finish:
             finish = "cancelled"
-        new = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else len(pieces)
-        rate = (new - 1) / (last - first) if first is not None and last > first and new > 1 else 0.0
-        ttft = ((first or time.perf_counter()) - t0) * 1e3
-        return Reply("".join(pieces), finish or "stop", ttft, rate, len(pieces), usage, extra)
+        return Reply("".join(pieces), finish or "stop", ttft(), span(), len(pieces), usage, extra)
 
     def _read(self, body: dict, events: queue.Queue, stop: threading.Event) -> None:
         """Post ``body`` and put ``("data", event data)`` per stream event, then ``("end", None)`` when the
@@ -249,9 +274,10 @@ class ServerClient:
                                "running, and is the URL right?", "connection_error")
         if isinstance(exc, httpx2.TimeoutException):
             return ServerError(f"the server at {self.url} sent nothing for {self.read_timeout_s:.0f} s; "
-                               "the answer was dropped", "timeout")
+                               "the answer was dropped", "timeout",
+                               cut_reason=f"it sent nothing for {self.read_timeout_s:.0f} s")
         return ServerError(f"the connection to {self.url} failed mid-answer ({_one_line(exc) or type(exc).__name__})",
-                           "server_error")
+                           "server_error", cut_reason="the connection was cut")
 
     def _status_error(self, status: int, raw: bytes, headers) -> Exception:
         """The error for a non-200 answer: its OpenAI error object's message where it sent one."""

@@ -6,6 +6,20 @@ from __future__ import annotations
 from kvchat.engine.turn import TurnStats
 from kvchat.remote.client import Reply
 
+MIN_RATE_TOKENS = 5  # 4 intervals at least: fewer say more about the network's writes than the model's pace
+MIN_RATE_SPAN_S = 0.05  # a shorter span is within a burst of buffered writes (or timer noise), not decoding
+
+
+def decode_rate(tokens: int, span_s: float) -> float:
+    """The answer's decode speed in tokens/s as measured by the client: the ``tokens - 1`` intervals after the
+    first token over ``span_s``, the seconds from the first text to the last (as the local engine measures
+    its own: the first token's time is the TTFT's). 0 (not measured, not shown) for fewer than
+    :data:`MIN_RATE_TOKENS` tokens or a span under :data:`MIN_RATE_SPAN_S`: a short answer comes in one or
+    two network writes, and the microseconds between them gave rates like 23,000 tok/s for 3 tokens."""
+    if tokens < MIN_RATE_TOKENS or span_s < MIN_RATE_SPAN_S:
+        return 0.0
+    return (tokens - 1) / span_s
+
 
 def _int(mapping: dict | None, key: str) -> int:
     value = (mapping or {}).get(key)
@@ -22,7 +36,8 @@ def cached_tokens(reply: Reply) -> int | None:
 def turn_stats(reply: Reply) -> TurnStats:
     """The turn's :class:`TurnStats`: token counts from the server's ``usage`` (without it: the prompt 0, the
     answer its streamed pieces, one token each on these servers),
-    reuse from its ``kvchat`` object or ``cached_tokens``, TTFT and decode speed as measured by the client."""
+    reuse from its ``kvchat`` object or ``cached_tokens``, TTFT as measured by the client, decode speed by
+    :func:`decode_rate`."""
     k, usage = reply.kvchat, reply.usage
     prompt = _int(usage, "prompt_tokens")
     if k is not None:
@@ -34,10 +49,10 @@ def turn_stats(reply: Reply) -> TurnStats:
         memory = disk = 0
         reused, restore, miss = cached_tokens(reply) or 0, 0.0, None
         prefilled = max(prompt - reused, 0)
+    new = _int(usage, "completion_tokens") or reply.pieces
     return TurnStats(prompt_tokens=prompt, reused_tokens=reused, from_memory=memory, from_disk=disk,
-                     restore_ms=float(restore), miss_reason=miss, prefilled_tokens=prefilled,
-                     new_tokens=_int(usage, "completion_tokens") or reply.pieces,
-                     ttft_ms=reply.ttft_ms, decode_tokens_per_s=reply.decode_tokens_per_s,
+                     restore_ms=float(restore), miss_reason=miss, prefilled_tokens=prefilled, new_tokens=new,
+                     ttft_ms=reply.ttft_ms, decode_tokens_per_s=decode_rate(new, reply.decode_span_s),
                      finish_reason=reply.finish_reason)
 
 

@@ -5,6 +5,10 @@ The model and its KV cache are the server's; the chats are kvchat's, in the loca
 "turn" thread in submission order; store-only calls (list, search, rename, pin) on one "store" thread, so the
 sidebar answers while an answer streams. Each thread keeps its own SQLite connection.
 
+The server need not be up: its chats are listed and opened from the store whatever it answers, the status
+line says why it could not be used, and each message sent asks it again until it answers (a server started
+after the app is used from then on).
+
 What differs from a local model: opening a chat reads nothing from a cache (no resume line; the next turn's
 line says what the server reused), documents go in the system message and are prefilled by the server at
 the first turn (no progress here), the cache screen's figures are the server's (none on disk here), and a
@@ -24,6 +28,7 @@ from kvchat.conversation.views import AttachCancelled, CacheReport, ChatSummary,
 from kvchat.engine.turn import SamplingParams
 from kvchat.tui.backend import BackendNotReadyError
 
+RETRY = "kvchat asks it again at the next message you send"
 NO_CARRY = "carrying a chat into a new one needs a local model (its token counts); with a server, start a new chat"
 
 
@@ -60,7 +65,8 @@ class RemoteBackend:
         self._models: list[str] = []  # the server's, once loaded
         self._turn_lane = _Lane("kvchat-remote")
         self._store_lane = _Lane("kvchat-store")
-        self._chats = None  # kvchat.remote.chats.RemoteChats once loaded
+        self._chats = None  # kvchat.remote.chats.RemoteChats once loaded (the store open, the server or not)
+        self._connected = False  # the server has listed its models (and the model is picked)
         self._counters = None  # kvchat serve's /health figures (None elsewhere)
         self._status = Status(phase="loading", message="starting")
 
@@ -70,8 +76,7 @@ class RemoteBackend:
 
     def _load(self, emit: Emit) -> Status:
         from kvchat.remote.chats import RemoteChats
-        from kvchat.remote.client import ServerClient, context_limit, pick_model
-        from kvchat.server_address import plain_http_warning
+        from kvchat.remote.client import ServerClient, ServerError
         from kvchat.tui.store_open import open_store
 
         try:
@@ -80,26 +85,54 @@ class RemoteBackend:
             self._status = Status(phase="error", message=str(exc))
             raise
         emit(LoadProgress(f"connecting to {self.url}"))
-        client = ServerClient(self.url, self._api_key, self.read_timeout_s)
+        # the chats are the local store's: listed and opened whether or not the server answers
+        self._chats = RemoteChats(ServerClient(self.url, self._api_key, self.read_timeout_s), self.model or "")
         try:
-            models = client.models()
-            self._counters = client.counters()
+            self._connect()
+        except (ServerError, LookupError):
+            pass  # the status line says why; the next send tries again
+        return self.status()
+
+    def _connect(self) -> None:
+        """Ask the server for its models (and kvchat serve's counters) and pick the model; the status line says
+        the outcome. Run at load and, until it has worked, again before each turn or model change.
+
+        Raises:
+            kvchat.remote.client.ServerError: unreachable, a refused key, not an OpenAI-compatible server.
+            LookupError: the server lists no model, or not the one asked for.
+        """
+        from kvchat.remote.client import context_limit, pick_model
+        from kvchat.server_address import plain_http_warning
+
+        chats = self._chats
+        try:
+            models = chats.client.models()
+            counters = chats.client.counters()
             chosen = pick_model([m.id for m in models], self.model, self.url)
         except Exception as exc:
-            client.close()
-            self._status = Status(phase="error", message=f"{exc}")
+            self._status = Status(phase="ready", message=f"{exc}; {RETRY}")
             raise
-        self._models = [m.id for m in models]
-        self._chats = RemoteChats(client, chosen, context_limit(models, chosen, self._counters))
+        self._models, self._counters, self._connected = [m.id for m in models], counters, True
+        chats.model, chats.context_limit = chosen, context_limit(models, chosen, counters)
         warning = plain_http_warning(self.url)  # said once, until the first answer's line replaces it
         self._status = Status(phase="ready", message=f"warning: {warning}" if warning else f"connected to {self.url}")
-        return self.status()
 
     def _require(self):
         if self._chats is None:
             failed = self._status.phase == "error"
             raise BackendNotReadyError(self._status.message if failed else "still connecting to the server")
         return self._chats
+
+    def _require_connected(self):
+        """The chats, once the server has answered (asked again here when it has not: it may be up now).
+
+        Raises:
+            kvchat.remote.client.ServerError, LookupError: as :meth:`_connect`.
+        """
+        chats = self._require()
+        if not self._connected:
+            self._connect()
+        return chats
 
     def new_chat(self, system: str | None, document_paths: Sequence[str], emit: Emit,
                  cancel: threading.Event | None = None) -> ChatView:
@@ -129,12 +162,17 @@ class RemoteBackend:
         return self._turn_lane.call(self._after_turn, lambda c: c.edit_last(text, settings, cancel, emit))
 
     def _after_turn(self, turn: Callable[[Any], TurnDone]) -> TurnDone:
-        """Run ``turn`` on the chats, then read kvchat serve's counters again (a failure there leaves the old)."""
+        """Run ``turn`` on the chats (connecting first if the server has not answered yet), then read kvchat
+        serve's counters again (a failure there leaves the old). A server failure stays on the status line
+        until the next answer's line replaces it."""
         from kvchat.remote.client import ServerError
 
-        chats = self._require()
+        chats = self._require_connected()
         try:
             return turn(chats)
+        except ServerError as exc:
+            chats.last_line, self._status = "", Status(phase="ready", message=str(exc))
+            raise
         finally:
             if self._counters is not None:
                 try:
@@ -161,7 +199,8 @@ class RemoteBackend:
             return Status(phase=self._status.phase, message=self._status.message)
         view, last, c = chats.view(), chats.last, self._counters
         device = f"server {urlsplit(self.url).netloc}"
-        return Status("ready", chats.last_line or self._status.message, chats.model, device,
+        line = chats.last_line if self._connected and chats.last_line else self._status.message
+        return Status("ready", line, chats.model or "(no model yet)", device,
                       c.kv_dtype if c else "", c.pool_blocks_used if c else 0, c.pool_blocks_total if c else 0, 0,
                       view.num_tokens if view else 0, chats.context_limit, last and last.ttft_ms,
                       last and last.decode_tokens_per_s)
@@ -176,7 +215,7 @@ class RemoteBackend:
         def run() -> Status:
             from kvchat.remote.client import pick_model
 
-            chats = self._require()
+            chats = self._require_connected()
             chats.model = pick_model(self._models, name, self.url)
             return self.status()
 

@@ -1,6 +1,8 @@
 """A server that fails (refused connection, wrong key, 503 with Retry-After, an error or a cut connection
-mid-answer, a stream that never ends): one line each from ``kvchat ask --server`` and the TUI, nothing stored
-half-done, and the TUI goes on (the typed text back in the box, the next question answered).
+mid-answer, a stream that never ends): one line each from ``kvchat ask --server`` and the TUI, and the TUI goes
+on (the typed text back in the box, the next question answered). A failure before the answer began stores
+nothing; one after part of it came keeps the question and that part, marked ``interrupted``, as a stopped
+answer is kept.
 
 The failing servers are a stub (:mod:`remote_stub`); the working conversation runs on a real kvchat serve
 in ``test_remote_serve.py``.
@@ -26,10 +28,12 @@ from kvchat.tui.widgets.status_bar import StatusBar
 SIZE = (120, 40)
 FAILURES = {  # behaviour: (words of the error line, ask --json's error type)
     "busy": ("is busy (503: the pool is full); retry after 7 s", "rate_limited"),
-    "error_event": ("cut the answer: internal error", "server_error"),
-    "cut": ("mid-answer", "server_error"),
-    "silent": ("sent nothing for 1 s; the answer was dropped", "timeout"),
+    "error_event": ("stopped mid-answer (it sent an error)", "server_error"),
+    "cut": ("stopped mid-answer (the connection", "server_error"),
+    "silent": ("stopped mid-answer (it sent nothing for 1 s)", "server_error"),
 }
+MID_ANSWER = ("error_event", "cut", "silent")  # the stub sent "Half an " first
+KEPT = "the question and the part of the answer that came are kept in the chat, marked interrupted"
 
 
 @pytest.fixture(autouse=True)
@@ -78,16 +82,31 @@ def test_ask_refused_connection_and_wrong_key(kvchat_home, json_out):
     assert stored_chats(kvchat_home) == 0
 
 
+@pytest.mark.parametrize("json_out", [False, True], ids=["text", "json"])
 @pytest.mark.parametrize("behaviour", FAILURES)
-def test_ask_on_a_failing_answer_says_one_line_and_stores_nothing(kvchat_home, behaviour):
+def test_ask_on_a_failing_answer_says_one_line_and_keeps_only_what_came(kvchat_home, behaviour, json_out):
     words, kind = FAILURES[behaviour]
     with StubServer([behaviour]) as stub:
-        json_out = kind == "rate_limited"  # --json's error object carries the Retry-After
         proc = ask(kvchat_home, stub.url, *(["--json"] if json_out else []))
         assert_error(proc, words, kind, json_out)
-        if json_out:
-            assert json.loads(proc.stdout)["error"]["retry_after_s"] == 7
-    assert stored_chats(kvchat_home) == 0
+    err = json.loads(proc.stdout)["error"] if json_out else {}
+    if behaviour == "busy":
+        assert stored_chats(kvchat_home) == 0
+        assert not json_out or err["retry_after_s"] == 7
+        return
+    [(chat_id, finish, text)] = stored_answers(kvchat_home)
+    assert (finish, text) == ("interrupted", "Half an ")
+    assert KEPT in (err["message"] if json_out else proc.stderr) and f"(chat {chat_id})" in (err.get("message")
+                                                                                           or proc.stderr)
+    assert not json_out or err["chat_id"] == chat_id
+    assert stored_chats(kvchat_home) == 3  # the chat, its question, the part of the answer
+
+
+def stored_answers(home) -> list[tuple[str, str, str]]:
+    """(chat id, finish reason, text) of each stored answer."""
+    with sqlite3.connect(home / "kvchat.db") as conn:
+        return conn.execute("SELECT conversation_id, finish_reason, text FROM messages WHERE role = 'assistant' "
+                            "ORDER BY rowid").fetchall()
 
 
 def test_ask_on_a_server_that_is_not_kvchat_shows_its_cached_tokens(kvchat_home):
@@ -145,28 +164,38 @@ async def test_tui_goes_on_after_each_failed_answer(kvchat_home):
         async with app.run_test(size=SIZE) as pilot:
             screen = app.screen_stack[0]
             await until(pilot, lambda: screen.ready)
-            for i, (words, _) in enumerate(FAILURES.values()):
+            kept: list[tuple[str, str, str]] = []  # (question, answer, finish reason) of the chat so far
+            for i, (behaviour, (words, _)) in enumerate(FAILURES.items()):
                 text = f"Question {i}?"
                 await type_and_send(pilot, app, text)
                 await until(pilot, lambda: len(notes) > i and not screen.generating)
                 assert words in notes[i] and "\n" not in notes[i], notes
                 assert screen.query_one(ChatInput).text == text, "the typed text is back in the box"
-                assert backend.list_chats() == [] and backend.current().messages == []
+                if behaviour in MID_ANSWER:
+                    kept.append((text, "Half an ", "interrupted"))
+                    assert KEPT in notes[i] and "chat c_" not in notes[i], notes[i]
+                    assert words in status(app), "the status line says it until the next answer"
+                    await until(pilot, lambda: "interrupted: the server stopped sending" in str(
+                        screen.query(".assistant").last().query_one(".stats").render()))
+                got = backend.current().messages
+                assert [(q.text, a.text, a.finish_reason) for q, a in zip(got[::2], got[1::2])] == kept
+                assert len(backend.list_chats()) == (1 if kept else 0)
                 screen.query_one(ChatInput).text = ""
             await type_and_send(pilot, app, "Last question?")
-            await until(pilot, lambda: backend.current().messages and not screen.generating)
-            assert [m.text for m in backend.current().messages] == ["Last question?", "Half an answer"]
-            assert [c.title for c in backend.list_chats()] == ["Last question?"]
-            assert "the server reused 8 cached tokens of 11" in status(app)
+            await until(pilot, lambda: len(backend.current().messages) == 2 * len(kept) + 2 and not screen.generating)
+            assert [m.text for m in backend.current().messages[-2:]] == ["Last question?", "Half an answer"]
+            assert [c.title for c in backend.list_chats()] == ["Question 1?"]
+            assert f"the server reused 8 cached tokens of {11 * (2 * len(kept) + 1)}" in status(app)  # stub's usage
             await pilot.press("f5")  # the cache screen: the chat is listed, its KV said to be the server's
             await until(pilot, lambda: isinstance(app.screen, CacheScreen) and app.screen.report.rows)
             [row] = app.screen.report.rows
-            assert (row.title, row.disk_bytes, row.miss_reason) == ("Last question?", 0, NOT_HERE)
+            assert (row.title, row.disk_bytes, row.miss_reason) == ("Question 1?", 0, NOT_HERE)
             await pilot.press("escape")
             await pilot.press("ctrl+q")
         assert len(stub.requests) == len(FAILURES) + 1
-        assert [m["content"] for m in stub.requests[-1]["messages"]] == ["Last question?"], "no failed turn resent"
-    assert stored_chats(kvchat_home) == 3
+        sent = [m["content"] for m in stub.requests[-1]["messages"]]
+        assert sent == [x for q, a, _ in kept for x in (q, a)] + ["Last question?"], "the kept turns are history"
+    assert stored_chats(kvchat_home) == 1 + 2 * len(kept) + 2
 
 
 @pytest.mark.asyncio
@@ -178,11 +207,13 @@ async def test_tui_on_a_server_it_cannot_use_says_why_and_keeps_the_text(kvchat_
         app, backend, notes = harness(url, key)
         async with app.run_test(size=SIZE) as pilot:
             screen = app.screen_stack[0]
-            await until(pilot, lambda: screen.load_error and notes)
             words = "cannot reach the server" if case == "refused" else "refused the API key (401"
-            assert words in status(app) and words in notes[0] and "\n" not in notes[0]
+            # the app is usable (its chats listed from the store); the status line says why the server is not
+            await until(pilot, lambda: screen.ready and words in status(app))
+            assert "asks it again at the next message" in status(app) and notes == []
             await type_and_send(pilot, app, "Anyone there?")
-            await pilot.pause(0.1)
+            await until(pilot, lambda: notes and not screen.generating)
+            assert words in notes[0] and "\n" not in notes[0], notes
             assert screen.query_one(ChatInput).text == "Anyone there?" and app.is_running
             await pilot.press("ctrl+q")
     assert stored_chats(kvchat_home) == 0

@@ -1,14 +1,16 @@
 """``kvchat ask --server`` on a server kvchat did not write: llama.cpp's OpenAI-compatible server
 (``llama-cpp-python[server]``) on the default model's GGUF, started here where it is installed.
 
-The same 3-turn conversation works (one chat, stored as text), and the reuse it reports is llama.cpp's
-``usage.prompt_tokens_details.cached_tokens`` when it sends that, else a line saying it does not say.
+The same 3-turn conversation works (one chat, stored as text, each turn sent with its history), and the reuse
+kvchat shows is llama.cpp's ``usage.prompt_tokens_details.cached_tokens`` when it sends that, else a line
+saying it does not say (llama-cpp-python's server streams no ``usage`` at all: then no token counts either).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -50,6 +52,22 @@ def llama_server(tmp_path):
     log.close()
 
 
+def streamed_usage(url: str) -> dict:
+    """The ``usage`` object of one streamed completion asked for with ``include_usage`` ({} when none came):
+    what this server sends, which kvchat shows as it is."""
+    import httpx2
+
+    body = {"model": "any", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    usage: dict = {}
+    with httpx2.Client(timeout=120) as http, http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    return usage
+
+
 def test_ask_holds_a_conversation_on_llama_cpps_server(llama_server, kvchat_home):
     outs, chat = [], []
     for text in ("Name a fruit.", "Name a colour.", "Name a tree."):
@@ -59,7 +77,20 @@ def test_ask_holds_a_conversation_on_llama_cpps_server(llama_server, kvchat_home
         outs.append(json.loads(proc.stdout))
         chat = ["--chat", outs[0]["chat_id"]]
     assert len({o["chat_id"] for o in outs}) == 1 and all(o["text"] for o in outs)
+    with sqlite3.connect(kvchat_home / "kvchat.db") as conn:
+        stored = [r[0] for r in conn.execute("SELECT text FROM messages ORDER BY rowid")]
+    assert stored == [x for text, o in zip(("Name a fruit.", "Name a colour.", "Name a tree."), outs)
+                      for x in (text, o["text"])], "one chat, stored as text, each turn sent with its history"
+
+    usage = streamed_usage(llama_server)
+    if not usage:  # llama-cpp-python's server streams no usage: no token counts, and the reuse line says so
+        assert [o["prompt_tokens"] for o in outs] == [0, 0, 0]
+        assert all(o["server_reuse"] == "the server does not say which tokens it reused" for o in outs), outs
+        return
     assert outs[2]["prompt_tokens"] > outs[1]["prompt_tokens"] > outs[0]["prompt_tokens"] > 0
     last = outs[2]
-    assert (last["server_reuse"].startswith("the server reused") and last["reused_tokens"] > 0
-            or last["server_reuse"] == "the server does not say which tokens it reused"), last
+    if isinstance((usage.get("prompt_tokens_details") or {}).get("cached_tokens"), int):  # shown when sent
+        assert last["server_reuse"] == (f"the server reused {last['reused_tokens']:,} cached tokens of "
+                                        f"{last['prompt_tokens']:,}"), last
+    else:
+        assert last["server_reuse"] == "the server does not say which tokens it reused", last

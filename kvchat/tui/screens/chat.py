@@ -286,6 +286,8 @@ class ChatScreen(ChatActions, Screen):
         if decision.verdict is Verdict.REFUSE:
             return  # the text stays in the input
         self.query_one(ChatInput).clear()
+        if op == "edit":  # the edit is sent: what was typed before F4 comes back
+            self.query_one(ChatInput).text = self.take_draft()
         if decision.verdict is Verdict.QUEUE:
             self.queued = text
             self.app.notify("your message is sent to the document's chat once the document is ready")
@@ -389,6 +391,8 @@ class ChatScreen(ChatActions, Screen):
         the input."""
         self.show_resume = True
         await self.show_chat(view)
-        self.editing = False
+        if self.editing:  # the edit was of the chat left behind: what was typed before F4 comes back
+            self.editing = False
+            self.query_one(ChatInput).text = self.take_draft()
         self.refresh_lists()
         self.query_one(ChatInput).focus()

@@ -32,6 +32,7 @@ class ChatActions:
     """
 
     _search_timer: Timer | None = None  # the search waiting for a pause in typing
+    draft = ""  # what the input held when F4 put the last message there: back in the input after the edit
 
     # --- sidebar (messages up from kvchat.tui.widgets.sidebar.Sidebar) ------------------------------
     def on_sidebar_search_changed(self, event) -> None:
@@ -87,7 +88,8 @@ class ChatActions:
             self.update_status()
         elif self.editing:
             self.editing = False
-            self.app.notify("edit cancelled; the input keeps your text")
+            self.query_one("#input").text = self.take_draft()
+            self.app.notify("edit cancelled; the input holds what you had typed before it")
 
     def _chat_with_answer(self):
         view = self.backend.current()
@@ -107,10 +109,17 @@ class ChatActions:
         if view is None:
             return
         chat_input = self.query_one("#input")
+        if not self.editing:  # F4 again while editing: the draft is the one from before the first
+            self.draft = chat_input.text
         chat_input.text = view.messages[-2].text
         chat_input.focus()
         self.editing = True
         self.app.notify("editing the last message: Enter replaces it and its answer, Esc cancels")
+
+    def take_draft(self) -> str:
+        """The text typed before F4 (once: it is cleared here)."""
+        draft, self.draft = self.draft, ""
+        return draft
 
     def action_rename(self) -> None:
         view = self.backend.current()

@@ -18,7 +18,8 @@ def stats_line(ttft_ms: float | None, tokens_per_s: float | None, finish_reason:
         parts.append(f"TTFT {ttft_ms:,.0f} ms")
     if tokens_per_s:
         parts.append(f"{tokens_per_s:.1f} tok/s")
-    reasons = {"length": "stopped at max tokens", "context": "stopped at the context limit", "cancelled": "stopped"}
+    reasons = {"length": "stopped at max tokens", "context": "stopped at the context limit", "cancelled": "stopped",
+               "interrupted": "interrupted: the server stopped sending"}
     if finish_reason in reasons:
         parts.append(reasons[finish_reason])
     return " · ".join(parts)
