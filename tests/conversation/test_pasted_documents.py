@@ -125,7 +125,7 @@ def test_a_reopened_chat_takes_its_document_ends_from_the_store_and_an_old_row_f
 
     rendered = []
     user_turn = ChatFormat.user_turn
-    monkeypatch.setattr(ChatFormat, "user_turn", lambda self, text: rendered.append(text) or user_turn(self, text))
+    monkeypatch.setattr(ChatFormat, "user_turn", lambda self, text, *role: rendered.append(text) or user_turn(self, text, *role))
     service.open_chat(chat)
     assert service.chat.session.sequence.document_ends == ends and rendered == []  # no message tokenized again
 
@@ -141,7 +141,7 @@ def test_a_message_is_tokenized_once_per_turn(service, monkeypatch):
 
     rendered = []
     user_turn = ChatFormat.user_turn
-    monkeypatch.setattr(ChatFormat, "user_turn", lambda self, text: rendered.append(text) or user_turn(self, text))
+    monkeypatch.setattr(ChatFormat, "user_turn", lambda self, text, *role: rendered.append(text) or user_turn(self, text, *role))
     text = DOC + "\n\nWhat does the miller keep?"
     _new(service, text)
     assert rendered == [text]  # was twice: the fit check, then the turn
