@@ -214,17 +214,17 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
         raise SystemExit(_report(json_errors, str(exc), "usage_error", EXIT_USAGE)) from None
-    # --dtype, --weights and --gpu-memory win over their KVCHAT_* settings, for this process and the ones it starts
-    for option, variable in (("dtype", DTYPE), ("weights", WEIGHTS), ("gpu_memory", GPU_MEMORY)):
-        if getattr(args, option, None):
-            os.environ[variable] = getattr(args, option)
     try:
+        from kvchat.cli.remote import server_of_args
         from kvchat.settings import check
 
+        server = server_of_args(args) if args.command in (None, "ask") else None  # a refused one sets nothing
+        # --dtype, --weights and --gpu-memory win over their KVCHAT_* settings, for this process and the ones it
+        # starts
+        for option, variable in (("dtype", DTYPE), ("weights", WEIGHTS), ("gpu_memory", GPU_MEMORY)):
+            if getattr(args, option, None):
+                os.environ[variable] = getattr(args, option)
         check()  # a bad KVCHAT_* value is one line and exit 2, before any work
-        from kvchat.cli.remote import server_of_args
-
-        server = server_of_args(args) if args.command in (None, "ask") else None
         # unset until here, so that --kv-dtype given with --server is told apart from the default
         args.kv_dtype = getattr(args, "kv_dtype", None) or DEFAULT_KV_DTYPE
         if args.command is None:

@@ -4,6 +4,7 @@ server, are each one line and exit 2 (``--json``: one error object) before anyth
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -54,7 +55,9 @@ def test_credentials_in_kvchat_server_and_json(capsys, monkeypatch, kvchat_home)
     (["--gpu-memory", "0.5", "ask", "--server", URL, "hello"], "--gpu-memory"),
 ], ids=["tui threads", "tui kv-dtype (its default value)", "ask two flags", "top-level flag before ask"])
 def test_local_model_options_with_a_server_are_one_line(capsys, kvchat_home, argv, named):
+    before = dict(os.environ)
     assert main(argv) == 2
+    assert dict(os.environ) == before, "a refused command set no KVCHAT_* variable (later work would inherit it)"
     line = one_line(capsys)
     assert f"kvchat: error: {named} set" in line and "up a local model; with --server the server's own" in line, line
     assert not kvchat_home.exists()
