@@ -10,8 +10,9 @@ kernel or that split changes the K/V an int4 engine computes, so it changes :dat
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, COMPILED_LAYER_VERSION, GROUPS_KERNEL_MAX_ROWS
 
 INT4_VERSION = 1
-# how the weights are quantized: the stored file's metadata (its own file beside the model) and the fingerprint's
-INT4_SCHEME = f"int4-affine-g32-f16-v{INT4_VERSION}"
+# how the weights are quantized: the stored file's metadata (its own file beside the model) and the fingerprint's;
+# head8: the LM head in the int8 groups scheme (kvchat.model.quant._kind says why)
+INT4_SCHEME = f"int4-affine-g32-f16-head8-v{INT4_VERSION}"
 
 
 def int4_compute_scheme(layers: bool = False) -> str:

@@ -47,7 +47,8 @@ SmolLM2: int8mm 2.7 s, dequantize + fp32 2.1 s, fp32 weights 1.8 s at
 **int4, groups of 32, asymmetric** (``INT4_SCHEME``, :class:`Int4GroupLinear`; only where the compiled kernel
 :mod:`kvchat.kernels.cpu_int4` builds): per output channel and 32 inputs an fp16 ``scale = (max - min) / 15``
 and an fp16 ``minimum = min``, ``q = round((w - minimum) / scale)`` in ``[0, 15]``, two per byte: GGUF's Q4_1
-block (20 bytes per 32 weights, 0.625 bytes per parameter against int8 groups' 1.25). Few rows
+block (20 bytes per 32 weights, 0.625 bytes per parameter against int8 groups' 1.25); the LM head stays int8
+groups (:func:`_kind` says why). Few rows
 (``M <= GROUPS_KERNEL_MAX_ROWS``) run the compiled kernel, more the dequantized fp32 GEMM, as int8 groups do.
 Its cost in perplexity is measured in docs/performance.md ("4-bit weights").
 
@@ -367,10 +368,18 @@ def _shapes(name: str, out_features: int, in_features: int, kind: str) -> dict[s
 LAYER_TYPES = {"groups": Int8GroupLinear, "channel": Int8Linear, "int4": Int4GroupLinear}
 
 
-def _kind(in_features: int, kernel: str, bits: int) -> str | None:
-    """The :data:`KINDS` scheme of a layer with ``in_features`` inputs (None: it keeps its fp32 weight)."""
+HEAD = "lm_head"  # the LM head's name among the model's linear layers
+
+
+def _kind(name: str, in_features: int, kernel: str, bits: int) -> str | None:
+    """The :data:`KINDS` scheme of the layer ``name`` with ``in_features`` inputs (None: it keeps its fp32
+    weight). With ``bits`` 4 the LM head is int8 groups, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits:
+    SmolLM2's head is its tied embedding, which the imported GGUF holds finer than Q4_1 (~29 distinct values per
+    32, against at most 16 in every other matrix), and 4 bits there cost +5% perplexity (docs/performance.md)."""
     splits = in_features % cpu_int8.GROUP == 0
     if bits == 4:  # no torch kernel takes int4: a layer the compiled one does not take stays fp32
+        if name == HEAD:
+            return "groups" if splits else None
         return "int4" if splits and in_features <= cpu_int4.max_inputs() else None
     return "groups" if kernel == "avx2" and splits else "channel"
 
@@ -382,10 +391,10 @@ def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = N
     :func:`kvchat.kernels.cpu_int8.small_rows_kernel`, the one the engine's fingerprint names): ``avx2``
     gives :class:`Int8GroupLinear` layers (a layer whose inputs do not split into groups of 32 keeps the
     per-channel scheme), ``int8mm`` :class:`Int8Linear` ones. ``bits`` 4 (``kernel`` unused):
-    :class:`Int4GroupLinear` layers (a layer whose inputs do not split into groups of 32 keeps its fp32
-    weight). The tensors are read from ``path`` when it holds this scheme for exactly these layers; otherwise
-    they are quantized and written there (atomically; with a read-only models dir they are quantized again on
-    the next load). ``path`` None: quantize, store nothing.
+    :class:`Int4GroupLinear` layers, the LM head an :class:`Int8GroupLinear` (a layer whose inputs do not split
+    into groups of 32 keeps its fp32 weight). The tensors are read from ``path`` when it holds this scheme for
+    exactly these layers; otherwise they are quantized and written there (atomically; with a read-only models
+    dir they are quantized again on the next load). ``path`` None: quantize, store nothing.
 
     Returns:
         True when the tensors came from ``path``.
@@ -394,8 +403,8 @@ def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = N
             kernel is not available; int4 weights beyond fp16's range (:func:`quantize_int4_groups`).
     """
     if bits == 4:
-        if not cpu_int4.available():
-            raise ValueError("int4 weights need the compiled CPU int4 kernel, which is not available here "
+        if not (cpu_int4.available() and cpu_int8.available()):  # the head is int8 groups
+            raise ValueError("int4 weights need the compiled CPU int4 and int8 kernels, which are not available here "
                              "(a C compiler and AVX2; KVCHAT_CPU_KERNEL not 0)")
         kernel, scheme = "int4", INT4_SCHEME
     elif bits == 8:
@@ -405,7 +414,7 @@ def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = N
         scheme = stored_scheme(kernel)
     else:
         raise ValueError(f"no {bits}-bit weight scheme; use 8 or 4")
-    found = [(name, parent, attr, m, _kind(m.weight.shape[1], kernel, bits)) for name, parent, attr, m in _linears(model)]
+    found = [(name, parent, attr, m, _kind(name, m.weight.shape[1], kernel, bits)) for name, parent, attr, m in _linears(model)]
     found = [f for f in found if f[4] is not None]
     shapes = {}
     for name, _, _, m, kind in found:

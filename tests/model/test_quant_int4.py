@@ -98,7 +98,8 @@ def test_int4_engine_quantizes_once_then_reads_the_file_and_runs_the_compiled_la
     path = quant.quantized_path("tiny", INT4_SCHEME)
     assert path.is_file() and path.parent.parent == tmp_path
     layers = [m for m in first.model.modules() if isinstance(m, quant.QUANTIZED_LAYERS)]
-    assert len(layers) == 2 * 4 + 1 and all(type(m) is quant.Int4GroupLinear for m in layers)
+    assert len(layers) == 2 * 4 + 1 and all(type(m) is quant.Int4GroupLinear for m in layers if m is not first.model.lm_head)
+    assert type(first.model.lm_head) is quant.Int8GroupLinear  # the head stays int8 (quant._kind says why)
     assert first.compiled_decode is not None and first.plan.line().startswith("cpu, int4 weights, float32")
     assert first.identity == CacheIdentity("tiny", "bf16", 16, "int4", compiled_layers=True)
     stamp = path.stat().st_mtime_ns
@@ -132,8 +133,8 @@ def test_int4_is_its_own_cache_identity():
     assert resolve_weight_format("int4", "cpu") == "int4"
     with pytest.raises(ValueError, match="int4 weights run on the CPU only"):
         resolve_weight_format("int4", "cuda")
-    assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-v1-avx2f32x32"
-    assert weight_scheme("int4", compiled_layers=True) == "int4-affine-g32-f16-v1-avx2f32x32-layer32v2"
+    assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-head8-v1-avx2f32x32"
+    assert weight_scheme("int4", compiled_layers=True) == "int4-affine-g32-f16-head8-v1-avx2f32x32-layer32v2"
     int4 = {CacheIdentity("m", "bf16", 16, "int4", compiled_layers=c).fingerprint for c in (False, True)}
     int8 = {CacheIdentity("m", "bf16", 16, "int8", int8_kernel=k, compiled_layers=c).fingerprint
             for k, c in (("avx2", False), ("avx2", True), ("int8mm", False))}
