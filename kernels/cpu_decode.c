@@ -1,19 +1,22 @@
 /* One decoder layer of a Llama-family model for the CPU (AVX2, FMA), in one call: the torch code of
-   kvchat.model.transformer.Block for a decode step or a short chunk, with int8 group weights (cpu_int8.c) and
-   the paged attention and cache write (cpu_attention.c), built together with both (cpu_kernels.h).
+   kvchat.model.transformer.Block for a decode step or a short chunk, with int8 group weights (cpu_int8.c) or
+   int4 ones (cpu_int4.c) and the paged attention and cache write (cpu_attention.c), built together with all three
+   (cpu_kernels.h).
 
    x[r] += attn(rms_norm(x[r]) * attn_norm);  x[r] += mlp(rms_norm(x[r]) * mlp_norm), for the R rows of a step.
    The rows are S sequences of T consecutive new tokens each (row r = s T + t): a decode step has T = 1 (S rows
    of a batch), a short chunk of one sequence S = 1 (cpu_attention.c then reads each cached K/V range once for
    all T tokens, each token seeing the tokens up to itself); the Python wrapper passes no other mix:
 
-     qkv   = int8_matmul(h, qkv) (+ bias)          [R, (H + 2 Hkv) D], q heads, then k heads, then v heads
+     qkv   = matmul(h, qkv) (+ bias)               [R, (H + 2 Hkv) D], q heads, then k heads, then v heads
      q, k  = RoPE (rotate-half, sin carrying its sign: kvchat.model.transformer.apply_rope), k -= k_shift
      pool  <- k, v at slots (kvchat_paged_write)
      a     = softmax(q . K^T * sm_scale) V over the token's own L_s - T + 1 + t tokens (kvchat_paged_attention)
-     x    += int8_matmul(a, o)
-     gu    = int8_matmul(rms_norm(x) * mlp_norm, gate_up)   [R, 2 I], gate then up
-     x    += int8_matmul(silu(gate) * up, down)
+     x    += matmul(a, o)
+     gu    = matmul(rms_norm(x) * mlp_norm, gate_up)   [R, 2 I], gate then up
+     x    += matmul(silu(gate) * up, down)
+
+   (matmul: cpu_int8.c's or cpu_int4.c's, by the weight's bits.)
 
    Why one call: a decode step of SmolLM2 ran ~40 torch ops per layer besides the kernels (norms, RoPE's
    cat/mul/addcmul, slicing, softmax, SiLU, residuals, the ctypes wrappers' checks), each a few microseconds
@@ -24,7 +27,7 @@
    kvchat.engine.runner.Engine.decode); a short chunk's K/V are stored, and every chunk of its size runs
    here, cold or resumed, so they are the same bits either way (kvchat.model.int8_scheme.COMPILED_LAYER_MAX_TOKENS,
    which names this path in the cache fingerprint). A row's bits depend on its token, its position and the
-   cached K/V alone: the norms, RoPE and SiLU work row by row, the int8 kernel and the attention are
+   cached K/V alone: the norms, RoPE and SiLU work row by row, the int8 and int4 kernels and the attention are
    row-invariant (their sources say why), and the softmax runs over the token's own length.
 
    Layout of the caller's scratch (float32, kvchat_decode_scratch_floats of it): carved below in `carve`. */
@@ -36,15 +39,15 @@
 #include "cpu_kernels.h"
 
 typedef struct {
-  const int8_t *q;                  /* [n, k] */
-  const float *scale, *offset;      /* [n, k / GROUP] */
+  const void *q;                    /* bits 8: int8 [n, k] (cpu_int8.c); bits 4: uint8 [n, k / 2] nibbles (cpu_int4.c) */
+  const void *scale, *offset;       /* [n, k / GROUP]: bits 8 float32; bits 4 fp16 scale and minimum */
   const float *bias;                /* [n] or NULL */
-  int64_t n, k;
-} Int8Weight;
+  int64_t n, k, bits;
+} Weight;
 
 typedef struct DecodeLayer {
   const float *attn_norm, *mlp_norm; /* [hidden] */
-  Int8Weight qkv, o, gate_up, down;
+  Weight qkv, o, gate_up, down;
   const float *k_shift;              /* [Hkv, D] or NULL */
   uint8_t *k_cache, *v_cache;        /* the layer's pool, cpu_attention.c's layout */
   float *k_scale, *v_scale;          /* fp8 pools' scales, else NULL */
@@ -110,8 +113,11 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t R, int64_
   }
 }
 
-static void linear(const Int8Weight *w, const float *x, float *y, int64_t R, float *xsum, int threads) {
-  kvchat_int8_matmul(x, w->q, w->scale, w->offset, xsum, y, R, w->n, w->k / GROUP, threads);
+static void linear(const Weight *w, const float *x, float *y, int64_t R, float *xsum, int threads) {
+  if (w->bits == 4)
+    kvchat_int4_matmul(x, w->q, w->scale, w->offset, xsum, y, R, w->n, w->k / GROUP, threads);
+  else
+    kvchat_int8_matmul(x, w->q, w->scale, w->offset, xsum, y, R, w->n, w->k / GROUP, threads);
   if (w->bias != NULL)
     for (int64_t r = 0; r < R; ++r)
       for (int64_t i = 0; i < w->n; ++i) y[r * w->n + i] += w->bias[i];

@@ -1,11 +1,12 @@
 """A CPU decode step's or short chunk's layers in one compiled call each (``cpu_decode.c``, linked with
-``cpu_int8.c`` and ``cpu_attention.c``).
+``cpu_int8.c``, ``cpu_int4.c`` and ``cpu_attention.c``).
 
 The torch code of a decode layer (:class:`kvchat.model.transformer.Block`) ran about 40 small ops per layer
 around its compiled kernels: RMSNorm, RoPE, slicing, softmax, SiLU, residual adds and the kernels' ctypes
 wrappers with their checks, each a few microseconds of dispatch for a few hundred floats. For a 30-layer
 model that is 1,200 dispatches per token. :class:`DecodeLayers` runs each layer as one C call over plain
-float32 buffers: the int8 group matmuls of :mod:`kvchat.kernels.cpu_int8`, the paged cache write and
+float32 buffers: the int8 group matmuls of :mod:`kvchat.kernels.cpu_int8` (or the int4 ones of
+:mod:`kvchat.kernels.cpu_int4`), the paged cache write and
 attention of :mod:`kvchat.kernels.cpu_attention`, and the small ops as loops between them (the C source
 gives the formulas and the numerics). It runs decode steps (one new token per sequence, K/V provisional) and
 short chunks of one sequence (a question after a resume: ``tokens`` new tokens that read each cached K/V
@@ -29,6 +30,7 @@ import torch
 from .cpu_attention import KINDS, takes_pool
 from .cpu_attention import SOURCE as ATTENTION_SOURCE
 from .cpu_build import load as load_library
+from .cpu_int4 import SOURCE as INT4_SOURCE
 from .cpu_int8 import GROUP
 from .cpu_int8 import SOURCE as INT8_SOURCE
 
@@ -36,13 +38,13 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Int8Weight(ctypes.Structure):
-    _fields_ = [("q", _P), ("scale", _P), ("offset", _P), ("bias", _P), ("n", _I64), ("k", _I64)]
+class _Weight(ctypes.Structure):
+    _fields_ = [("q", _P), ("scale", _P), ("offset", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("bits", _I64)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv", _Int8Weight), ("o", _Int8Weight),
-                ("gate_up", _Int8Weight), ("down", _Int8Weight), ("k_shift", _P), ("k_cache", _P), ("v_cache", _P),
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight), ("k_shift", _P), ("k_cache", _P), ("v_cache", _P),
                 ("k_scale", _P), ("v_scale", _P), ("index", _I64)]
 
 
@@ -56,12 +58,14 @@ class _Step(ctypes.Structure):
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE, INT8_SOURCE, ATTENTION_SOURCE)
+    lib = load_library(SOURCE, INT8_SOURCE, INT4_SOURCE, ATTENTION_SOURCE)
     if lib is not None:
         lib.kvchat_decode_layer.restype = None
         lib.kvchat_decode_layer.argtypes = [_P, _P, _P]
         lib.kvchat_decode_scratch_floats.restype = _I64
         lib.kvchat_decode_scratch_floats.argtypes = [ctypes.POINTER(_Step), _I64]
+        lib.kvchat_int4_max_groups.restype = _I64
+        lib.kvchat_int4_max_groups.argtypes = []
     return lib
 
 
@@ -71,14 +75,18 @@ def available() -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Int8Weight:
-    """An int8 group weight as :func:`kvchat.kernels.cpu_int8.int8_matmul` takes it: ``q`` int8 ``[out, in]``,
-    ``scale`` and ``offset`` float32 ``[out, in // 32]``, all contiguous; ``bias`` float32 ``[out]`` or None."""
+class GroupWeight:
+    """A group weight as its kernel takes it, all contiguous; ``bias`` float32 ``[out]`` or None.
+
+    ``bits`` 8: :func:`kvchat.kernels.cpu_int8.int8_matmul`'s, ``q`` int8 ``[out, in]``, ``scale`` and ``offset``
+    float32 ``[out, in // 32]``. ``bits`` 4: :func:`kvchat.kernels.cpu_int4.int4_matmul`'s, ``q`` the packed
+    uint8 ``[out, in // 2]``, ``scale`` and ``offset`` (the minimum) float16 ``[out, in // 32]``."""
 
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
     bias: torch.Tensor | None = None
+    bits: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +104,10 @@ class LayerTensors:
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    qkv: Int8Weight
-    o: Int8Weight
-    gate_up: Int8Weight
-    down: Int8Weight
+    qkv: GroupWeight
+    o: GroupWeight
+    gate_up: GroupWeight
+    down: GroupWeight
     k_shift: torch.Tensor | None
     pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -113,12 +121,20 @@ def _is_f32(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
             and tuple(t.shape) == shape)
 
 
-def _takes_weight(w: Int8Weight, out_features: int, in_features: int) -> bool:
-    return (w.q.dtype == torch.int8 and w.q.device.type == "cpu" and w.q.is_contiguous()
+def _takes_weight(w: GroupWeight, out_features: int, in_features: int) -> bool:
+    """Whether ``w`` is a :class:`GroupWeight` of this shape in a layout the C takes (the library loaded)."""
+    if w.bias is not None and not _is_f32(w.bias, (out_features,)):
+        return False
+    if w.bits == 4:
+        return (tuple(w.q.shape) == (out_features, in_features // 2) and in_features <= GROUP * _library().kvchat_int4_max_groups()
+                and in_features % GROUP == 0 and w.q.dtype == torch.uint8 and w.q.is_contiguous()
+                and w.q.device.type == "cpu"
+                and all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous()
+                        and tuple(t.shape) == (out_features, in_features // GROUP) for t in (w.scale, w.offset)))
+    return (w.bits == 8 and w.q.dtype == torch.int8 and w.q.device.type == "cpu" and w.q.is_contiguous()
             and tuple(w.q.shape) == (out_features, in_features) and in_features % GROUP == 0
             and _is_f32(w.scale, (out_features, in_features // GROUP))
-            and _is_f32(w.offset, (out_features, in_features // GROUP))
-            and (w.bias is None or _is_f32(w.bias, (out_features,))))
+            and _is_f32(w.offset, (out_features, in_features // GROUP)))
 
 
 class DecodeLayers:
@@ -153,8 +169,8 @@ class DecodeLayers:
             c.attn_norm, c.mlp_norm, c.k_shift, c.index = t.attn_norm.data_ptr(), t.mlp_norm.data_ptr(), _ptr(t.k_shift), i
             for name in ("qkv", "o", "gate_up", "down"):
                 w = getattr(t, name)
-                setattr(c, name, _Int8Weight(w.q.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), _ptr(w.bias),
-                                             w.q.shape[0], w.q.shape[1]))
+                setattr(c, name, _Weight(w.q.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), _ptr(w.bias),
+                                         w.q.shape[0], w.q.shape[1] * 8 // w.bits, w.bits))
             c.k_cache, c.v_cache, c.k_scale, c.v_scale = (_ptr(p) for p in t.pool)
         self._addresses = [ctypes.addressof(c) for c in self._structs]
         self._step = _Step(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter,
@@ -166,8 +182,8 @@ class DecodeLayers:
 
     @staticmethod
     def takes(layers: list[LayerTensors], *, heads: int, kv_heads: int, head_dim: int, hidden: int, inter: int) -> bool:
-        """Whether these layers run here: float32 norms and K shift, int8 group weights of the model's shape
-        (every input width a multiple of 32), pools the compiled attention reads
+        """Whether these layers run here: float32 norms and K shift, int8 or int4 group weights
+        (:class:`GroupWeight`) of the model's shape (every input width a multiple of 32), pools the compiled attention reads
         (:func:`kvchat.kernels.cpu_attention.takes_pool`: ``head_dim`` a multiple of 16 among them)."""
         if not layers or heads % kv_heads or not available():
             return False

@@ -1,4 +1,4 @@
-/* The compiled CPU kernels' entry points and the helpers they share, declared once: cpu_int8.c and cpu_attention.c define them, and
+/* The compiled CPU kernels' entry points and the helpers they share, declared once: cpu_int8.c, cpu_int4.c and cpu_attention.c define them, and
    cpu_decode.c (a whole decode layer in one call) is built together with both and calls them. Arguments and
    layouts are documented where each is defined. */
 
@@ -9,7 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#define GROUP 32 /* int8 weights: inputs per scale and offset (kvchat.kernels.cpu_int8.GROUP) */
+#define GROUP 32 /* int8 and int4 weights: inputs per scale and offset (kvchat.kernels.cpu_int8.GROUP) */
 
 /* The sum of v's 8 lanes. */
 static inline float hsum8(__m256 v) {
@@ -59,6 +59,11 @@ static inline void store_part(float *y, int64_t i, int64_t n, __m256 v) {
 
 void kvchat_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, float *xsum, float *y,
                         int64_t M, int64_t N, int64_t G, int threads);
+
+/* cpu_int4.c: packed uint8 [N, K / 2] nibbles, fp16 (uint16) scale and minimum [N, G]. */
+void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
+                        float *xsum, float *y, int64_t M, int64_t N, int64_t G, int threads);
+int64_t kvchat_int4_max_groups(void);
 
 void kvchat_paged_attention(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const float *k_scale,
                             const float *v_scale, const int32_t *table, int64_t table_stride, const int32_t *lens,

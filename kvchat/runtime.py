@@ -80,7 +80,7 @@ def load_runtime(
     no whole copy of them exists in host RAM besides the model itself. For an
     fp8 pool the model's K-centring calibration is loaded, or computed on this
     engine's weights and stored on first use (:func:`ensure_calibration`).
-    ``weights``: ``auto|fp32|bf16|int8`` (None: ``KVCHAT_WEIGHTS``), resolved for the device and the compute
+    ``weights``: ``auto|fp32|bf16|int8|int4`` (None: ``KVCHAT_WEIGHTS``), resolved for the device and the compute
     dtype by :func:`kvchat.engine.cache_identity.resolve_weight_format`; int8 layers are quantized after the
     calibration, from the loaded weights (:func:`kvchat.model.quant.quantize_linears`).
     ``preallocate``: allocate and touch the engine's dense K/V copy (the CPU read path) for the whole context

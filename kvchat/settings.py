@@ -61,7 +61,7 @@ DEFAULT_SERVER_TIMEOUT_S = 300.0  # a long prompt's prefill on a busy server com
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 DEFAULT_RESIDENT_CHATS = 4
 WEIGHTS = "KVCHAT_WEIGHTS"
-WEIGHTS_CHOICES = ("auto", "fp32", "bf16", "int8")  # auto: resolved by kvchat.engine.cache_identity.resolve_weight_format
+WEIGHTS_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")  # auto: resolved by kvchat.engine.cache_identity.resolve_weight_format
 ATTENTION_CHOICES = ("torch", "triton")
 CUDA_GRAPHS = "KVCHAT_CUDA_GRAPHS"
 CUDA_GRAPHS_CHOICES = ("1", "0")
@@ -289,7 +289,8 @@ def gpu_memory() -> float | None:
 
 
 def weights() -> str:
-    """``KVCHAT_WEIGHTS``: the weight format, ``auto``, ``fp32``, ``bf16`` or ``int8`` (case-insensitive);
+    """``KVCHAT_WEIGHTS``: the weight format, ``auto``, ``fp32``, ``bf16``, ``int8`` or ``int4`` (CPU only, the
+    compiled kernel; case-insensitive);
     the ``--weights`` option of every command that runs the model sets it for the process and its children.
 
     Default ``auto``: int8 weight-only matmuls on a CPU (:mod:`kvchat.model.quant`), bf16 on CUDA

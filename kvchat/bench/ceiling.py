@@ -6,7 +6,7 @@ bounds what any torch implementation can reach on this machine at this
 weight format and thread count. A target above the ceiling cannot be met by
 removing overhead; it needs smaller weights or other matmul kernels. The
 layers are called as the model calls them (``Linear`` or, for int8
-weights, :data:`kvchat.model.quant.INT8_LAYERS` with their kernel choice by
+weights, :data:`kvchat.model.quant.QUANTIZED_LAYERS` with their kernel choice by
 row count), so there is one ceiling per weight format.
 """
 
@@ -19,21 +19,21 @@ import torch
 from torch import nn
 
 from kvchat.engine.inference import inference
-from kvchat.model.quant import INT8_LAYERS
+from kvchat.model.quant import QUANTIZED_LAYERS
 from kvchat.model.transformer import Linear, Transformer
 
 
 def _layers(model: Transformer) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (Linear, *INT8_LAYERS)) and m is not model.lm_head]
+    return [m for m in model.modules() if isinstance(m, (Linear, *QUANTIZED_LAYERS)) and m is not model.lm_head]
 
 
 def _shape(m: nn.Module) -> tuple[int, int]:
     """``(out, in)`` features of a linear layer."""
-    return (m.out_features, m.in_features) if isinstance(m, INT8_LAYERS) else tuple(m.weight.shape)
+    return (m.out_features, m.in_features) if isinstance(m, QUANTIZED_LAYERS) else tuple(m.weight.shape)
 
 
 def _weight_bytes(m: nn.Module) -> int:
-    return m.weight_bytes if isinstance(m, INT8_LAYERS) else m.weight.numel() * m.weight.element_size()
+    return m.weight_bytes if isinstance(m, QUANTIZED_LAYERS) else m.weight.numel() * m.weight.element_size()
 
 
 def _pass_s(layers: list[nn.Module], head: nn.Module, rows: int, dtype: torch.dtype) -> float:

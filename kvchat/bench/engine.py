@@ -171,8 +171,8 @@ def measure_load(model: str | None, repeats: int) -> dict[str, Spread]:
 
 def weight_formats(asked: str) -> list[str]:
     """The weight formats measured: fp32 (the baseline's) and int8, plus ``asked`` (``KVCHAT_WEIGHTS`` /
-    ``--weights``) when it is bf16 (slow on CPUs without bf16 units, so only on request)."""
-    return ["fp32", "int8"] + (["bf16"] if asked == "bf16" else [])
+    ``--weights``) when it is bf16 (slow on CPUs without bf16 units, so only on request) or int4."""
+    return ["fp32", "int8"] + ([asked] if asked in ("bf16", "int4") else [])
 
 
 def backend_name(kv_dtype: str, weight_format: str) -> str:

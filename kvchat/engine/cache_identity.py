@@ -23,17 +23,19 @@ from dataclasses import dataclass
 
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
 KV_DTYPE_NAMES = ("fp8", "bf16", "fp16")  # the pool dtypes a cache can be stored in (torch dtypes: kv_pool.KV_DTYPES)
-WEIGHT_FORMATS = ("fp32", "bf16", "int8")  # what the linear layers compute with (int8: kvchat.model.quant)
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # what the linear layers compute with (int8, int4: kvchat.model.quant)
+CPU_ONLY_FORMATS = ("int8", "int4")  # weight formats whose kernels run on a CPU only
 COMPUTE_NAMES = ("bf16", "fp16", "fp32")  # the compute dtypes KVCHAT_DTYPE / --dtype name (besides auto)
 # the compute dtype of each weight format when KVCHAT_DTYPE is auto; int8: fp32 everywhere but torch's int8
-# kernel's bf16 input where it runs (kvchat.model.quant), and no other (kvchat.engine.runner.Engine refuses it)
-FORMAT_COMPUTE = {"fp32": "fp32", "bf16": "bf16", "int8": "fp32"}
+# kernel's bf16 input where it runs (kvchat.model.quant), and no other (kvchat.engine.runner.Engine refuses it);
+# int4: fp32, and no other
+FORMAT_COMPUTE = {"fp32": "fp32", "bf16": "bf16", "int8": "fp32", "int4": "fp32"}
 LAYOUT_VERSION = 1
 NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomputed as prefill chunks
 
 
 def resolve_weight_format(name: str, device_type: str, compute: str = "auto") -> str:
-    """``auto|fp32|bf16|int8`` -> a :data:`WEIGHT_FORMATS` name for a device of type ``device_type``.
+    """``auto|fp32|bf16|int8|int4`` -> a :data:`WEIGHT_FORMATS` name for a device of type ``device_type``.
 
     ``auto`` is what measured fastest: on a CPU int8 (int8 weights read ~4x fewer bytes per decode
     step than fp32: one SmolLM2 decode step's matmuls 20 vs 39 ms here with ``torch._weight_int8pack_mm``,
@@ -43,7 +45,7 @@ def resolve_weight_format(name: str, device_type: str, compute: str = "auto") ->
     in fp16), so one computation has one cache fingerprint however it was asked for.
 
     Raises:
-        ValueError: an unknown name, or int8 on a device other than the CPU.
+        ValueError: an unknown name, or int8 or int4 on a device other than the CPU.
     """
     if name == "auto":
         fmt = {"bf16": "bf16", "fp16": "fp32"}.get(compute, "int8" if device_type == "cpu" else "bf16")
@@ -51,8 +53,8 @@ def resolve_weight_format(name: str, device_type: str, compute: str = "auto") ->
         fmt = name
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {name!r}; use auto, {', '.join(WEIGHT_FORMATS)}")
-    if fmt == "int8" and device_type != "cpu":
-        raise ValueError(f"int8 weights run on the CPU only; use --weights bf16 on {device_type}")
+    if fmt in CPU_ONLY_FORMATS and device_type != "cpu":
+        raise ValueError(f"{fmt} weights run on the CPU only; use --weights bf16 on {device_type}")
     return fmt
 
 
@@ -64,7 +66,7 @@ def compute_key(weight_format: str, dtype_name: str) -> str | None:
 
 def compute_keys(weight_format: str) -> tuple[str | None, ...]:
     """Every ``compute`` key an engine with ``weight_format`` may have (None: the format's own dtype)."""
-    if weight_format == "int8":
+    if weight_format in CPU_ONLY_FORMATS:
         return (None,)
     return (None, *(n for n in COMPUTE_NAMES if n != FORMAT_COMPUTE[weight_format]))
 
@@ -72,7 +74,8 @@ def compute_keys(weight_format: str) -> tuple[str | None, ...]:
 def weight_scheme(weight_format: str, int8_kernel: str | None = None, compiled_layers: bool = False,
                   int8_prefill: bool = False) -> str:
     """The name a weight format enters the cache fingerprint with ("" for fp32: fingerprints made before
-    weight formats existed stay valid; the int8 name carries its kernel choice, which changes K/V).
+    weight formats existed stay valid; the int8 name carries its kernel choice, which changes K/V; the int4 name
+    is :func:`kvchat.model.int4_scheme.int4_compute_scheme`'s).
 
     ``int8_kernel``: a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name; None: this process's
     (:func:`kvchat.kernels.cpu_int8.small_rows_kernel`, which imports torch and may build the kernel).
@@ -87,6 +90,10 @@ def weight_scheme(weight_format: str, int8_kernel: str | None = None, compiled_l
 
             int8_kernel = small_rows_kernel()
         return int8_compute_scheme(int8_kernel, compiled_layers, int8_prefill)
+    if weight_format == "int4":
+        from kvchat.model.int4_scheme import int4_compute_scheme
+
+        return int4_compute_scheme(compiled_layers)
     return "" if weight_format == "fp32" else weight_format
 
 
@@ -204,7 +211,7 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
 
     pairs = [(weight_scheme(w, kernel, layers, prefill), c or "") for w in weight_formats
              for kernel in ((int8_kernels or SMALL_ROWS_KERNELS) if w == "int8" else (None,))
-             for layers in ((False, True) if kernel == "avx2" else (False,))
+             for layers in ((False, True) if kernel == "avx2" or w == "int4" else (False,))
              for prefill in (int8_prefills if kernel == "avx2" else (False,))
              for c in (compute_keys(w) if computes is None else computes)]
     if kv_dtype != "fp8":
@@ -221,10 +228,10 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
 def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None) -> CacheIdentity:
     """The :class:`CacheIdentity` :func:`kvchat.runtime.load_runtime`'s engine gets, without loading the model.
 
-    ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8``
+    ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8|int4``
     (None: ``KVCHAT_WEIGHTS``); the compute dtype is ``KVCHAT_DTYPE``'s (which ``--dtype`` sets). For fp8: K centring when the model's
     calibration is stored, and the exact sink, which every attention backend reads (PyTorch and Triton,
-    CPU and GPU alike). int8 on a CPU: the compiled decoder layers where they build and ``KVCHAT_ATTENTION``
+    CPU and GPU alike). int8 or int4 on a CPU: the compiled decoder layers where they build and ``KVCHAT_ATTENTION``
     is unset (as the engine's :func:`kvchat.model.compiled_decode.compiled_decode`; a model they refuse, with
     per-head q/k norms, is named as if they ran: its chats are then reported with no chain).
 
@@ -242,7 +249,7 @@ def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weight
     dtype = settings.compute_dtype()
     fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype)
     layers = prefill = False
-    if fmt == "int8" and dev.type == "cpu" and not settings.attention():
+    if fmt in CPU_ONLY_FORMATS and dev.type == "cpu" and not settings.attention():
         from kvchat.kernels import cpu_decode
 
         layers = cpu_decode.available()

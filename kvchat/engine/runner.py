@@ -35,8 +35,9 @@ from kvchat.kernels.cpu_int8 import small_rows_kernel
 from kvchat.kernels.warmup import warm_up
 from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.config import ModelConfig
+from kvchat.model.int4_scheme import INT4_SCHEME
 from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, stored_scheme
-from kvchat.model.quant import Int8GroupLinear, int8_path, quantize_linears
+from kvchat.model.quant import Int8GroupLinear, quantize_linears, quantized_path
 from kvchat.model.transformer import AttnMetadata, build_model
 from kvchat.model.weights import weight_reader
 
@@ -191,8 +192,9 @@ class Engine:
         progress: Callable[[str, int, int], None] | None = None,
         int8_prefill: str | None = None,
     ):
-        """``weight_format``: ``fp32|bf16|int8`` (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`; int8:
-        the loaded linear layers quantized by :func:`kvchat.model.quant.quantize_linears`, stored per model);
+        """``weight_format``: ``fp32|bf16|int8|int4`` (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`; int8
+        and int4: the loaded linear layers quantized by :func:`kvchat.model.quant.quantize_linears`, stored per
+        model);
         None: unquantized, bf16 where :func:`compute_dtype`'s ``auto`` or ``dtype`` says bf16, else fp32.
         ``progress``: the start's steps that take long, as ``(text, done, total)`` (on a GPU's first start:
         compiling the Triton kernels, :func:`kvchat.kernels.warmup.warm_up`).
@@ -202,7 +204,8 @@ class Engine:
         :data:`FORMAT_COMPUTE_DTYPES` of the weight format, and any other choice enters the cache fingerprint.
 
         Raises:
-            ValueError: int8 weights with a compute dtype other than fp32.
+            ValueError: int8 or int4 weights with a compute dtype other than fp32; int4 weights where their
+                compiled kernel is not available.
             kvchat.device.DeviceError: ``device`` is a CUDA device that does not exist.
         """
         self.cfg = cfg
@@ -218,9 +221,9 @@ class Engine:
         self.weight_format = weight_format
         implied = FORMAT_COMPUTE_DTYPES[self.weight_format]  # what the weight format computes in unless overridden
         self.dtype = implied if dtype_name == "auto" else COMPUTE_DTYPES[dtype_name]
-        if self.weight_format == "int8" and self.dtype != torch.float32:
-            raise ValueError("int8 weights compute in fp32 (bf16 only at torch's int8 kernel's input, where it runs); "
-                             f"drop --dtype {dtype_name}")
+        if self.weight_format in ("int8", "int4") and self.dtype != torch.float32:
+            raise ValueError(f"{self.weight_format} weights compute in fp32 (int8: bf16 only at torch's int8 kernel's "
+                             f"input, where it runs); drop --dtype {dtype_name}")
         timer = DeviceTimer(self.device).start()
         self.model = model = build_model(cfg, weights, self.device, self.dtype)
         weights.close()
@@ -231,7 +234,9 @@ class Engine:
         # the int8 kernel, chosen once: it decides the layers' scheme and the fingerprint's name alike
         self.int8_kernel = small_rows_kernel() if self.weight_format == "int8" else None
         if self.int8_kernel is not None:
-            quantize_linears(model, int8_path(model_fingerprint, stored_scheme(self.int8_kernel)), self.int8_kernel)
+            quantize_linears(model, quantized_path(model_fingerprint, stored_scheme(self.int8_kernel)), self.int8_kernel)
+        elif self.weight_format == "int4":
+            quantize_linears(model, quantized_path(model_fingerprint, INT4_SCHEME), bits=4)
         self.int8_prefill = self.device.type == "cpu" and int8_prefill_enabled(
             int8_prefill or settings.int8_prefill(), self.int8_kernel)
         if self.int8_prefill:

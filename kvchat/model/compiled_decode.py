@@ -5,7 +5,8 @@ norm and LM head in torch, every decoder layer in one C call.
 The engine runs every chunk of up to :data:`kvchat.model.int8_scheme.COMPILED_LAYER_MAX_TOKENS` tokens after
 position 0 here (:meth:`kvchat.engine.runner.Engine.runs_compiled`), cold or resumed alike, and names that in
 its cache fingerprint. It runs where the model computes in float32 with int8 group weights in every layer
-(:class:`kvchat.model.quant.Int8GroupLinear`, the CPU's default ``--weights auto``), has no per-head q/k norm
+(:class:`kvchat.model.quant.Int8GroupLinear`, the CPU's default ``--weights auto``) or int4 ones
+(:class:`kvchat.model.quant.Int4GroupLinear`, ``--weights int4``), has no per-head q/k norm
 (Qwen3), and the pool is one the compiled attention reads; :func:`compiled_decode` returns None otherwise
 and the engine keeps the torch layers. Measured in docs/performance.md ("a decode layer in one compiled call").
 """
@@ -18,17 +19,20 @@ import torch
 import torch.nn.functional as F
 
 from kvchat.kernels import cpu_decode
-from kvchat.model.quant import Int8GroupLinear
+from kvchat.model.quant import Int4GroupLinear, Int8GroupLinear
 from kvchat.model.transformer import Transformer
 
 if TYPE_CHECKING:  # the engine owns the pool and hands it in
     from kvchat.engine.kv_pool import KVPool
 
 
-def _weight(layer) -> cpu_decode.Int8Weight | None:
-    if type(layer) is not Int8GroupLinear:
-        return None
-    return cpu_decode.Int8Weight(layer.q, layer.scale, layer.offset, None if layer.bias is None else layer.bias.detach())
+def _weight(layer) -> cpu_decode.GroupWeight | None:
+    bias = None if getattr(layer, "bias", None) is None else layer.bias.detach()
+    if type(layer) is Int8GroupLinear:
+        return cpu_decode.GroupWeight(layer.q, layer.scale, layer.offset, bias)
+    if type(layer) is Int4GroupLinear:
+        return cpu_decode.GroupWeight(layer.packed, layer.scale, layer.minimum, bias, bits=4)
+    return None
 
 
 class CompiledDecode:

@@ -1,8 +1,9 @@
-"""int8 weight-only linear layers for the CPU, quantized once per model and stored beside it.
+"""Weight-only quantized linear layers for the CPU (int8, int4), quantized once per model and stored beside it.
 
-Two schemes, chosen by whether the compiled kernel runs here
+int8 has two schemes, chosen by whether the compiled kernel runs here
 (:func:`kvchat.kernels.cpu_int8.small_rows_kernel`); each has its own name in
-the cache fingerprint (:func:`kvchat.model.int8_scheme.int8_compute_scheme`).
+the cache fingerprint (:func:`kvchat.model.int8_scheme.int8_compute_scheme`); int4 (``--weights int4``) one,
+named by :func:`kvchat.model.int4_scheme.int4_compute_scheme`.
 Only the linear layers are quantized (q/k/v, o, gate/up, down and the LM
 head); embeddings, norms, RoPE, attention, softmax and logits stay fp32.
 
@@ -43,8 +44,16 @@ SmolLM2: int8mm 2.7 s, dequantize + fp32 2.1 s, fp32 weights 1.8 s at
 ``M = 512``; at ``M = 128`` 0.67 / 0.98 / 1.10 s; at ``M = 15`` 0.11 /
 0.20 / 0.15 s).
 
-The int8 tensors live in ``models_dir()/.weights/<model fingerprint>.<scheme>.safetensors``
-(:func:`int8_path`; written atomically on first use, read on every later load).
+**int4, groups of 32, asymmetric** (``INT4_SCHEME``, :class:`Int4GroupLinear`; only where the compiled kernel
+:mod:`kvchat.kernels.cpu_int4` builds): per output channel and 32 inputs an fp16 ``scale = (max - min) / 15``
+and an fp16 ``minimum = min``, ``q = round((w - minimum) / scale)`` in ``[0, 15]``, two per byte: GGUF's Q4_1
+block (20 bytes per 32 weights, 0.625 bytes per parameter against int8 groups' 1.25); the LM head stays int8
+groups (:func:`_kind` says why). Few rows
+(``M <= GROUPS_KERNEL_MAX_ROWS``) run the compiled kernel, more the dequantized fp32 GEMM, as int8 groups do.
+Its cost in perplexity is measured in docs/performance.md ("4-bit weights").
+
+The tensors live in ``models_dir()/.weights/<model fingerprint>.<scheme>.safetensors``
+(:func:`quantized_path`; written atomically on first use, read on every later load).
 """
 
 from __future__ import annotations
@@ -56,20 +65,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.kernels import cpu_int8, cpu_int8_int8
+from kvchat.kernels import cpu_int4, cpu_int8, cpu_int8_int8
 from kvchat.load_steps import step
+from kvchat.model.int4_scheme import INT4_SCHEME
 from kvchat.model.int8_scheme import GROUP_SIZES, GROUPS_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS, stored_scheme
 from kvchat.paths import models_dir
 from kvchat.safetensors_file import save_atomic
 
 WEIGHTS_DIR = ".weights"
 QMAX = 127
+INT4_LEVELS = 15  # the largest 4-bit value: a group spans 0..15 steps of its scale
 
 _scratch = threading.local()  # one fp32 buffer per thread for the dequantized weight of the large-M path
 
 
-def int8_path(model_fingerprint: str, scheme: str) -> Path:
-    """Where a model's int8 weights in ``scheme`` (:func:`kvchat.model.int8_scheme.stored_scheme`) live: the
+def quantized_path(model_fingerprint: str, scheme: str) -> Path:
+    """Where a model's quantized weights in ``scheme`` (:func:`kvchat.model.int8_scheme.stored_scheme`,
+    :data:`kvchat.model.int4_scheme.INT4_SCHEME`) live: the
     models dir, beside its calibration; one file per scheme, so two processes of another kernel choice
     sharing the models dir do not rewrite each other's."""
     return models_dir() / WEIGHTS_DIR / f"{model_fingerprint}.{scheme}.safetensors"
@@ -239,7 +251,67 @@ class Int8GroupLinear(_Int8Layer):
         return w.view(self.out_features, self.in_features)
 
 
-INT8_LAYERS = (Int8Linear, Int8GroupLinear)  # the module types quantize_linears puts in
+def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` (any float dtype, ``in`` a multiple of 32) -> ``(packed uint8 [out, in // 2],
+    scale float16 [out, in // 32], minimum float16 [out, in // 32])``, the module doc's int4 scheme:
+    ``w[n, 32 g + k] ≈ scale[n, g] * q[n, 32 g + k] + minimum[n, g]`` with ``q`` in 0..15 packed by
+    :func:`kvchat.kernels.cpu_int4.pack`. ``q`` is rounded against the fp16 scale and minimum the kernel reads,
+    so their rounding costs no more than a clamp at the group's top (scale rounded down by at most 2**-11).
+    A constant group (or one whose range underflows fp16's scale) gets ``q`` 0 and its minimum.
+
+    Raises:
+        ValueError: ``in`` is not a multiple of 32, or a group's scale or minimum overflows fp16.
+    """
+    out_features, in_features = weight.shape
+    if in_features % cpu_int8.GROUP:
+        raise ValueError(f"{in_features} inputs do not split into groups of {cpu_int8.GROUP}")
+    w = weight.detach().float().view(out_features, in_features // cpu_int8.GROUP, cpu_int8.GROUP)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scale, minimum = ((hi - lo) / INT4_LEVELS).half(), lo.half()
+    if not (scale.isfinite().all() and minimum.isfinite().all()):
+        raise ValueError("int4 weights: a group's range or minimum is beyond fp16's")
+    s, m = scale.float()[..., None], minimum.float()[..., None]
+    q = torch.where(s > 0, torch.round((w - m) / torch.where(s > 0, s, 1.0)), 0.0).clamp_(0, INT4_LEVELS)
+    return cpu_int4.pack(q.to(torch.uint8).view(out_features, in_features)), scale.contiguous(), minimum.contiguous()
+
+
+class Int4GroupLinear(_Int8Layer):
+    """``y = x W^T (+ b)`` with ``W`` as 4-bit values, two per byte, and an fp16 scale and minimum per 32 inputs
+    of each output channel (the module doc's int4 scheme; the compiled kernel :mod:`kvchat.kernels.cpu_int4`
+    for few rows, the dequantized weight's fp32 GEMM above).
+
+    Attributes:
+        packed: uint8 ``[out_features, in_features // 2]`` (:func:`kvchat.kernels.cpu_int4.pack`'s order).
+        scale, minimum: float16 ``[out_features, in_features // 32]``.
+        bias: float32 ``[out_features]`` or None.
+    """
+
+    max_rows = GROUPS_KERNEL_MAX_ROWS
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        super().__init__(packed.shape[0], packed.shape[1] * 2, bias)
+        self.groups = scale.shape[1]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a matmul reads for the weight (packed values + fp16 scales and minima)."""
+        return self.packed.numel() + (self.scale.numel() + self.minimum.numel()) * 2
+
+    def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return cpu_int4.int4_matmul(rows, self.packed, self.scale, self.minimum)
+
+    def _dequantized(self) -> torch.Tensor:
+        w = _scratch_buffer(self.out_features * self.in_features, self.packed.device).view(self.out_features, self.groups, -1)
+        w.copy_(cpu_int4.unpack(self.packed).view(self.out_features, self.groups, -1))
+        w.mul_(self.scale.float()[..., None]).add_(self.minimum.float()[..., None])
+        return w.view(self.out_features, self.in_features)
+
+
+QUANTIZED_LAYERS = (Int8Linear, Int8GroupLinear, Int4GroupLinear)  # the module types quantize_linears puts in
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -254,10 +326,9 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     return out
 
 
-def load_int8(path: Path, scheme: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
+def load_stored(path: Path, scheme: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor] | None:
     """The stored tensors at ``path`` (``{tensor name: tensor}``), or None when absent, unreadable, of another
-    ``scheme``, or not exactly ``shapes`` (``{tensor name: shape}``; names ending ``.q`` int8, the others
-    float32 and finite)."""
+    ``scheme``, or not exactly ``shapes`` (``{tensor name: (shape, dtype)}``; floating tensors finite)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -270,72 +341,108 @@ def load_int8(path: Path, scheme: str, shapes: dict[str, tuple[int, ...]]) -> di
     except (OSError, SafetensorError):
         return None
     for n, t in out.items():
-        want = torch.int8 if n.endswith(".q") else torch.float32
-        if t.dtype != want or tuple(t.shape) != shapes[n] or (want == torch.float32 and not bool(t.isfinite().all())):
+        shape, dtype = shapes[n]
+        if t.dtype != dtype or tuple(t.shape) != shape or (t.is_floating_point() and not bool(t.isfinite().all())):
             return None
     return out
 
 
-def _quantized(name: str, lin: nn.Module, groups: bool) -> dict[str, torch.Tensor]:
-    """``lin``'s tensors under ``name`` in the scheme (``groups``: :func:`quantize_int8_groups`)."""
-    if groups:
-        q, scale, offset = quantize_int8_groups(lin.weight)
-        return {f"{name}.q": q, f"{name}.scale": scale, f"{name}.offset": offset}
-    q, scale = quantize_int8(lin.weight, group_size(name, lin.weight.shape[1]))
-    return {f"{name}.q": q, f"{name}.scale": scale}
+# how a layer is stored: int8 groups of 32 (Int8GroupLinear), int8 per channel (Int8Linear), int4 groups of 32
+# (Int4GroupLinear); each kind's tensors' suffixes, in its constructor's order
+KINDS = {"groups": (".q", ".scale", ".offset"), "channel": (".q", ".scale"), "int4": (".packed", ".scale", ".minimum")}
 
 
-def _shapes(name: str, out_features: int, in_features: int, groups: bool) -> dict[str, tuple[int, ...]]:
-    if groups:
-        g = in_features // cpu_int8.GROUP
-        return {f"{name}.q": (out_features, in_features), f"{name}.scale": (out_features, g),
-                f"{name}.offset": (out_features, g)}
+def _quantized(name: str, lin: nn.Module, kind: str) -> dict[str, torch.Tensor]:
+    """``lin``'s tensors under ``name`` in the :data:`KINDS` scheme ``kind``."""
+    if kind == "int4":
+        parts = quantize_int4_groups(lin.weight)
+    elif kind == "groups":
+        parts = quantize_int8_groups(lin.weight)
+    else:
+        parts = quantize_int8(lin.weight, group_size(name, lin.weight.shape[1]))
+    return {name + suffix: t for suffix, t in zip(KINDS[kind], parts)}
+
+
+def _shapes(name: str, out_features: int, in_features: int, kind: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The stored tensors of a layer of ``kind``: ``{tensor name: (shape, dtype)}``."""
+    g = in_features // cpu_int8.GROUP
+    if kind == "int4":
+        return {f"{name}.packed": ((out_features, in_features // 2), torch.uint8),
+                f"{name}.scale": ((out_features, g), torch.float16), f"{name}.minimum": ((out_features, g), torch.float16)}
+    if kind == "groups":
+        return {f"{name}.q": ((out_features, in_features), torch.int8), f"{name}.scale": ((out_features, g), torch.float32),
+                f"{name}.offset": ((out_features, g), torch.float32)}
     group = group_size(name, in_features)
-    return {f"{name}.q": (in_features // group, out_features, group), f"{name}.scale": (in_features // group, out_features)}
+    return {f"{name}.q": ((in_features // group, out_features, group), torch.int8),
+            f"{name}.scale": ((in_features // group, out_features), torch.float32)}
 
 
-def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = None) -> bool:
-    """Replace every :class:`kvchat.model.transformer.Linear` of ``model`` (loaded) by an int8 layer.
+LAYER_TYPES = {"groups": Int8GroupLinear, "channel": Int8Linear, "int4": Int4GroupLinear}
 
-    ``kernel``: a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name (None:
+
+HEAD = "lm_head"  # the LM head's name among the model's linear layers
+
+
+def _kind(name: str, in_features: int, kernel: str, bits: int) -> str | None:
+    """The :data:`KINDS` scheme of the layer ``name`` with ``in_features`` inputs (None: it keeps its fp32
+    weight). With ``bits`` 4 the LM head is int8 groups, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits:
+    SmolLM2's head is its tied embedding, which the imported GGUF holds finer than Q4_1 (~29 distinct values per
+    32, against at most 16 in every other matrix), and 4 bits there cost +5% perplexity (docs/performance.md)."""
+    splits = in_features % cpu_int8.GROUP == 0
+    if bits == 4:  # no torch kernel takes int4: a layer the compiled one does not take stays fp32
+        if name == HEAD:
+            return "groups" if splits else None
+        return "int4" if splits and in_features <= cpu_int4.max_inputs() else None
+    return "groups" if kernel == "avx2" and splits else "channel"
+
+
+def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = None, bits: int = 8) -> bool:
+    """Replace every :class:`kvchat.model.transformer.Linear` of ``model`` (loaded) by a quantized layer.
+
+    ``bits`` 8: ``kernel``, a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name (None:
     :func:`kvchat.kernels.cpu_int8.small_rows_kernel`, the one the engine's fingerprint names): ``avx2``
     gives :class:`Int8GroupLinear` layers (a layer whose inputs do not split into groups of 32 keeps the
-    per-channel scheme), ``int8mm`` :class:`Int8Linear` ones. The tensors are read from ``path`` when it
-    holds this scheme for exactly these layers; otherwise they are quantized and written there
-    (atomically; with a read-only models dir they are quantized again on the next load). ``path`` None:
-    quantize, store nothing.
+    per-channel scheme), ``int8mm`` :class:`Int8Linear` ones. ``bits`` 4 (``kernel`` unused):
+    :class:`Int4GroupLinear` layers, the LM head an :class:`Int8GroupLinear` (a layer whose inputs do not split
+    into groups of 32 keeps its fp32 weight). The tensors are read from ``path`` when it holds this scheme for
+    exactly these layers; otherwise they are quantized and written there (atomically; with a read-only models
+    dir they are quantized again on the next load). ``path`` None: quantize, store nothing.
 
     Returns:
         True when the tensors came from ``path``.
     Raises:
-        ValueError: ``kernel`` is ``avx2`` where the compiled kernel is not available.
+        ValueError: ``bits`` is neither 8 nor 4; ``kernel`` is ``avx2`` (or ``bits`` is 4) where the compiled
+            kernel is not available; int4 weights beyond fp16's range (:func:`quantize_int4_groups`).
     """
-    kernel = kernel or cpu_int8.small_rows_kernel()
-    if kernel == "avx2" and not cpu_int8.available():
-        raise ValueError("the groups scheme needs the compiled CPU int8 kernel, which is not available here")
-    groups_scheme = kernel == "avx2"
-    scheme = stored_scheme(kernel)
-    found = _linears(model)
-    grouped = {name: groups_scheme and m.weight.shape[1] % cpu_int8.GROUP == 0 for name, _, _, m in found}
+    if bits == 4:
+        if not (cpu_int4.available() and cpu_int8.available()):  # the head is int8 groups
+            raise ValueError("int4 weights need the compiled CPU int4 and int8 kernels, which are not available here "
+                             "(a C compiler and AVX2; KVCHAT_CPU_KERNEL not 0)")
+        kernel, scheme = "int4", INT4_SCHEME
+    elif bits == 8:
+        kernel = kernel or cpu_int8.small_rows_kernel()
+        if kernel == "avx2" and not cpu_int8.available():
+            raise ValueError("the groups scheme needs the compiled CPU int8 kernel, which is not available here")
+        scheme = stored_scheme(kernel)
+    else:
+        raise ValueError(f"no {bits}-bit weight scheme; use 8 or 4")
+    found = [(name, parent, attr, m, _kind(name, m.weight.shape[1], kernel, bits)) for name, parent, attr, m in _linears(model)]
+    found = [f for f in found if f[4] is not None]
     shapes = {}
-    for name, _, _, m in found:
-        shapes.update(_shapes(name, *m.weight.shape, grouped[name]))
-    stored = load_int8(path, scheme, shapes) if path is not None else None
+    for name, _, _, m, kind in found:
+        shapes.update(_shapes(name, *m.weight.shape, kind))
+    stored = load_stored(path, scheme, shapes) if path is not None else None
     if stored is None:
-        step(f"quantizing {len(found)} weight matrices to int8" + (" (once per model)" if path is not None else ""),
+        step(f"quantizing {len(found)} weight matrices to int{bits}" + (" (once per model)" if path is not None else ""),
              first_time=path is not None)
     tensors = {}
-    for name, parent, attr, lin in found:
-        t = ({k: v for k, v in stored.items() if k.rpartition(".")[0] == name} if stored is not None
-             else _quantized(name, lin, grouped[name]))
+    for name, parent, attr, lin, kind in found:
+        t = stored if stored is not None else _quantized(name, lin, kind)
         dev = lin.weight.device
         bias = lin.bias.detach() if lin.bias is not None else None
-        if grouped[name]:
-            layer = Int8GroupLinear(t[f"{name}.q"].to(dev), t[f"{name}.scale"].to(dev), t[f"{name}.offset"].to(dev), bias)
-        else:
-            layer = Int8Linear(t[f"{name}.q"].to(dev), t[f"{name}.scale"].to(dev), bias)
-        setattr(parent, attr, layer)
-        tensors.update({k: v.cpu() for k, v in t.items()})
+        parts = [t[name + suffix].to(dev) for suffix in KINDS[kind]]
+        setattr(parent, attr, LAYER_TYPES[kind](*parts, bias))
+        tensors.update({name + suffix: t[name + suffix].cpu() for suffix in KINDS[kind]})
     if stored is None and path is not None:
         try:
             save_atomic(tensors, path, {"scheme": scheme})

@@ -1,10 +1,11 @@
 """Run the compiled CPU kernels on fixed random inputs and save every output (``torch.save``), for
 test_cpu_variants.py to compare one build's bits with another's: ``python kernel_outputs.py OUT.pt``.
 
-Covers the int8 matmul (row counts 1-17, channel counts with odd tails), the paged decode attention
+Covers the int8 and int4 matmuls (row counts 1-17, channel counts with odd tails), the paged decode attention
 (fp8, bf16, fp16 pools; head dims 16, 32, 64, 128; odd and even query heads per KV head; lengths around the
 128-token ranges; with and without the exact sink) and a random-weight engine's compiled chunk and decode
-step (fp8 and bf16 pools, 3 query heads per KV head): their hidden states, logits and every pool byte.
+step (fp8 and bf16 pools, int8 and int4 weights, 3 query heads per KV head): their hidden states, logits and every
+pool byte.
 The libraries that ran are saved by file name under ``"libraries"`` (their names say the build).
 """
 
@@ -19,7 +20,7 @@ import transformers
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.loop import run_alone
 from kvchat.engine.runner import Engine
-from kvchat.kernels import cpu_attention, cpu_decode, cpu_int8
+from kvchat.kernels import cpu_attention, cpu_decode, cpu_int4, cpu_int8
 from kvchat.kernels import reference as ref
 from kvchat.model.config import ModelConfig
 
@@ -34,6 +35,16 @@ def _int8(out: dict) -> None:
             q = torch.randint(-128, 128, (n, 32 * groups), dtype=torch.int8, generator=gen)
             scale, offset = torch.rand(n, groups, generator=gen), torch.randn(n, groups, generator=gen)
             out[f"int8 {m}x{n}x{groups}"] = cpu_int8.int8_matmul(x, q, scale, offset)
+
+
+def _int4(out: dict) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for m in range(1, 18):
+        for n, groups in ((13, 3), (40, 18), (7, 1)):
+            x = torch.randn(m, 32 * groups, generator=gen)
+            packed = torch.randint(0, 256, (n, 16 * groups), dtype=torch.uint8, generator=gen)
+            scale, minimum = torch.rand(n, groups, generator=gen).half(), torch.randn(n, groups, generator=gen).half()
+            out[f"int4 {m}x{n}x{groups}"] = cpu_int4.int4_matmul(x, packed, scale, minimum)
 
 
 def _attention(out: dict) -> None:
@@ -69,28 +80,30 @@ def _engine(out: dict) -> None:
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     cfg, weights = ModelConfig.from_hf(hf_cfg.to_dict()), dict(model.state_dict())
     ids = torch.randint(0, 97, (230,), generator=torch.Generator().manual_seed(2)).tolist()
-    for kv_dtype in ("fp8", "bf16"):
-        engine = Engine(cfg, weights, "tiny", kv_dtype=kv_dtype, pool_bytes=2**22, device="cpu", weight_format="int8")
+    for kv_dtype, fmt in (("fp8", "int8"), ("bf16", "int8"), ("fp8", "int4")):
+        engine = Engine(cfg, weights, "tiny", kv_dtype=kv_dtype, pool_bytes=2**22, device="cpu", weight_format=fmt)
+        tag = kv_dtype if fmt == "int8" else f"{kv_dtype} {fmt}"
         assert engine.compiled_decode is not None, "the compiled layers do not run"
         seq = SeqBlocks()
         run_alone(engine, engine.prefill_steps(seq, ids[:200]))
         with torch.inference_mode():
-            out[f"engine {kv_dtype} chunk"] = engine._forward(seq, ids[:215], 200, 215)
+            out[f"engine {tag} chunk"] = engine._forward(seq, ids[:215], 200, 215)
             engine.blocks.commit(seq, ids[:215], 215)
-            out[f"engine {kv_dtype} decode"] = engine.decode(seq, ids[:216])
+            out[f"engine {tag} decode"] = engine.decode(seq, ids[:216])
         for name, t in (("k", engine.pool.k), ("v", engine.pool.v), ("k_scale", engine.pool.k_scale),
                         ("v_scale", engine.pool.v_scale)):
             if t is not None:
-                out[f"engine {kv_dtype} pool {name}"] = t.view(torch.uint8).clone()
+                out[f"engine {tag} pool {name}"] = t.view(torch.uint8).clone()
         engine.release(seq)
 
 
 def main(path: str) -> None:
     out: dict = {}
     _int8(out)
+    _int4(out)
     _attention(out)
     _engine(out)
-    out["libraries"] = sorted(Path(m._library()._name).name for m in (cpu_int8, cpu_attention, cpu_decode))
+    out["libraries"] = sorted(Path(m._library()._name).name for m in (cpu_int8, cpu_int4, cpu_attention, cpu_decode))
     torch.save(out, path)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.kernels import cpu_attention, cpu_build, cpu_decode, cpu_int8
+from kvchat.kernels import cpu_attention, cpu_build, cpu_decode, cpu_int4, cpu_int8
 from kvchat.settings import SettingError
 
 SCRIPT = Path(__file__).with_name("kernel_outputs.py")
@@ -45,8 +45,8 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path):
     avx2, avx512 = _outputs(tmp_path, "avx2"), _outputs(tmp_path, None)
     for build, out in (("avx2", avx2), ("avx512", avx512)):  # what each process loaded, not what it asked for
         names = out.pop("libraries")
-        assert len(names) == 3 and all(n.split("-")[1] == build for n in names), names
-    assert avx2.keys() == avx512.keys() and len(avx2) > 60
+        assert len(names) == 4 and all(n.split("-")[1] == build for n in names), names
+    assert avx2.keys() == avx512.keys() and len(avx2) > 110
     differ = [name for name in avx2 if not torch.equal(_bits(avx2[name]), _bits(avx512[name]))]
     assert not differ, differ
     # the outputs are real: not all zeros, and the engine's chunk moved the hidden states
@@ -68,7 +68,7 @@ def test_the_avx512_build_compiles_on_any_cpu_and_keeps_the_other_builds_current
     """The AVX-512 sources compile where the CPU cannot run them (an AVX2-only CI); a build removes an
     earlier version's library but not the other build's current one."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    sources = (cpu_decode.SOURCE, cpu_int8.SOURCE, cpu_attention.SOURCE)
+    sources = (cpu_decode.SOURCE, cpu_int8.SOURCE, cpu_int4.SOURCE, cpu_attention.SOURCE)
     avx2 = cpu_build.library_path(*sources, variant="avx2")
     avx2.parent.mkdir(parents=True)
     avx2.write_bytes(b"current")

@@ -110,9 +110,9 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     cfg, weights = _tiny()
     first = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu", weight_format="int8")
     kernel = cpu_int8.small_rows_kernel()
-    path = quant.int8_path("tiny", stored_scheme(kernel))
+    path = quant.quantized_path("tiny", stored_scheme(kernel))
     assert path.is_file() and path.parent.parent == tmp_path
-    linears = [m for m in first.model.modules() if isinstance(m, quant.INT8_LAYERS)]
+    linears = [m for m in first.model.modules() if isinstance(m, quant.QUANTIZED_LAYERS)]
     assert len(linears) == 2 * 4 + 1 and not any(isinstance(m, Linear) for m in first.model.modules())
     down = first.model.layers[0].mlp.down_proj
     if cpu_int8.available():  # the groups scheme: 512 inputs in groups of 32
@@ -133,7 +133,7 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
     assert not quant.quantize_linears(model, path)
     assert torch.equal(model.layers[0].mlp.down_proj.q, down.q)
-    assert quant.load_int8(path, "other", {"x.q": (1,)}) is None and path.stat().st_mtime_ns != stamp
+    assert quant.load_stored(path, "other", {"x.q": ((1,), torch.int8)}) is None and path.stat().st_mtime_ns != stamp
     # the engine's layers and its fingerprint name the same kernel (chosen once, Engine.int8_kernel)
     assert first.int8_kernel == kernel
     layers = first.compiled_decode is not None  # short chunks on the compiled decoder layers: named too
@@ -145,7 +145,7 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     if kernel == "avx2":  # the per-channel scheme has a file of its own: the groups file is left alone
         model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
         stamp = path.stat().st_mtime_ns
-        per_channel = quant.int8_path("tiny", stored_scheme("int8mm"))
+        per_channel = quant.quantized_path("tiny", stored_scheme("int8mm"))
         assert not quant.quantize_linears(model, per_channel, "int8mm") and per_channel.is_file()
         assert isinstance(model.layers[0].mlp.down_proj, quant.Int8Linear) and path.stat().st_mtime_ns == stamp
     else:  # the groups scheme is refused where its kernel is not built
