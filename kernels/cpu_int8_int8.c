@@ -32,6 +32,8 @@
    (rows split over the team). N must be a multiple of 16, K = 32 G. */
 
 #include <immintrin.h>
+#include <omp.h>
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,8 +43,10 @@
 #define LANES 16 /* output channels per block */
 #define STEPS (GROUP / 4) /* int32 lanes' steps of 4 inputs per group */
 
+int64_t kvchat_int8_int8_work_bytes(int64_t G);
 void kvchat_int8_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, int8_t *xq,
-                             float *xd, float *xsum, float *y, int64_t M, int64_t N, int64_t G, int threads);
+                             float *xd, float *xsum, float *y, char *work, int64_t M, int64_t N, int64_t G,
+                             int threads);
 
 static inline float hmax8(__m256 v) {
   __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -60,8 +64,10 @@ static inline void quantize_group(const float *v, int8_t *out, float *d, float *
   const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
                                   _mm256_max_ps(_mm256_andnot_ps(sign, a2), _mm256_andnot_ps(sign, a3)));
   const float amax = hmax8(mx);
-  *d = amax / 127.0f;
-  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  /* below 127 x FLT_MIN, 127 / amax overflows to inf (values would turn NaN): such a group counts as zeros */
+  const int zero = !(amax >= 127.0f * FLT_MIN);
+  *d = zero ? 0.0f : amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(zero ? 0.0f : 127.0f / amax);
   const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, id)),
                 i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, id));
   /* packs interleave the 128-bit halves: the permutation puts the 32 bytes back in order */
@@ -180,17 +186,24 @@ static inline __attribute__((always_inline)) void block_rows(const int8_t *xq, c
 }
 #endif
 
+/* Bytes of one thread's block buffer for G groups (a multiple of 64): the block's int8 weights, then its
+   scales, offsets and corrections. The caller allocates `threads` of them, 64-byte aligned, so an allocation
+   that fails is the caller's error, not a crash in here. */
+int64_t kvchat_int8_int8_work_bytes(int64_t G) {
+  const int64_t bytes = G * GROUP * LANES + G * LANES * 12;
+  return (bytes + 63) / 64 * 64;
+}
+
 void kvchat_int8_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, int8_t *xq,
-                             float *xd, float *xsum, float *y, int64_t M, int64_t N, int64_t G, int threads) {
+                             float *xd, float *xsum, float *y, char *work, int64_t M, int64_t N, int64_t G,
+                             int threads) {
   const int64_t K = G * GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t mg = 0; mg < M * G; ++mg) quantize_group(x + mg * GROUP, xq + mg * GROUP, xd + mg, xsum + mg);
   const int64_t blocks = N / LANES;
 #pragma omp parallel num_threads(threads)
   {
-    /* one buffer per thread: the block's int8 weights, then its scales, offsets and corrections */
-    const size_t bytes = (size_t)K * LANES + (size_t)G * LANES * 12;
-    char *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    char *buf = work + omp_get_thread_num() * kvchat_int8_int8_work_bytes(G);
     int32_t *qp = (int32_t *)buf;
     float *sp = (float *)(buf + K * LANES), *op = sp + G * LANES;
     int32_t *corr = (int32_t *)(op + G * LANES);
@@ -211,6 +224,5 @@ void kvchat_int8_int8_matmul(const float *x, const int8_t *q, const float *scale
         m += rows;
       }
     }
-    free(buf);
   }
 }

@@ -35,7 +35,9 @@ def _library(variant: str | None = None) -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.kvchat_int8_int8_matmul
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.kvchat_int8_int8_work_bytes.restype = ctypes.c_int64
+        lib.kvchat_int8_int8_work_bytes.argtypes = [ctypes.c_int64]
     return lib
 
 
@@ -83,8 +85,12 @@ def int8_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs
     xq = torch.empty(m, k, dtype=torch.int8)
     xd = torch.empty(m, groups, dtype=torch.float32)
     xsum = torch.empty(m, groups, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    # the threads' block buffers, from a 64-byte boundary (the C source's aligned loads)
+    work = torch.empty(threads * lib.kvchat_int8_int8_work_bytes(groups) + 63, dtype=torch.uint8)
     lib.kvchat_int8_int8_matmul(x.data_ptr(), q.data_ptr(), scale.data_ptr(), offset.data_ptr(), xq.data_ptr(),
-                                xd.data_ptr(), xsum.data_ptr(), y.data_ptr(), m, n, groups, torch.get_num_threads())
+                                xd.data_ptr(), xsum.data_ptr(), y.data_ptr(), -(-work.data_ptr() // 64) * 64, m, n,
+                                groups, threads)
     return y
 
 
@@ -96,8 +102,9 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: tor
     xg = x.double().view(m, -1, GROUP)
     xf = x.float().view(m, -1, GROUP)
     amax = xf.abs().amax(dim=2)
-    d = amax / 127
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    zero = ~(amax >= 127 * torch.finfo(torch.float32).tiny)  # as the C source: 127 / amax would overflow
+    d = torch.where(zero, torch.zeros_like(amax), amax / 127)
+    inv = torch.where(zero, torch.zeros_like(amax), 127 / amax)
     a = torch.round(xf * inv[..., None]).clamp(-127, 127)  # round half to even, as _mm256_cvtps_epi32
     dots = torch.einsum("mgk,ngk->mng", a.double(), q.double().view(n, -1, GROUP))
     return (torch.einsum("mng,ng,mg->mn", dots, scale.double(), d.double())

@@ -360,7 +360,7 @@ class ChatService:
         goes to ``persist.errors``.
 
         ``answer_text(generated text)``: the answer's text as stored and returned (a server cuts it at a
-        stop string, as its client saw it; a cut answer's ``finish_reason`` is ``stop``); the ids stay those
+        stop string, as its client saw it, and sets the turn's ``finish_reason`` for it); the ids stay those
         generated, so a resent history maps the text back to them (:mod:`kvchat.server.prefix`). ``user``:
         ``text`` already rendered as the open chat renders it
         (:meth:`kvchat.model.chat_format.ChatFormat.user_turn`), not tokenized again. ``rules``: the request's
@@ -401,10 +401,7 @@ class ChatService:
                     reply = yield item
             batcher.flush()
             if answer_text is not None:
-                cut = answer_text(session.last_turn.text)
-                if cut != session.last_turn.text:  # the stop string ended it (the cancel that followed only
-                    session.last_turn.stats.finish_reason = "stop"  # stopped the decoding)
-                session.last_turn.text = cut
+                session.last_turn.text = answer_text(session.last_turn.text)
             mark("generated")  # phases for fault-injection runs (KVCHAT_PHASE_TRACE), see kvchat.bench.crash_loop
             if chat.lazy:
                 self._name_shortfall(chat, stored)

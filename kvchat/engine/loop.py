@@ -220,8 +220,10 @@ class EngineLoop:
 
     # ---- the loop thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        try:
-            with torch.inference_mode():  # every forward of a loop with a thread runs on this thread
+        # every forward of a loop with a thread runs on this thread, the rollbacks of work left at its end too
+        # (they write the pool's and the session's inference tensors)
+        with torch.inference_mode():
+            try:
                 while True:
                     try:
                         if self._iteration():
@@ -230,8 +232,8 @@ class EngineLoop:
                         for req in [r for r in self.running if not r.settling]:  # answered ones finish next
                             self._abort(req, exc)
                         self.running = [r for r in self.running if not r.future.done()]  # never decoded again
-        finally:
-            self._fail_left_over()
+            finally:
+                self._fail_left_over()
 
     def _fail_left_over(self) -> None:
         """The thread ends: refuse new work, and end what is queued or running with :class:`LoopStoppedError`

@@ -308,6 +308,9 @@ def _tools(value) -> list[Tool]:
         parameters = fn.get("parameters", {"type": "object"})
         if not isinstance(description, str) or not isinstance(parameters, dict):
             raise _bad(f"tools[{i}].function: description must be a string and parameters an object", "tools")
+        if parameters.get("type", "object") != "object":  # a call's arguments are a JSON object (OpenAI's rule)
+            raise _bad(f"tools[{i}].function.parameters must be an object schema (\"type\": \"object\"), got "
+                       f"\"type\": {json.dumps(parameters['type'])}", "tools", "invalid_json_schema")
         tool = Tool(name, description, parameters)
         try:
             call_grammar([tool])

@@ -357,9 +357,9 @@ class Scheduler:
         (:func:`kvchat.server.protocol.stored_answer_text`); the ids stay those generated, so the resent
         history maps back to them token-exactly."""
         stats = job.service.chat.session.last_turn.stats
-        if job.stop_at is not None:  # the cancel that followed the cut only stopped the decoding; the service
-            stats.finish_reason = "stop"  # sees a cut only where it shortens the text, and the end of a call
-        text = text[: job.stop_at]  # may be the last text generated
+        if job.stop_at is not None:  # a stop string or the one call allowed ended it: the cancel that followed
+            stats.finish_reason = "stop"  # only stopped the decoding (the end of a call may be the last text)
+        text = text[: job.stop_at]
         return stored_answer_text(job.request, text, stats.finish_reason)
 
     def _push_text(self, job: Job, upto: int) -> None:

@@ -286,8 +286,8 @@ class CallPieces:
                 self._depth += 1
             elif ch in "}]":
                 self._depth -= 1
+                if self._depth == 0:  # the arguments are a JSON object: its closing brace
+                    self._end = i + 1
             i += 1
-            if self._depth == 0 and ch in "}]":  # the arguments are a JSON object: its closing brace
-                self._end = i
         self._scanned = i - self._start
         return i

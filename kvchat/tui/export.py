@@ -36,10 +36,11 @@ def export_dir(fallback: Path) -> Path:
 
 def export_chat(view: ChatView, directory: Path) -> Path:
     """Write the chat to ``directory/kvchat-<id>-<title slug>.md`` (replacing an older export); return the path."""
-    # letters and digits of any script are kept (a title in Greek or Japanese keeps its words), NFC so that one
-    # title gives one name; the rest (separators, punctuation, path characters) become single hyphens
-    slug = re.sub(r"[\W_]+", "-", unicodedata.normalize("NFC", view.title).casefold()).strip("-")[:40].strip("-")
-    slug = slug or "chat"
+    # letters, their marks (Devanagari's vowel signs, combining accents) and digits of any script are kept, NFC
+    # after case folding so that one title gives one name; the rest (separators, punctuation, path characters)
+    # become single hyphens
+    kept = "".join(c if unicodedata.category(c)[0] in "LMN" else "-" for c in view.title.casefold())
+    slug = re.sub("-+", "-", unicodedata.normalize("NFC", kept)).strip("-")[:40].strip("-") or "chat"
     path = directory / f"kvchat-{view.id or 'new'}-{slug}.md"
     path.write_text(chat_to_markdown(view), encoding="utf-8")
     return path

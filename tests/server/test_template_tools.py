@@ -105,6 +105,10 @@ def test_each_template_gets_its_style_or_the_generic_format(smol_dir, tmp_path):
     assert template_tool_style(llama, kwargs) is LLAMA_CALLS
     # Llama's default puts the tools in the first user message, outside the cached prefix: not followed
     assert not follows(llama, kwargs, dataclasses.replace(LLAMA_CALLS, template={}))
+    # a template that fails on the probe in any way (here a ZeroDivisionError) is not followed either
+    broken = AutoTokenizer.from_pretrained(smol_dir)
+    broken.chat_template = "{% if tools %}{{ 1 // 0 }}{% endif %}" + (TEMPLATES / "qwen3.jinja").read_text()
+    assert template_tool_style(broken, kwargs) is None
     req = parse_chat_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                          "tools": TOOLS}).encode(), GENERIC)
     assert "# Tools: get_weather" in req.system and req.template_kwargs == {}

@@ -132,3 +132,11 @@ def test_tool_results_render_as_the_template_turn_only_in_a_run_of_tool_results(
     assert (req.user, req.user_roles) == ("<tool_response>\n1\n</tool_response>\n\nand?", ["user", "user"])
     req = _request(QWEN_CALLS, tools=tools, messages=head + results[:1])
     assert (req.user, req.user_roles) == ("<tool_response>\n1\n</tool_response>", ["user", "user"])
+
+
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}])
+def test_parameters_that_are_not_an_object_schema_are_a_400(parameters):
+    with pytest.raises(ApiError) as err:
+        _request(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    assert err.value.status == 400 and err.value.param == "tools" and "object schema" in err.value.message
+

@@ -20,6 +20,8 @@ def _view(title: str) -> ChatView:
     ("Cafe\u0301 (decomposed)", "kvchat-c7-café-decomposed.md"),
     ("___ !!! ___", "kvchat-c7-chat.md"),
     ("a" * 39 + " b", "kvchat-c7-" + "a" * 39 + ".md"),
+    ("हिन्दी नोट्स", "kvchat-c7-हिन्दी-नोट्स.md"),  # vowel signs and viramas are marks, not separators
+    ("ǰournal", "kvchat-c7-ǰournal.md"),  # casefolds to j + caron: composed again
 ])
 def test_export_name_keeps_the_title_words(tmp_path, title, name):
     path = export_chat(_view(title), tmp_path)
