@@ -4,6 +4,7 @@ server, are each one line and exit 2 (``--json``: one error object) before anyth
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -11,6 +12,16 @@ from kvchat.cli.main import main
 from kvchat.server_address import base_url
 
 URL = "http://127.0.0.1:9"  # nothing is asked of it: every case stops before
+
+
+@pytest.fixture(autouse=True)
+def own_environment():
+    """main() puts --dtype, --weights and --gpu-memory into os.environ for the processes it starts; restored
+    here so that the servers later tests start do not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def one_line(capsys) -> str:
