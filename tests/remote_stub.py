@@ -1,7 +1,8 @@
 """Test helper: a small OpenAI-compatible server that misbehaves on cue (Starlette on uvicorn in a thread).
 
 Only for the bad-server cases (a wrong key, a 503 with Retry-After, a 500 or a cut connection
-mid-answer, a stream that never ends); conversations that must work run on a real ``kvchat serve``.
+mid-answer, a stream that never ends, a complete answer closed without ``[DONE]``); conversations that must
+work run on a real ``kvchat serve``.
 Each ``POST /v1/chat/completions`` takes the next behaviour of ``script`` (``ok`` once it is empty).
 """
 
@@ -83,7 +84,7 @@ class StubServer:
 
     async def _stream(self, behaviour: str, body: dict):
         yield _chunk({"role": "assistant", "content": ""})
-        for piece in PIECES[:2] if behaviour != "ok" else PIECES:
+        for piece in PIECES if behaviour in ("ok", "no_done") else PIECES[:2]:
             yield _chunk({"content": piece})
         if behaviour == "error_event":  # as OpenAI's and kvchat serve's streams report a failure mid-answer
             yield f"data: {json.dumps({'error': {'message': 'internal error', 'type': 'server_error', 'code': 500}})}\n\n"
@@ -98,4 +99,5 @@ class StubServer:
                  "total_tokens": 11 * len(body["messages"]) + len(PIECES), "prompt_tokens_details": {"cached_tokens": 8}}
         yield _chunk({}, "stop")
         yield f"data: {json.dumps({'id': 'stub', 'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n"
-        yield "data: [DONE]\n\n"
+        if behaviour != "no_done":
+            yield "data: [DONE]\n\n"

@@ -159,12 +159,14 @@ class RemoteChats:
         return self._turn(self._open(), text, params, cancel, emit, redo=False)
 
     def regenerate(self, params: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
-        """Replace the last answer by a new one for the same user message (errors as :meth:`send`'s)."""
+        """Replace the last answer by a new one for the same user message (errors as :meth:`send`'s, but an
+        :class:`~kvchat.remote.client.AnswerCut` here leaves the chat as it was: nothing is stored, the answer
+        it had stays, and the error's ``chat_id`` is None)."""
         chat = self._answered()
         return self._turn(chat, chat.messages[-2].text, params, cancel, emit, redo=True)
 
     def edit_last(self, text: str, params: SamplingParams, cancel: threading.Event, emit: Emit) -> TurnDone:
-        """Replace the last user message by ``text`` and answer it (errors as :meth:`send`'s)."""
+        """Replace the last user message by ``text`` and answer it (errors as :meth:`regenerate`'s)."""
         return self._turn(self._answered(), text, params, cancel, emit, redo=True)
 
     def _answered(self) -> _Chat:
@@ -198,6 +200,8 @@ class RemoteChats:
                 limit = self.context_limit or exc.limit
                 raise ContextFullError(str(exc), max(exc.needed, limit + 1), limit) from None
             except AnswerCut as exc:  # kept as a stopped answer is, then said
+                if redo:  # storing the part would replace the complete answer the chat holds
+                    raise AnswerCut(f"{exc}; the chat is unchanged", exc.reply) from None
                 cut, reply = exc, exc.reply
         batcher.flush()
         stats = turn_stats(reply)

@@ -3,7 +3,9 @@
 Written on httpx2 (docs/scale-out.md says why): every failure becomes one :class:`ServerError` line
 naming the server, the status and what to do; nothing is retried behind the caller's back, so a refused
 connection or a 401 is said at once. A stream is read line by line as Server-Sent Events (``data: {chunk}``
-… ``data: [DONE]``); a stream without ``[DONE]`` (cut, or an ``error`` event) is an error, never an answer.
+… ``data: [DONE]``); a stream cut before ``[DONE]`` and before any finish reason, or with an ``error`` event,
+is an error, never an answer (a server that sent the finish reason and then closed without ``[DONE]`` did
+answer).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class AnswerCut(ServerError):
     def __init__(self, message: str, reply: "Reply", chat_id: str | None = None):
         super().__init__(message, "server_error")
         self.reply = reply
-        self.chat_id = chat_id  # the local chat the part was stored in (None until it is)
+        self.chat_id = chat_id  # the local chat the part was stored in (None while, or when, it was not)
 
 
 @dataclass(slots=True)
@@ -210,6 +212,8 @@ class ServerClient:
                     continue
                 if kind == "error":
                     raise value
+                if kind == "end" and finish:  # the answer was complete; only the closing [DONE] is missing
+                    break
                 if kind == "end":
                     raise ServerError(f"the connection to {self.url} ended mid-answer (no [DONE])", "server_error",
                                       cut_reason="the connection closed")

@@ -1,8 +1,9 @@
 """A server that fails (refused connection, wrong key, 503 with Retry-After, an error or a cut connection
 mid-answer, a stream that never ends): one line each from ``kvchat ask --server`` and the TUI, and the TUI goes
-on (the typed text back in the box, the next question answered). A failure before the answer began stores
-nothing; one after part of it came keeps the question and that part, marked ``interrupted``, as a stopped
-answer is kept.
+on (the next question answered). A failure before the answer began stores nothing and gives the typed text
+back in the box; one after part of it came keeps the question and that part, marked ``interrupted``, as a
+stopped answer is kept (the box stays empty: the question is in the chat). A cut during Regenerate or Edit
+stores nothing: the chat keeps the answer it had. A complete answer closed without ``[DONE]`` is an answer.
 
 The failing servers are a stub (:mod:`remote_stub`); the working conversation runs on a real kvchat serve
 in ``test_remote_serve.py``.
@@ -23,6 +24,7 @@ from kvchat.tui.app import KvchatApp
 from kvchat.tui.remote_backend import RemoteBackend
 from kvchat.tui.screens.cache import CacheScreen
 from kvchat.tui.widgets.chat_input import ChatInput
+from kvchat.tui.widgets.message_view import MessageView
 from kvchat.tui.widgets.status_bar import StatusBar
 
 SIZE = (120, 40)
@@ -102,6 +104,15 @@ def test_ask_on_a_failing_answer_says_one_line_and_keeps_only_what_came(kvchat_h
     assert stored_chats(kvchat_home) == 3  # the chat, its question, the part of the answer
 
 
+def test_ask_on_a_complete_answer_closed_without_done_is_an_answer(kvchat_home):
+    with StubServer(["no_done"]) as stub:
+        proc = ask(kvchat_home, stub.url, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["text"] == "Half an answer"
+    [(_, finish, text)] = stored_answers(kvchat_home)
+    assert (finish, text) == ("stop", "Half an answer"), "the finish reason came: not a cut answer"
+
+
 def stored_answers(home) -> list[tuple[str, str, str]]:
     """(chat id, finish reason, text) of each stored answer."""
     with sqlite3.connect(home / "kvchat.db") as conn:
@@ -170,7 +181,8 @@ async def test_tui_goes_on_after_each_failed_answer(kvchat_home):
                 await type_and_send(pilot, app, text)
                 await until(pilot, lambda: len(notes) > i and not screen.generating)
                 assert words in notes[i] and "\n" not in notes[i], notes
-                assert screen.query_one(ChatInput).text == text, "the typed text is back in the box"
+                assert screen.query_one(ChatInput).text == ("" if behaviour in MID_ANSWER else text), \
+                    "the typed text is back in the box unless the chat holds it"
                 if behaviour in MID_ANSWER:
                     kept.append((text, "Half an ", "interrupted"))
                     assert KEPT in notes[i] and "chat c_" not in notes[i], notes[i]
@@ -258,3 +270,41 @@ async def test_esc_on_a_silent_server_keeps_the_partial_answer_at_once(kvchat_ho
             assert (msg.text, msg.finish_reason) == ("Half an ", "cancelled") and notes == []
             await pilot.press("ctrl+q")
     assert stored_chats(kvchat_home) == 3, "a stopped answer is kept, as a local one is"
+
+
+def stored_messages(home) -> list[tuple]:
+    with sqlite3.connect(home / "kvchat.db") as conn:
+        return conn.execute("SELECT * FROM messages ORDER BY rowid").fetchall()
+
+
+@pytest.mark.asyncio
+@pytest.mark.tui
+async def test_a_cut_during_regenerate_or_edit_leaves_the_chat_as_it_was(kvchat_home):
+    with StubServer(["ok", "cut", "cut"]) as stub:
+        app, backend, notes = harness(stub.url)
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen_stack[0]
+            box = screen.query_one(ChatInput)
+            await until(pilot, lambda: screen.ready)
+            await type_and_send(pilot, app, "Question?")
+            await until(pilot, lambda: len(backend.current().messages) == 2 and not screen.generating)
+            before = stored_messages(kvchat_home)
+            chat = [(m.text, m.finish_reason) for m in backend.current().messages]
+            assert chat[1] == ("Half an answer", "stop")
+
+            await pilot.press("ctrl+r")
+            await until(pilot, lambda: notes and not screen.generating)
+            await pilot.press("f4")
+            assert box.text == "Question?"
+            await type_and_send(pilot, app, "Better question?")
+            await until(pilot, lambda: len(notes) == 3 and not screen.generating)
+            assert "editing the last message" in notes.pop(1)
+            for note in notes:
+                assert "stopped mid-answer (the connection" in note and "the chat is unchanged" in note, note
+                assert KEPT not in note and "\n" not in note, note
+            assert box.text == "Better question?", "nothing was stored: the typed text is back in the box"
+            assert [(m.text, m.finish_reason) for m in backend.current().messages] == chat
+            assert [b.text for b in screen.query_one(MessageView).blocks()] == ["Question?", "Half an answer"]
+            await pilot.press("ctrl+q")
+        assert len(stub.requests) == 3
+    assert stored_messages(kvchat_home) == before, "the complete answer is kept, nothing was rewound or added"

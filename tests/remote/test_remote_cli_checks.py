@@ -14,6 +14,16 @@ from kvchat.server_address import base_url
 URL = "http://127.0.0.1:9"  # nothing is asked of it: every case stops before
 
 
+@pytest.fixture(autouse=True)
+def own_environment():
+    """main() puts --dtype, --weights and --gpu-memory into os.environ for the processes it starts; restored
+    here so that the servers later tests start do not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def one_line(capsys) -> str:
     out = capsys.readouterr()
     [line] = out.err.strip().splitlines()

@@ -322,8 +322,8 @@ class ChatScreen(ChatActions, Screen):
                 self.backend.edit_last(text, self.settings, cancel, self.emit)
             else:
                 self.backend.regenerate(self.settings, cancel, self.emit)
-        except Exception as exc:  # noqa: BLE001 - shown, the typed text goes back into the input
-            self.post_message(TurnFailed(text if op != "regenerate" else "", exc, op))
+        except Exception as exc:  # noqa: BLE001 - shown, the typed text goes back into the input unless stored
+            self.post_message(TurnFailed("" if op == "regenerate" or _question_stored(exc) else text, exc, op))
 
     @on(BackendEventPosted)
     async def _backend_event(self, message: BackendEventPosted) -> None:
@@ -396,3 +396,11 @@ class ChatScreen(ChatActions, Screen):
             self.query_one(ChatInput).text = self.take_draft()
         self.refresh_lists()
         self.query_one(ChatInput).focus()
+
+
+def _question_stored(exc: Exception) -> bool:
+    """Whether the failed turn's question is in the chat already (a server cut the answer after the question
+    and the part that came were stored): giving it back would send it twice."""
+    from kvchat.remote.client import AnswerCut  # only a server's turn is stored when it fails
+
+    return isinstance(exc, AnswerCut) and exc.chat_id is not None
