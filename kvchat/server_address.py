@@ -15,14 +15,21 @@ def base_url(url: str) -> str:
     (``http://gpu-box:8000/v1/`` → ``http://gpu-box:8000``).
 
     Raises:
-        ValueError: not an ``http://`` or ``https://`` URL with a host; a URL with a user or password in it
-            (``http://user:pass@host``: it would be recorded with each chat and shown in the status bar, so the
-            line does not repeat the URL).
+        ValueError: not an ``http://`` or ``https://`` URL with a host (and a port in 0..65535, if any); a URL
+            with a user or password in it (``http://user:pass@host``: it would be recorded with each chat and
+            shown in the status bar, so the line does not repeat the URL).
     """
-    parts = urlsplit(url.strip())
+    credentials = ValueError("the server URL holds a user or password (user:pass@host); give the server without "
+                             "them, and its API key with --api-key-env VAR or the data dir's server-keys.toml")
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 - read for its check: a port outside 0..65535 or not a number raises
+    except ValueError as exc:  # an unclosed IPv6 bracket, a port out of range
+        if "@" in url:  # the line must not echo a password
+            raise credentials from None
+        raise ValueError(f"the server URL {url!r} is not a URL: {exc}") from None
     if "@" in parts.netloc or (parts.scheme not in ("http", "https") and "@" in url):
-        raise ValueError("the server URL holds a user or password (user:pass@host); give the server without "
-                         "them, and its API key with --api-key-env VAR or the data dir's server-keys.toml")
+        raise credentials
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"the server must be an http:// or https:// URL with a host, got {url!r}")
     path = parts.path.rstrip("/")

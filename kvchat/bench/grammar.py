@@ -18,7 +18,6 @@ import time
 
 from kvchat.bench.run_info import run_info, write_json
 from kvchat.bench.stats import format_table
-from kvchat.engine.inference import inference
 
 # a nested object, an enum, a bounded array and bounded integers (tests/server/test_serve_structured.py uses it
 # too); strings bounded: at temperature 0 the 135M model can repeat a phrase inside an unbounded string until
@@ -93,6 +92,7 @@ def cmd_bench_grammar(args: argparse.Namespace) -> int:
 
     from kvchat.conversation.records import new_settings
     from kvchat.engine.grammar import GrammarCompiler, json_schema_grammar
+    from kvchat.engine.inference import inference
     from kvchat.runtime import load_runtime
 
     rt = load_runtime(args.model, args.kv_dtype)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from kvchat import __version__
 from kvchat.conversation.continuation import WAYS
@@ -203,10 +205,36 @@ def _report(json_errors: bool, message: str, kind: str, exit_status: int, **fiel
     return exit_status
 
 
+class _Interrupts:
+    """SIGINT as Python's default handler raises it (KeyboardInterrupt), remembered: an interrupt that lands
+    inside a library's import can come out as another error (transformers' lazy modules turn it into a
+    ModuleNotFoundError), and it is still the user's Ctrl+C, not a failure of kvchat."""
+
+    def __init__(self):
+        self.seen = False
+
+    def __call__(self, signum, frame):
+        self.seen = True
+        signal.default_int_handler(signum, frame)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvchat`` script; returns the exit code (usage errors raise ``SystemExit(2)``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     json_errors = asks_json(argv)
+    interrupts = _Interrupts()
+    previous = signal.signal(signal.SIGINT, interrupts) if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(argv, json_errors, interrupts)
+    except KeyboardInterrupt:
+        return _report(json_errors, "interrupted", "interrupted", EXIT_INTERRUPTED)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(argv: list[str], json_errors: bool, interrupts: _Interrupts) -> int:
+    """:func:`main` after its SIGINT handler is in place."""
     from kvchat.cpu_threads import passive_openmp_waits
 
     passive_openmp_waits()  # before torch loads its OpenMP runtime (no module imported so far imports torch)
@@ -265,14 +293,14 @@ def main(argv: list[str] | None = None) -> int:
             from kvchat.cli.bench import cmd_bench
 
             return cmd_bench(args)
-    except KeyboardInterrupt:
-        return _report(json_errors, "interrupted", "interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as on SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except Exception as exc:  # noqa: BLE001 - the known user errors below become one line
         import sqlite3
 
+        if interrupts.seen:  # Ctrl+C while a library was being imported, in that library's words
+            return _report(json_errors, "interrupted", "interrupted", EXIT_INTERRUPTED)
         if isinstance(exc, sqlite3.Error):
             from kvchat.paths import db_path
             from kvchat.store.db import database_error_line

@@ -33,21 +33,35 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def validate(self) -> None:
-        """Raise ``ValueError`` with a one-line message on out-of-range values."""
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        """Raise ``ValueError`` with a one-line message on out-of-range values (the ranges of :data:`LIMITS`)."""
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= LIMITS.temperature):
+            raise ValueError(f"temperature must be in [0, {LIMITS.temperature:g}], got {self.temperature}")
+        if self.seed is not None and not 0 <= self.seed <= LIMITS.seed:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= LIMITS.count:
+            raise ValueError(f"top_k must be in [0, {LIMITS.count}], got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and -2 <= value <= 2):
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
+            if not (math.isfinite(value) and -LIMITS.penalty <= value <= LIMITS.penalty):
+                raise ValueError(f"{name} must be in [-{LIMITS.penalty:g}, {LIMITS.penalty:g}], got {value}")
+        if not 1 <= self.max_tokens <= LIMITS.count:
+            raise ValueError(f"max tokens must be in [1, {LIMITS.count}], got {self.max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingLimits:
+    """The ranges of the sampling settings, the OpenAI API's: the server takes what an OpenAI client may send,
+    and the TUI's dialog and ``kvchat ask`` take the same, so a setting made locally works on a server too."""
+
+    temperature: float = 2.0
+    penalty: float = 2.0  # presence and frequency penalties, +-
+    count: int = 2**31 - 1  # max_tokens, top_k
+    seed: int = 2**63 - 1
+
+
+LIMITS = SamplingLimits()
 
 
 @dataclass(slots=True)

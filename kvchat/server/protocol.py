@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvchat.engine.grammar import Grammar, GrammarError, json_schema_grammar
 from kvchat.engine.token_rules import MAX_TOP_LOGPROBS, TokenLogprob
-from kvchat.engine.turn import SamplingParams, TurnStats
+from kvchat.engine.turn import LIMITS, SamplingParams, TurnStats
 from kvchat.server.tools import GENERIC, Tool, ToolCall, ToolStyle, call_grammar, calls_text, parse_calls, result_text
 from kvchat.utf8 import NotUtf8Error, require_utf8
 
@@ -144,7 +144,7 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float) -> floa
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not lo <= value <= hi:
-        raise _bad(f"{name} must be a number in [{lo}, {hi}], got {value!r}", name)
+        raise _bad(f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}", name)
     return float(value)
 
 
@@ -223,13 +223,14 @@ def parse_chat_request(raw: bytes, tool_style: ToolStyle = GENERIC) -> ChatReque
         raise _bad("stream_options must be an object", "stream_options")
     if not isinstance(options.get("include_usage", False), bool):
         raise _bad("stream_options.include_usage must be a boolean", "stream_options")
-    max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1)
+    max_tokens = _int(body, "max_completion_tokens", 1, LIMITS.count)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
-    params = SamplingParams(temperature=_number(body, "temperature", 0, 2, 1.0), top_p=_number(body, "top_p", 0, 1, 1.0),
-                            top_k=_int(body, "top_k", 0, 2**31 - 1) or 0, seed=_int(body, "seed", 0, 2**63 - 1),
-                            presence_penalty=_number(body, "presence_penalty", -2, 2, 0.0),
-                            frequency_penalty=_number(body, "frequency_penalty", -2, 2, 0.0))
+        max_tokens = _int(body, "max_tokens", 1, LIMITS.count)
+    params = SamplingParams(temperature=_number(body, "temperature", 0, LIMITS.temperature, 1.0),
+                            top_p=_number(body, "top_p", 0, 1, 1.0), top_k=_int(body, "top_k", 0, LIMITS.count) or 0,
+                            seed=_int(body, "seed", 0, LIMITS.seed),
+                            presence_penalty=_number(body, "presence_penalty", -LIMITS.penalty, LIMITS.penalty, 0.0),
+                            frequency_penalty=_number(body, "frequency_penalty", -LIMITS.penalty, LIMITS.penalty, 0.0))
     if params.top_p == 0:
         raise _bad("top_p must be > 0", "top_p")
     texts = [t for _, t, _, _ in seq]

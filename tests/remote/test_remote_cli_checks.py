@@ -80,3 +80,13 @@ def test_local_model_options_with_kvchat_server_and_json(capsys, monkeypatch, kv
     assert err["message"] == ("--threads sets up a local model; with KVCHAT_SERVER the server's own settings "
                               "apply: drop it") and err["exit_status"] == 2, err
     assert not kvchat_home.exists()
+
+
+@pytest.mark.parametrize("url, words", [("http://127.0.0.1:99999", "Port out of range"),
+                                        ("http://[::1", "Invalid IPv6 URL"),
+                                        ("http://me:pw@[::1", "user or password")])
+def test_a_server_url_that_is_not_a_url_is_one_line_naming_it(capsys, kvchat_home, url, words):
+    assert main(["ask", "--server", url, "hello"]) == 2
+    line = one_line(capsys)
+    assert words in line and ("pw" not in line if "@" in url else url in line), line
+    assert not kvchat_home.exists()
