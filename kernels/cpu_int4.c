@@ -46,23 +46,6 @@ static inline void widen_halves(const uint16_t *h, float *f, int64_t G) {
 /* The 8 values in the low 8 bytes of v (each 0 .. 15) as floats. */
 static inline __m256 widen8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 
-static inline __m256 group_dot(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *x) {
-  __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
-  d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), d);
-  d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), d);
-  return _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), d);
-}
-
-/* sum_g mn[g] * xs[g], eight groups per step, then the rest in order (cpu_int8.c's offsets_dot). */
-static inline float minima_dot(const float *mn, const float *xs, int64_t G) {
-  __m256 v = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xs + g), v);
-  float r = hsum8(v);
-  for (; g < G; ++g) r += mn[g] * xs[g];
-  return r;
-}
-
 /* Output channel n for rows m .. m + ROWS - 1 (ROWS a compile-time constant at each call). */
 static inline __attribute__((always_inline)) void channel(const float *x, const uint8_t *packed, const uint16_t *scale,
                                                          const uint16_t *minimum, const float *xsum, float *y,
@@ -85,23 +68,13 @@ static inline __attribute__((always_inline)) void channel(const float *x, const 
     for (int i = 0; i < ROWS; ++i)
       acc[i] = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + i * K + g * GROUP), s, acc[i]);
   }
-  for (int i = 0; i < ROWS; ++i) y[(m + i) * N + n] = hsum8(acc[i]) + minima_dot(mn, xsum + (m + i) * G, G);
+  for (int i = 0; i < ROWS; ++i) y[(m + i) * N + n] = hsum8(acc[i]) + groups_dot(mn, xsum + (m + i) * G, G);
 }
 
 #ifdef KVCHAT_AVX512
 /* The 8 values in the low 8 bytes of a (lanes 0-7) and of b (lanes 8-15) as floats. */
 static inline __m512 widen8x2(__m128i a, __m128i b) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(a, b)));
-}
-
-/* 8 floats at x in both halves. */
-static inline __m512 both(const float *x) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(x)); }
-
-static inline __m512 group_dot2(__m512 w0, __m512 w1, __m512 w2, __m512 w3, const float *x) {
-  __m512 d = _mm512_mul_ps(w0, both(x));
-  d = _mm512_fmadd_ps(w1, both(x + 8), d);
-  d = _mm512_fmadd_ps(w2, both(x + 16), d);
-  return _mm512_fmadd_ps(w3, both(x + 24), d);
 }
 
 /* channel() for output channels n and n + 1 at once (see the comment at the top). */
@@ -130,8 +103,8 @@ static inline __attribute__((always_inline)) void channel2(const float *x, const
   }
   for (int i = 0; i < ROWS; ++i) {
     const float *xs = xsum + (m + i) * G;
-    y[(m + i) * N + n] = hsum8(_mm512_castps512_ps256(acc[i])) + minima_dot(mn, xs, G);
-    y[(m + i) * N + n + 1] = hsum8(_mm512_extractf32x8_ps(acc[i], 1)) + minima_dot(mn + G, xs, G);
+    y[(m + i) * N + n] = hsum8(_mm512_castps512_ps256(acc[i])) + groups_dot(mn, xs, G);
+    y[(m + i) * N + n + 1] = hsum8(_mm512_extractf32x8_ps(acc[i], 1)) + groups_dot(mn + G, xs, G);
   }
 }
 #endif

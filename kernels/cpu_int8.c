@@ -46,23 +46,6 @@ static inline __m256 pairwise(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
 }
 
-static inline __m256 group_dot(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *x) {
-  __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
-  d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), d);
-  d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), d);
-  return _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), d);
-}
-
-/* sum_g of[g] * xs[g], eight groups per step, then the rest in order. */
-static inline float offsets_dot(const float *of, const float *xs, int64_t G) {
-  __m256 v = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(of + g), _mm256_loadu_ps(xs + g), v);
-  float r = hsum8(v);
-  for (; g < G; ++g) r += of[g] * xs[g];
-  return r;
-}
-
 /* Output channel n for rows m .. m + ROWS - 1 (ROWS a compile-time constant at each call): each weight group
    widened once for all of them, then for each row its 8-lane group dot product scaled into its accumulator. */
 static inline __attribute__((always_inline)) void channel(const float *x, const int8_t *q, const float *scale,
@@ -81,7 +64,7 @@ static inline __attribute__((always_inline)) void channel(const float *x, const 
     for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + i * K + k), s, acc[i]);
   }
   const float *of = offset + n * G;
-  for (int i = 0; i < ROWS; ++i) y[(m + i) * N + n] = hsum8(acc[i]) + offsets_dot(of, xsum + (m + i) * G, G);
+  for (int i = 0; i < ROWS; ++i) y[(m + i) * N + n] = hsum8(acc[i]) + groups_dot(of, xsum + (m + i) * G, G);
 }
 
 #ifdef KVCHAT_AVX512
@@ -89,16 +72,6 @@ static inline __attribute__((always_inline)) void channel(const float *x, const 
 static inline __m512 widen2(const int8_t *w, int64_t K) {
   const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)w), _mm_loadl_epi64((const __m128i *)(w + K)));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-
-/* 8 floats at x in both halves. */
-static inline __m512 both(const float *x) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(x)); }
-
-static inline __m512 group_dot2(__m512 w0, __m512 w1, __m512 w2, __m512 w3, const float *x) {
-  __m512 d = _mm512_mul_ps(w0, both(x));
-  d = _mm512_fmadd_ps(w1, both(x + 8), d);
-  d = _mm512_fmadd_ps(w2, both(x + 16), d);
-  return _mm512_fmadd_ps(w3, both(x + 24), d);
 }
 
 /* channel() for output channels n and n + 1 at once (see the comment at the top). */
@@ -121,8 +94,8 @@ static inline __attribute__((always_inline)) void channel2(const float *x, const
   const float *of = offset + n * G;
   for (int i = 0; i < ROWS; ++i) {
     const float *xs = xsum + (m + i) * G;
-    y[(m + i) * N + n] = hsum8(_mm512_castps512_ps256(acc[i])) + offsets_dot(of, xs, G);
-    y[(m + i) * N + n + 1] = hsum8(_mm512_extractf32x8_ps(acc[i], 1)) + offsets_dot(of + G, xs, G);
+    y[(m + i) * N + n] = hsum8(_mm512_castps512_ps256(acc[i])) + groups_dot(of, xs, G);
+    y[(m + i) * N + n + 1] = hsum8(_mm512_extractf32x8_ps(acc[i], 1)) + groups_dot(of + G, xs, G);
   }
 }
 #endif

@@ -19,6 +19,41 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
+/* The weight kernels' (cpu_int8.c, cpu_int4.c) arithmetic, one order for both so their rows round alike: a
+   group's 32 products as one 8-lane chain over its four blocks of 8 inputs (w0..w3: the group's widened weights,
+   x: its 32 inputs) ... */
+static inline __m256 group_dot(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *x) {
+  __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+  d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), d);
+  d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), d);
+  return _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), d);
+}
+
+/* ... and sum_g c[g] * xs[g] (c: a channel's per-group offsets or minima, xs: a row's group sums), eight groups
+   per step, then the rest in order. */
+static inline float groups_dot(const float *c, const float *xs, int64_t G) {
+  __m256 v = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(c + g), _mm256_loadu_ps(xs + g), v);
+  float r = hsum8(v);
+  for (; g < G; ++g) r += c[g] * xs[g];
+  return r;
+}
+
+#ifdef KVCHAT_AVX512
+/* 8 floats at x in both halves. */
+static inline __m512 both(const float *x) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(x)); }
+
+/* group_dot for two channels at once: channel n's weights in lanes 0-7, channel n + 1's in lanes 8-15, each half
+   the same operations in the same order as group_dot (so the bits equal the avx2 build's). */
+static inline __m512 group_dot2(__m512 w0, __m512 w1, __m512 w2, __m512 w3, const float *x) {
+  __m512 d = _mm512_mul_ps(w0, both(x));
+  d = _mm512_fmadd_ps(w1, both(x + 8), d);
+  d = _mm512_fmadd_ps(w2, both(x + 16), d);
+  return _mm512_fmadd_ps(w3, both(x + 24), d);
+}
+#endif
+
 /* exp(x) in 8 lanes: Cephes' expf (S. Moshier): x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts),
    exp(r) by its degree-7 polynomial, times 2**n. Inputs are clamped to [-87.3, 88.3] (normal results); a NaN
    stays NaN (min/max return their second operand when one is NaN). */
