@@ -132,13 +132,7 @@ int64_t kvchat_int4_max_groups(void) { return MAX_GROUPS; }
 
 void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
                         float *xsum, float *y, int64_t M, int64_t N, int64_t G, int threads) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const float *v = x + (m * G + g) * GROUP;
-      const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
-      xsum[m * G + g] = hsum8(s);
-    }
+  group_sums(x, xsum, M, G);
   const int64_t blocks = (N + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < blocks; ++blk) {

@@ -42,10 +42,6 @@ static inline __m256 widen(const int8_t *w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
 }
 
-static inline __m256 pairwise(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-}
-
 /* Output channel n for rows m .. m + ROWS - 1 (ROWS a compile-time constant at each call): each weight group
    widened once for all of them, then for each row its 8-lane group dot product scaled into its accumulator. */
 static inline __attribute__((always_inline)) void channel(const float *x, const int8_t *q, const float *scale,
@@ -120,13 +116,7 @@ static inline __attribute__((always_inline)) int64_t channels(const float *x, co
 
 void kvchat_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, float *xsum, float *y,
                         int64_t M, int64_t N, int64_t G, int threads) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const float *v = x + (m * G + g) * GROUP;
-      const __m256 s = pairwise(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 16),
-                                _mm256_loadu_ps(v + 24));
-      xsum[m * G + g] = hsum8(s);
-    }
+  group_sums(x, xsum, M, G);
   const int64_t blocks = (N + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < blocks; ++blk) {

@@ -40,6 +40,17 @@ static inline float groups_dot(const float *c, const float *xs, int64_t G) {
   return r;
 }
 
+/* xsum [M, G]: each row's sums of its groups of 32 inputs (x float32 [M, 32 G]), as (x0 + x1) + (x2 + x3) over the
+   group's four blocks of 8, then the 8 lanes: the terms the weight kernels' offsets or minima multiply. */
+static inline void group_sums(const float *x, float *xsum, int64_t M, int64_t G) {
+  for (int64_t mg = 0; mg < M * G; ++mg) {
+    const float *v = x + mg * GROUP;
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
+    xsum[mg] = hsum8(s);
+  }
+}
+
 #ifdef KVCHAT_AVX512
 /* 8 floats at x in both halves. */
 static inline __m512 both(const float *x) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(x)); }
