@@ -14,14 +14,8 @@ from kvchat.server_address import base_url
 URL = "http://127.0.0.1:9"  # nothing is asked of it: every case stops before
 
 
-@pytest.fixture(autouse=True)
-def own_environment():
-    """main() puts --dtype, --weights and --gpu-memory into os.environ for the processes it starts; restored
-    here so that the servers later tests start do not inherit them."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+def _kvchat_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("KVCHAT_")}
 
 
 def one_line(capsys) -> str:
@@ -65,9 +59,9 @@ def test_credentials_in_kvchat_server_and_json(capsys, monkeypatch, kvchat_home)
     (["--gpu-memory", "0.5", "ask", "--server", URL, "hello"], "--gpu-memory"),
 ], ids=["tui threads", "tui kv-dtype (its default value)", "ask two flags", "top-level flag before ask"])
 def test_local_model_options_with_a_server_are_one_line(capsys, kvchat_home, argv, named):
-    before = dict(os.environ)
+    before = _kvchat_variables()
     assert main(argv) == 2
-    assert dict(os.environ) == before, "a refused command set no KVCHAT_* variable (later work would inherit it)"
+    assert _kvchat_variables() == before, "a refused command sets no KVCHAT_* variable (later work would inherit it)"
     line = one_line(capsys)
     assert f"kvchat: error: {named} set" in line and "up a local model; with --server the server's own" in line, line
     assert not kvchat_home.exists()
