@@ -108,11 +108,17 @@ class RemoteBackend:
         try:
             models = chats.client.models()
             counters = chats.client.counters()
-            chosen = pick_model([m.id for m in models], self.model, self.url)
         except Exception as exc:
             self._status = Status(phase="ready", message=f"{exc}; {RETRY}")
             raise
-        self._models, self._counters, self._connected = [m.id for m in models], counters, True
+        self._models = [m.id for m in models]  # known even when the one asked for is not among them: Ctrl+L picks
+        try:
+            chosen = pick_model(self._models, self.model, self.url)
+        except LookupError as exc:
+            self._status = Status(phase="ready", message=f"{exc}; pick one with Ctrl+L" if self._models else
+                                  f"{exc}; {RETRY}")
+            raise
+        self._counters, self._connected = counters, True
         chats.model, chats.context_limit = chosen, context_limit(models, chosen, counters)
         warning = plain_http_warning(self.url)  # said once, until the first answer's line replaces it
         self._status = Status(phase="ready", message=f"warning: {warning}" if warning else f"connected to {self.url}")
@@ -215,6 +221,8 @@ class RemoteBackend:
         def run() -> Status:
             from kvchat.remote.client import pick_model
 
+            if not self._connected:  # the model asked for at start is not the server's: this one is picked
+                self.model = pick_model(self._models, name, self.url)
             chats = self._require_connected()
             chats.model = pick_model(self._models, name, self.url)
             return self.status()

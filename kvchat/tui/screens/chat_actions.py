@@ -188,7 +188,7 @@ class ChatActions:
         if not models:
             self.app.notify(self.not_ready() or "no model to pick yet", severity="warning", markup=False)
             return
-        if len(models) == 1:
+        if len(models) == 1 and models[0] == current:
             self.app.notify(f"{models[0]} is the only model here", markup=False)
             return
         if not self._may_change_chat():
