@@ -28,20 +28,20 @@ def test_its_exception_is_raised_on_the_caller():
         on_own_thread(fail)
 
 
-def test_openmp_waits_are_passive_unless_the_user_chose():
-    from kvchat.cpu_threads import passive_openmp_waits
+def test_openmp_spins_are_short_unless_the_user_chose():
+    from kvchat.cpu_threads import short_openmp_spins
 
-    for given, expected in (({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
-                            ({"GOMP_SPINCOUNT": "10000"}, None)):
+    for given, expected in (({}, ("1000", None)), ({"OMP_WAIT_POLICY": "PASSIVE"}, (None, "PASSIVE")),
+                            ({"GOMP_SPINCOUNT": "10000"}, ("10000", None))):
         env = dict(given)
-        passive_openmp_waits(env)
-        assert env.get("OMP_WAIT_POLICY") == expected, given
+        short_openmp_spins(env)
+        assert (env.get("GOMP_SPINCOUNT"), env.get("OMP_WAIT_POLICY")) == expected, given
 
 
-@pytest.mark.parametrize("user, shown", [(None, "GOMP_SPINCOUNT = '0'"), ("ACTIVE", "OMP_WAIT_POLICY = 'ACTIVE'")])
-def test_the_kvchat_command_gives_torchs_openmp_runtime_the_passive_policy(tmp_path, user, shown):
-    """libgomp (torch's OpenMP runtime) prints what it runs with (OMP_DISPLAY_ENV) as torch loads it: a passive
-    policy spins 0 rounds before sleeping (its default, no policy set, spins 300,000)."""
+@pytest.mark.parametrize("user, shown", [(None, "GOMP_SPINCOUNT = '1000'"), ("PASSIVE", "GOMP_SPINCOUNT = '0'")])
+def test_the_kvchat_command_gives_torchs_openmp_runtime_a_short_spin(tmp_path, user, shown):
+    """libgomp (torch's OpenMP runtime) prints what it runs with (OMP_DISPLAY_ENV) as torch loads it: 1,000
+    rounds before sleeping unless the user chose (its default, nothing set, spins 300,000; passive spins 0)."""
     import json
     import os
     import subprocess

@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str], json_errors: bool, interrupts: _Interrupts) -> int:
     """:func:`main` after its SIGINT handler is in place."""
-    from kvchat.cpu_threads import passive_openmp_waits
+    from kvchat.cpu_threads import short_openmp_spins
 
-    passive_openmp_waits()  # before torch loads its OpenMP runtime (no module imported so far imports torch)
+    short_openmp_spins()  # before torch loads its OpenMP runtime (no module imported so far imports torch)
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
