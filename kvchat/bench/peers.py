@@ -250,9 +250,11 @@ def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
     rt = Runtime(info, None, tokenizer)
     ids, _, settings = build_conversation(rt, n, stdlib_text().text)
     question = rt.chat_format(settings).user_turn_ids(QUESTION)
-    ns = argparse.Namespace(tokens=[n], repeats=args.repeats, cold_repeats=1, model=args.model, kv_dtype="fp8",
+    model = str(info.path) if getattr(args, "shape", None) else args.model  # the model the speed rows ran
+    ns = argparse.Namespace(tokens=[n], repeats=args.repeats, cold_repeats=1, model=model, kv_dtype="fp8",
                             threads=threads, json=None)
-    kv = run_resume(ns)["summary"][0]
+    result = run_resume(ns)
+    kv, build = result["summary"][0], result["runs"][0]["builds"][0]
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         ll = _llama_resume(args, gguf, ids, question, threads, Path(tmp))
     rows = [{"who": "kvchat cold prefill", "ttft_ms": kv["cold_prefill_ms"]},
@@ -261,6 +263,7 @@ def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
         rows.append({"who": f"kvchat fp8 snapshot, {label}", **{k: kv[mode][k] for k in ("restore_ms", "ttft_ms")}})
         rows.append({"who": f"llama.cpp state file, {label}", **ll[mode]})
     return {"tokens": n, "question": QUESTION, "question_tokens": len(question), "rows": rows,
+            "kvchat_model": build["model"], "kvchat_weights": build.get("weights", "fp32"),
             "resident_after_drop": ll["resident_after_drop"] + kv["dropped"]["resident_before"],
             "snapshot_bytes": kv["snapshot_bytes"], "state_bytes": ll["state_bytes"],
             "snapshot_vs_state": kv["snapshot_bytes"] / ll["state_bytes"],

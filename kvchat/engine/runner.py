@@ -23,8 +23,9 @@ from kvchat.engine.block_manager import BlockManager, PoolFullError, SeqBlocks
 from kvchat.engine.cache_identity import FORMAT_COMPUTE, CacheIdentity, compute_key, int8_prefill_enabled
 from kvchat.engine.calibration import KVCalibration
 from kvchat.engine.decode_buffers import BATCH_BUCKETS, DecodeBuffers, DecodeRow, batch_bucket, context_bucket, context_buckets
-from kvchat.engine.decode_graphs import DecodeGraphs, graphs_wanted
+from kvchat.engine.decode_graphs import DecodeGraphs
 from kvchat.engine.dense_kv import DenseKV
+from kvchat.engine.execution_plan import ExecutionPlan, plan_execution
 from kvchat.engine.inference import inference
 from kvchat.engine.kv_pool import KVCacheSpec, KVPool
 from kvchat.engine.pool_size import PoolPlan, activation_peak_bytes, plan_pool
@@ -46,56 +47,6 @@ FORMAT_COMPUTE_DTYPES = {f: COMPUTE_DTYPES[n] for f, n in FORMAT_COMPUTE.items()
 PREFILL_CHUNK_TOKENS = 512
 SMALL_MODEL_PARAMS = 2_000_000_000
 DEFAULT_PREFILL_TOKENS_PER_S = 150.0  # until measured; CPU-conservative
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutionPlan:
-    """How one engine runs, decided once when it loads (:class:`Engine`) and read by its forwards; no forward
-    reads a setting.
-
-    Attributes:
-        device: the torch device, e.g. ``cpu`` or ``cuda:0``.
-        weight_format: a :data:`kvchat.engine.cache_identity.WEIGHT_FORMATS` name.
-        compute_dtype: the activations' dtype name, e.g. ``float32``.
-        attention: the kernels' backend, ``triton`` | ``compiled`` | ``torch``
-            (:class:`kvchat.kernels.dispatch.KernelChoice`).
-        dense_kv: prefill chunks read a contiguous copy of the K/V (:class:`DenseKV`, the CPU read path).
-        decode_on_pool: decode steps read the paged pool (GPUs, and CPUs with the compiled kernels), else
-            the dense copy.
-        compiled_layers: a CPU decode step's or short chunk's layers run compiled, one call each
-            (:mod:`kvchat.model.compiled_decode`).
-        pad_decode: decode batches are padded to :data:`BATCH_BUCKETS` (where CUDA graphs can run).
-        cuda_graphs: decode steps replay CUDA graphs (:mod:`kvchat.engine.decode_graphs`).
-        int8_kernel: the int8 matmul kernel's name (None: no int8 weights).
-        int8_prefill: int8 layers' prefill chunks run int8 activations on the integer kernel
-            (:func:`kvchat.engine.cache_identity.int8_prefill_enabled`), else the fp32 GEMM.
-        exact_sink: position 0 is read exact (:meth:`Engine.sink_kv`).
-    """
-
-    device: str
-    weight_format: str
-    compute_dtype: str
-    attention: str
-    dense_kv: bool
-    decode_on_pool: bool
-    compiled_layers: bool
-    pad_decode: bool
-    cuda_graphs: bool
-    int8_kernel: str | None
-    exact_sink: bool
-    int8_prefill: bool = False
-
-    def line(self) -> str:
-        """The plan in one line, e.g. ``cpu, int8 weights (avx2), float32, attention compiled, decode on the
-        pool, compiled layers, exact sink``."""
-        parts = [self.device, f"{self.weight_format} weights" + (f" ({self.int8_kernel})" if self.int8_kernel else ""),
-                 self.compute_dtype, f"attention {self.attention}",
-                 "decode on the pool" if self.decode_on_pool else "decode on the dense copy"]
-        parts += [name for on, name in ((self.dense_kv, "dense prefill copy"), (self.compiled_layers, "compiled layers"),
-                                        (self.pad_decode, "padded decode batches"), (self.cuda_graphs, "CUDA graphs"),
-                                        (self.exact_sink, "exact sink"),
-                                        (self.int8_prefill, "int8 prefill activations")) if on]
-        return ", ".join(parts)
 
 
 @dataclass(slots=True)
@@ -255,43 +206,37 @@ class Engine:
                 layer.self_attn.k_shift = shift.to(self.device, self.dtype)
         self.exact_sink = fp8 and exact_sink  # every attention backend reads it
         self._sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        max_blocks = -(-self.max_context // self.spec.block_size)
         # decided once: on a CPU builds or loads the compiled kernels (any notice now); no forward reads a setting
         model.kernels = dispatch.kernel_choice(self.pool.k)
-        backend = model.kernels.backend
-        if dense_kv is None:
-            dense_kv = self.device.type == "cpu" and backend != "triton"
-        # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
-        decode_on_pool = not dense_kv or (backend == "compiled" and dispatch.cpu_attention.takes_pool(*self.pool.layer(0)))
-        # a CPU decode step's or short chunk's layers in one compiled call each, where the model and pool qualify
-        # (else None); chunks on them store other bits than the torch layers': part of the fingerprint
-        self.compiled_decode = compiled_decode(model, self.pool) if backend == "compiled" and decode_on_pool else None
-        self.compute_key = compute_key(self.weight_format, dtype_name)  # the fingerprint's compute: None = implied
-        self.identity = CacheIdentity(
-            model_fingerprint, kv_dtype, self.spec.block_size, self.weight_format, self.compute_key, self.int8_kernel,
-            self.compiled_decode is not None, self.calibration.digest if self.calibration else None, self.exact_sink,
-            self.int8_prefill)
-        self.scale_scheme, self.cache_fingerprint = self.identity.scale_scheme, self.identity.fingerprint
-        self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
-        self.dense = DenseKV(self.pool, self.blocks) if dense_kv else None
-        max_blocks = -(-self.max_context // self.spec.block_size)
-        sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
-        self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
         compiling = None if progress is None else (
             lambda done, total: progress(f"preparing {total} Triton kernel variants (compiled on a first start)", done, total))
         if warm_up(self.pool.layer(0), cfg.num_heads, self.dtype, self.max_context, self.exact_sink,  # GPU only
-                   BATCH_BUCKETS, context_buckets(max_blocks), max_blocks, progress=compiling) == [] and backend == "triton":
+                   BATCH_BUCKETS, context_buckets(max_blocks), max_blocks, progress=compiling) == [] \
+                and model.kernels.backend == "triton":
             model.kernels = dispatch.kernel_choice(self.pool.k)  # Triton could not build its launcher: the reference
-            backend = model.kernels.backend
         if model.kernels.fused is not None and self.device.type == "cuda":  # the decode step's fused kernels
             model.kernels.fused.warm_up(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, self.dtype,
                                         self.pool.layer(0), model.layers[0].self_attn.k_shift)
-        # decode batches padded to BATCH_BUCKETS where graphs can run (with them off too: the warmed-up shapes)
-        pad_decode = self.dense is None and graphs_wanted(self.device, backend, True)
-        self.plan = ExecutionPlan(str(self.device), self.weight_format, str(self.dtype).removeprefix("torch."), backend,
-                                  self.dense is not None, decode_on_pool, self.compiled_decode is not None, pad_decode,
-                                  pad_decode and settings.cuda_graphs(), self.int8_kernel, self.exact_sink,
-                                  self.int8_prefill)
+        # the compiled decoder layers where the model and pool fit them (their addresses are taken now)
+        compiled = compiled_decode(model, self.pool) if model.kernels.backend == "compiled" else None
+        self.plan: ExecutionPlan = plan_execution(
+            self.device, model.kernels, self.pool.layer(0), weight_format=self.weight_format, compute_dtype=self.dtype,
+            int8_kernel=self.int8_kernel, exact_sink=self.exact_sink, int8_prefill=self.int8_prefill,
+            dense_kv=dense_kv, compiled_layers_fit=compiled is not None, cuda_graphs=settings.cuda_graphs())
         logging.getLogger(__name__).info("kvchat: engine plan: %s", self.plan.line())
+        # chunks on the compiled layers store other bits than the torch layers': part of the fingerprint
+        self.compiled_decode = compiled if self.plan.compiled_layers else None
+        self.compute_key = compute_key(self.weight_format, dtype_name)  # the fingerprint's compute: None = implied
+        self.identity = CacheIdentity(
+            model_fingerprint, kv_dtype, self.spec.block_size, self.weight_format, self.compute_key, self.int8_kernel,
+            self.plan.compiled_layers, self.calibration.digest if self.calibration else None, self.exact_sink,
+            self.int8_prefill)
+        self.scale_scheme, self.cache_fingerprint = self.identity.scale_scheme, self.identity.fingerprint
+        self.blocks = BlockManager(self.pool.num_blocks, self.spec.block_size, bytes.fromhex(self.cache_fingerprint))
+        self.dense = DenseKV(self.pool, self.blocks) if self.plan.dense_kv else None
+        sink_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) if self.exact_sink else None
+        self.decode_buffers = DecodeBuffers(max_blocks, sink_shape, self.device)
         self.decode_graphs = DecodeGraphs(self.paged_decode_step) if self.plan.cuda_graphs else None  # None: eager
         self.load_ms = timer.stop()
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S

@@ -226,7 +226,7 @@ class Int8GroupLinear(_Int8Layer):
         super().__init__(*q.shape, bias)
         self.groups = scale.shape[1]
         # past max_rows, int8 activations on the integer kernel instead of the fp32 GEMM: set by the engine's
-        # plan (kvchat.engine.runner.ExecutionPlan.int8_prefill), never per call
+        # plan (kvchat.engine.execution_plan.ExecutionPlan.int8_prefill), never per call
         self.integer_prefill = False
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())

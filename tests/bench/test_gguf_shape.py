@@ -164,6 +164,24 @@ def test_bench_peers_labels_llama_cpp_with_the_ggufs_weight_type(smol_info, defa
 
 
 @needs_llama_cpp
+def test_bench_peers_resumes_the_shapes_model_on_both_sides(monkeypatch, smol_info, default_gguf_file):
+    """The resume rows run the random-weight shape on kvchat's side too, as the speed rows do (a tiny shape
+    stands in for the 0.8B one: the same code path, in seconds)."""
+    import argparse
+
+    from kvchat.bench import gguf_shape
+    from kvchat.bench.peers import run_peers
+
+    monkeypatch.setitem(gguf_shape.PEER_SHAPES, "tiny", "tiny-smollm2-vocab")
+    args = argparse.Namespace(model=None, gguf=None, shape="tiny", context=24, decode_tokens=2, repeats=1,
+                              resume_tokens=256, threads=1, kv_dtype="fp8", json=None)
+    res = run_peers(args)
+    assert res["model"] == "tiny-smollm2-vocab"
+    assert res["resume"]["kvchat_model"] == res["model"]
+    assert res["resume"]["kvchat_weights"] == res["kvchat_weights"]
+
+
+@needs_llama_cpp
 def test_shape_with_model_is_one_error_line(capsys):
     from kvchat.cli.main import main
 
