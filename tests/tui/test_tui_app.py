@@ -102,6 +102,21 @@ async def test_send_streams_the_answer_and_updates_status(harness):
         await until(pilot, lambda: h.sidebar_titles() == ["hi there"])
 
 
+async def test_a_status_line_longer_than_the_terminal_wraps_instead_of_being_cut():
+    name = "Meta-Llama-3.1-8B-Instruct-abliterated-GGUF-Q4_K_M-imported-from-a-very-long-path"
+    h = Harness(FakeBackend(answers=["Hello"], model_names=(name,)))
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "hi there")
+        bar = h.screen.query_one(StatusBar)
+        await until(pilot, lambda: "tok/s" in shown(bar))
+        first = shown(bar).split("\n")[0]
+        assert len(first) > bar.content_region.width  # the counters do not fit on one line here
+        assert bar.content_region.height >= 3  # so they take two, and the second line still shows
+        rendered = " ".join(bar.render_line(y).text.strip() for y in range(bar.region.height))
+        assert name in rendered and "100.0 tok/s" in rendered and "loading" not in rendered  # nothing cut off
+
+
 async def test_ctrl_j_inserts_a_newline_and_enter_sends(harness):
     h = harness
     async with h.app.run_test(size=SIZE) as pilot:
@@ -327,6 +342,22 @@ async def test_help_lists_every_binding(harness):
         assert isinstance(h.app.screen, ChatScreen)
         palette = {c.title for c in h.app.get_system_commands(h.app.screen)}
         assert {a.title for a in ACTIONS} <= palette | {"Theme"}
+
+
+@pytest.mark.parametrize("size", [(80, 30), SIZE, (200, 50)])
+async def test_help_fits_the_terminal_width_and_wraps_long_lines(harness, size):
+    h = harness
+    async with h.app.run_test(size=size) as pilot:
+        await pilot.press("f1")
+        table = h.app.screen.query_one(DataTable)
+        await until(pilot, lambda: table.row_count and table.size.width)
+        await pilot.pause()
+        assert table.virtual_size.width <= table.size.width  # nothing to scroll sideways to
+        texts = [str(table.get_row_at(i)[2]) for i in range(table.row_count)]
+        assert texts == [a.help for a in ACTIONS] + [t for _, t in INPUT_KEYS]  # whole, not cut
+        longest = max(range(table.row_count), key=lambda i: len(texts[i]))
+        width = table.ordered_columns[2].width
+        assert (table.ordered_rows[longest].height > 1) == (len(texts[longest]) > width)  # wrapped where too long
 
 
 async def test_bad_document_path_is_a_notice_not_a_crash(harness, tmp_path):

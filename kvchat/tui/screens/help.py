@@ -9,6 +9,9 @@ from textual.widgets import DataTable, Static
 
 from kvchat.tui.actions import ACTIONS, INPUT_KEYS
 
+HEADERS = ("Key", "Action", "What it does")
+MIN_TEXT_WIDTH = 12  # the last column wraps at the table's width, never below this many cells
+
 
 def help_rows() -> list[tuple[str, str, str]]:
     """``(key, action, what it does)`` for every action, then the input and navigation keys."""
@@ -17,17 +20,31 @@ def help_rows() -> list[tuple[str, str, str]]:
 
 
 class HelpScreen(ModalScreen[None]):
-    """The bindings table; Esc, F1 or q closes it."""
+    """The bindings table; Esc, F1 or q closes it. Its last column wraps to the table's width (a 120-column
+    terminal showed it cut off at the right), so every line is read without scrolling sideways."""
 
     BINDINGS = [("escape,f1,q", "close", "Close")]
 
     def compose(self):
         with Vertical(classes="dialog wide"):
             yield Static("kvchat keys — Esc closes", classes="question")
-            table = DataTable(id="help-table", cursor_type="row", zebra_stripes=True)
-            table.add_columns("Key", "Action", "What it does")
-            table.add_rows([tuple(Text(cell) for cell in row) for row in help_rows()])
-            yield table
+            yield DataTable(id="help-table", cursor_type="row", zebra_stripes=True)
+
+    def on_resize(self) -> None:
+        self._fill()
+
+    def _fill(self) -> None:
+        """The rows again at the table's current width: the first two columns as wide as their longest
+        cell, the last one the rest (each cell has ``cell_padding`` on both sides; 2 more for the scrollbar)."""
+        table = self.query_one("#help-table", DataTable)
+        rows = help_rows()
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS[:2])]
+        rest = table.size.width - sum(widths) - 2 * table.cell_padding * len(HEADERS) - 2
+        table.clear(columns=True)
+        for header, width in zip(HEADERS, [*widths, max(MIN_TEXT_WIDTH, rest)]):
+            table.add_column(header, width=width)
+        for row in rows:
+            table.add_row(*(Text(cell) for cell in row), height=None)
 
     def action_close(self) -> None:
         self.dismiss(None)
