@@ -261,7 +261,7 @@ class Engine:
         if dense_kv is None:
             dense_kv = self.device.type == "cpu" and backend != "triton"
         # decode steps read the paged pool (the paged kernels, on a CPU the compiled ones), else the dense copy
-        decode_on_pool = not dense_kv or (backend == "compiled" and dispatch.cpu_attention.takes_pool(*self.pool.layer(0)))
+        decode_on_pool = not dense_kv or (backend == "compiled" and dispatch.cpu_attention.takes_pool(self.pool.layer(0)))
         # a CPU decode step's or short chunk's layers in one compiled call each, where the model and pool qualify
         # (else None); chunks on them store other bits than the torch layers': part of the fingerprint
         self.compiled_decode = compiled_decode(model, self.pool) if backend == "compiled" and decode_on_pool else None

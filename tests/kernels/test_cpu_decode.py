@@ -70,7 +70,8 @@ def _stored_k(engine: Engine, seq: SeqBlocks, start: int, end: int) -> torch.Ten
     """Tokens ``[start, end)`` of ``seq`` as layer 1 of the pool stores their K, dequantized: ``[end - start,
     kv_heads, head_dim]`` float32."""
     slots = torch.tensor(engine.blocks.slots(seq, start, end))
-    k_cache, _, k_scale, _ = engine.pool.layer(1)
+    layer = engine.pool.layer(1)
+    k_cache, k_scale = layer.k_cache, layer.k_scale
     bs = k_cache.shape[1]
     k = k_cache[slots // bs, slots % bs].float()
     return k if k_scale is None else k * k_scale[slots // bs, slots % bs][..., None]
