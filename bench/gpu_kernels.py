@@ -34,8 +34,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # imported where needed, once load_kernels has mapped ``kvchat`` to this checkout
+    from kvchat.kernels.layout import KVLayer
 
 ROOT = Path(__file__).resolve().parents[1]
 FP8 = torch.float8_e4m3fn
@@ -89,7 +93,7 @@ def load_kernels() -> Kernels:
 class Paged:
     """A paged pool with one shuffled block table; tensors as in ``kvchat.kernels.layout``."""
 
-    kv: object  # kvchat.kernels.layout.KVLayer (imported once load_kernels has mapped kvchat)
+    kv: KVLayer
     block_table: torch.Tensor  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_seqs]
 
