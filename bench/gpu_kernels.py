@@ -34,8 +34,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # imported where needed, once load_kernels has mapped ``kvchat`` to this checkout
+    from kvchat.kernels.layout import KVLayer
 
 ROOT = Path(__file__).resolve().parents[1]
 FP8 = torch.float8_e4m3fn
@@ -87,31 +91,29 @@ def load_kernels() -> Kernels:
 
 @dataclass(slots=True)
 class Paged:
-    """A paged pool with one shuffled block table; tensors as in ``kvchat.kernels.reference``."""
+    """A paged pool with one shuffled block table; tensors as in ``kvchat.kernels.layout``."""
 
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    k_scale: torch.Tensor | None
-    v_scale: torch.Tensor | None
+    kv: KVLayer
     block_table: torch.Tensor  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_seqs]
 
     def to(self, device: torch.device) -> Paged:
-        tensors = (self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.block_table, self.seq_lens)
-        return Paged(*(None if t is None else t.to(device) for t in tensors))
+        return Paged(self.kv.to(device), self.block_table.to(device), self.seq_lens.to(device))
 
     def kv_bytes(self) -> int:
         """Bytes of K, V and scales that attention over all sequences reads."""
         tokens = int(self.seq_lens.sum())
-        per_token = 2 * self.k_cache[0, 0].numel() * self.k_cache.element_size()
-        if self.k_scale is not None:
-            per_token += 2 * self.k_scale[0, 0].numel() * 4
+        per_token = 2 * self.kv.k_cache[0, 0].numel() * self.kv.k_cache.element_size()
+        if self.kv.k_scale is not None:
+            per_token += 2 * self.kv.k_scale[0, 0].numel() * 4
         return tokens * per_token
 
 
 def empty_pool(lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                device: torch.device, seed: int = 0) -> Paged:
     """Pool holding ``lens`` tokens per sequence behind a random block permutation (contents unset)."""
+    from kvchat.kernels.layout import KVLayer
+
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // BLOCK_SIZE) for n in lens]
     num_blocks = max(1, sum(per_seq))
@@ -125,12 +127,12 @@ def empty_pool(lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.d
     k = torch.empty(shape, dtype=dtype, device=device)
     scales = [torch.empty(shape[:3], device=device) for _ in range(2)] if dtype == FP8 else [None, None]
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
-    return Paged(k, torch.empty_like(k), *scales, table.to(device), lens_t)
+    return Paged(KVLayer(k, torch.empty_like(k), *scales), table.to(device), lens_t)
 
 
 def fill_random(pool: Paged) -> None:
     """Random finite contents without a quantization pass: fp8 bytes avoid the NaN codes 0x7F/0xFF."""
-    for cache, scale in ((pool.k_cache, pool.k_scale), (pool.v_cache, pool.v_scale)):
+    for cache, scale in ((pool.kv.k_cache, pool.kv.k_scale), (pool.kv.v_cache, pool.kv.v_scale)):
         if cache.dtype == FP8:
             raw = torch.randint(0, 0x7F, cache.shape, dtype=torch.uint8, device=cache.device)
             raw |= torch.randint(0, 2, cache.shape, dtype=torch.uint8, device=cache.device) << 7
@@ -148,12 +150,12 @@ def slots_of(pool: Paged, seq: int, positions: torch.Tensor) -> torch.Tensor:
 
 def write_sequences(kernels: Kernels, pool: Paged, act_dtype: torch.dtype) -> None:
     """Fill every sequence with random K/V through the Triton ``write_kv``."""
-    _, _, num_kv_heads, head_dim = pool.k_cache.shape
-    device = pool.k_cache.device
+    _, _, num_kv_heads, head_dim = pool.kv.k_cache.shape
+    device = pool.kv.k_cache.device
     for i, n in enumerate(pool.seq_lens.tolist()):
         slots = slots_of(pool, i, torch.arange(n, device=device))
         k = torch.randn(n, num_kv_heads, head_dim, device=device).to(act_dtype)
-        kernels.write.write_kv(k, torch.randn_like(k), pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots)
+        kernels.write.write_kv(k, torch.randn_like(k), pool.kv, slots)
 
 
 @dataclass(slots=True)
@@ -186,7 +188,7 @@ def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check
         for pool_dtype in kv_dtypes(device):
             name = _name(pool_dtype)
             pool = empty_pool(lens, num_kv_heads, head_dim, pool_dtype, device)
-            for cache in (pool.k_cache, pool.v_cache):
+            for cache in (pool.kv.k_cache, pool.kv.v_cache):
                 cache.view(torch.uint8).zero_()
             mirror = pool.to("cpu")
             err = 0.0
@@ -194,11 +196,10 @@ def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check
                 k = torch.randn(n, num_kv_heads, head_dim, device=device).to(act)
                 v = torch.randn_like(k)
                 slots = slots_of(pool, i, torch.arange(n, device=device))
-                triton_write.write_kv(k, v, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots)
-                reference.write_kv(k.cpu(), v.cpu(), mirror.k_cache, mirror.v_cache, mirror.k_scale, mirror.v_scale,
-                                   slots.cpu())
-            for mine, ref in ((pool.k_cache, mirror.k_cache), (pool.v_cache, mirror.v_cache),
-                              (pool.k_scale, mirror.k_scale), (pool.v_scale, mirror.v_scale)):
+                triton_write.write_kv(k, v, pool.kv, slots)
+                reference.write_kv(k.cpu(), v.cpu(), mirror.kv, slots.cpu())
+            for mine, ref in ((pool.kv.k_cache, mirror.kv.k_cache), (pool.kv.v_cache, mirror.kv.v_cache),
+                              (pool.kv.k_scale, mirror.kv.k_scale), (pool.kv.v_scale, mirror.kv.v_scale)):
                 if mine is not None:
                     err += float((mine.cpu().view(torch.uint8) != ref.view(torch.uint8)).sum())
             checks.append(Check(shape, "write_kv (differing bytes)", name, err, 0.0))
@@ -206,14 +207,11 @@ def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check
             # bf16/fp16 outputs round to 2**-8 / 2**-11 relative; the kernels also round p*v_scale to that dtype
             tol = 2e-2 if act == torch.bfloat16 else 4e-3
             q = torch.randn(len(lens), num_heads, head_dim, device=device).to(act)
-            out = triton_decode.decode_attention(q, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale,
-                                                 pool.block_table, pool.seq_lens, sm_scale)
-            ref = reference.decode_attention(q.cpu(), mirror.k_cache, mirror.v_cache, mirror.k_scale,
-                                             mirror.v_scale, mirror.block_table, mirror.seq_lens, sm_scale)
+            out = triton_decode.decode_attention(q, pool.kv, pool.block_table, pool.seq_lens, sm_scale)
+            ref = reference.decode_attention(q.cpu(), mirror.kv, mirror.block_table, mirror.seq_lens, sm_scale)
             checks.append(Check(shape, "decode_attention (max abs err)", name, _err(out, ref), tol))
-            if pool.k_scale is not None and device.type == "cuda":  # the bit conversion GPUs below sm_89 run
-                out = triton_decode.paged_decode(q, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale,
-                                                 pool.block_table, pool.seq_lens, sm_scale, fp8_bits=True)
+            if pool.kv.k_scale is not None and device.type == "cuda":  # the bit conversion GPUs below sm_89 run
+                out = triton_decode.paged_decode(q, pool.kv, pool.block_table, pool.seq_lens, sm_scale, fp8_bits=True)
                 checks.append(Check(shape, "decode_attention fp8 bits (max abs err)", name, _err(out, ref), tol))
 
             ext = empty_pool([p + n for p, n in chunks], num_kv_heads, head_dim, pool_dtype, device, seed=1)
@@ -221,14 +219,11 @@ def run_checks(kernels: Kernels, device: torch.device, tiny: bool) -> list[Check
             ext_cpu = ext.to("cpu")
             cu = torch.tensor([0] + [n for _, n in chunks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
             q = torch.randn(int(cu[-1]), num_heads, head_dim, device=device).to(act)
-            out = triton_extend.extend_attention(q, ext.k_cache, ext.v_cache, ext.k_scale, ext.v_scale,
-                                                 ext.block_table, ext.seq_lens, cu.to(device), sm_scale)
-            ref = reference.extend_attention(q.cpu(), ext_cpu.k_cache, ext_cpu.v_cache, ext_cpu.k_scale,
-                                             ext_cpu.v_scale, ext_cpu.block_table, ext_cpu.seq_lens, cu, sm_scale)
+            out = triton_extend.extend_attention(q, ext.kv, ext.block_table, ext.seq_lens, cu.to(device), sm_scale)
+            ref = reference.extend_attention(q.cpu(), ext_cpu.kv, ext_cpu.block_table, ext_cpu.seq_lens, cu, sm_scale)
             checks.append(Check(shape, "extend_attention (max abs err)", name, _err(out, ref), tol))
-            if ext.k_scale is not None and device.type == "cuda":
-                out = triton_extend.extend_attention(q, ext.k_cache, ext.v_cache, ext.k_scale, ext.v_scale,
-                                                     ext.block_table, ext.seq_lens, cu.to(device), sm_scale,
+            if ext.kv.k_scale is not None and device.type == "cuda":
+                out = triton_extend.extend_attention(q, ext.kv, ext.block_table, ext.seq_lens, cu.to(device), sm_scale,
                                                      fp8_bits=True)
                 checks.append(Check(shape, "extend_attention fp8 bits (max abs err)", name, _err(out, ref), tol))
     return checks
@@ -309,7 +304,7 @@ def _decode_setup(kernels: Kernels, device: torch.device, shape: str, kv_dtype, 
     pool = empty_pool([context] * batch, num_kv_heads, head_dim, kv_dtype, device)
     fill_random(pool)
     q = torch.randn(batch, num_heads, head_dim, device=device).to(act)
-    args = (q, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, pool.block_table, pool.seq_lens, head_dim**-0.5)
+    args = (q, pool.kv, pool.block_table, pool.seq_lens, head_dim**-0.5)
     return args, pool.kv_bytes() + 2 * q.numel() * q.element_size()
 
 
@@ -354,7 +349,8 @@ def decode_sweep(kernels: Kernels, device: torch.device, contexts: list[int], ba
         for batch in batches:
             for context in contexts:
                 args, nbytes = _decode_setup(kernels, device, shape, kv_dtype, batch, context)
-                num_kv_heads, capacity = args[1].shape[2], args[5].shape[1] * args[1].shape[1]
+                _, kv, table, _, _ = args
+                num_kv_heads, capacity = kv.k_cache.shape[2], table.shape[1] * kv.k_cache.shape[1]
                 for block_n, warps, stages in tilings:
                     f16 = [(dec.SPLIT_WAVES, True)] if kv_dtype == FP8 else []
                     for waves, f16_math in [(w, False) for w in waves_list] + f16:
@@ -385,10 +381,10 @@ def write_rows(kernels: Kernels, device: torch.device, num_tokens: int, shape: s
         k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(act)
         v = torch.randn_like(k)
         slots = slots_of(pool, 0, torch.arange(num_tokens, device=device))
-        args = (k, v, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, slots)
+        args = (k, v, pool.kv, slots)
         ms = time_ms(functools.partial(kernels.write.write_kv, *args), device, reps, graph=device.type == "cuda")
-        nbytes = 2 * k.numel() * (k.element_size() + pool.k_cache.element_size()) + slots.numel() * 8
-        if pool.k_scale is not None:
+        nbytes = 2 * k.numel() * (k.element_size() + pool.kv.k_cache.element_size()) + slots.numel() * 8
+        if pool.kv.k_scale is not None:
             nbytes += 2 * num_tokens * num_kv_heads * 4
         gbps = nbytes / ms / 1e6
         rows.append(Row("write", _name(kv_dtype), num_tokens, 1, ms, gbps, gbps / copy_gbps))

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from .cpu_build import load as load_library
+from .layout import KVLayer, Sink
 from .reference import FP8_DTYPE
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -67,11 +68,11 @@ def available() -> bool:
     return _library() is not None
 
 
-def takes_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                v_scale: torch.Tensor | None) -> bool:
+def takes_pool(kv: KVLayer) -> bool:
     """A layer's pools the kernels read and write: CPU, contiguous ``[num_blocks, block_size, num_kv_heads,
     head_dim]`` of one :data:`KINDS` dtype, ``head_dim`` a multiple of 16 up to the C source's limit, fp8 with
     contiguous float32 scales."""
+    k_cache, v_cache = kv.k_cache, kv.v_cache
     if (k_cache.device.type != "cpu" or k_cache.dtype not in KINDS or v_cache.dtype != k_cache.dtype
             or k_cache.dim() != 4 or v_cache.shape != k_cache.shape
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
@@ -82,22 +83,21 @@ def takes_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tens
     if k_cache.dtype != FP8_DTYPE:
         return True
     return all(s is not None and s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:3]
-               for s in (k_scale, v_scale))
+               for s in (kv.k_scale, kv.v_scale))
 
 
-def takes_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                 v_scale: torch.Tensor | None, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+def takes_decode(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 sink: Sink | None = None) -> bool:
     """Whether :func:`decode_attention` runs these (the arguments of
     :func:`kvchat.kernels.reference.decode_attention`): the pools as :func:`takes_pool` says, a float32 CPU
     query (any of :data:`FLOAT_DTYPES`) of whole query-head groups, int32 block table (``[num_seqs, max_blocks]``, columns contiguous)
     and lengths, and a sink of float32 ``[num_seqs, num_kv_heads, head_dim]`` rows with ``[num_kv_heads,
     head_dim]`` contiguous (any row stride), K and V alike."""
-    if not takes_pool(k_cache, v_cache, k_scale, v_scale):
+    if not takes_pool(kv):
         return False
     r, heads, d = query.shape
-    hkv = k_cache.shape[2]
-    if (r < 1 or query.dtype not in FLOAT_DTYPES or d != k_cache.shape[3] or heads % hkv
+    hkv = kv.k_cache.shape[2]
+    if (r < 1 or query.dtype not in FLOAT_DTYPES or d != kv.k_cache.shape[3] or heads % hkv
             or block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != r
             or block_table.stride(1) != 1 or seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (r,)
             or not seq_lens.is_contiguous()
@@ -108,16 +108,12 @@ def takes_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         and s.stride() == sink[0].stride() for s in sink)
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                     v_scale: torch.Tensor | None, block_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-                     sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float, sink: Sink | None = None) -> torch.Tensor:
     """One query token per sequence over its whole cached sequence, read from the paged pool.
 
-    Arguments, result and meaning as :func:`kvchat.kernels.reference.decode_attention` (query
-    ``[num_seqs, num_heads, head_dim]``, pools ``[num_blocks, block_size, num_kv_heads,
-    head_dim]``, int32 ``block_table`` ``[num_seqs, max_blocks]`` and ``seq_lens`` ``[num_seqs]``, optional
-    exact position-0 ``sink``); ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (float32 math), zeros
-    for a sequence of length 0.
+    Arguments, result and meaning as :func:`kvchat.kernels.reference.decode_attention`; zeros for a sequence
+    of length 0.
 
     One pass over the pool: each 128-token range's scores, softmax and values in the thread's cache, the ranges
     merged with the online softmax's rescaling (``cpu_attention.c`` says how), so a row's bits depend on its length
@@ -127,12 +123,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         ValueError: inputs :func:`takes_decode` refuses, or a length the block table cannot cover
             (the kernel reads ``ceil(L / block_size)`` entries of each row, unchecked).
     """
-    if not takes_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sink):
+    if not takes_decode(query, kv, block_table, seq_lens, sink):
         raise ValueError(f"cpu decode attention: query {tuple(query.shape)} {query.dtype}, pool "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype}: not what the kernel takes (or it is not built)")
+                         f"{tuple(kv.k_cache.shape)} {kv.k_cache.dtype}: not what the kernel takes (or it is not built)")
     lib = _library()
     r, heads, d = query.shape
-    _, bs, hkv, _ = k_cache.shape
+    _, bs, hkv, _ = kv.k_cache.shape
     group, threads = heads // hkv, torch.get_num_threads()
     lengths = seq_lens.tolist()
     lmax = max(lengths)
@@ -145,42 +141,42 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty(r, heads, d)
     sink_k, sink_v, sink_stride = (None, None, 0) if sink is None else (sink[0].data_ptr(), sink[1].data_ptr(),
                                                                         sink[0].stride(0))
-    fp8 = k_cache.dtype == FP8_DTYPE
-    lib.kvchat_paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                               k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
-                               block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), sink_k, sink_v,
-                               sink_stride, out.data_ptr(), work.data_ptr(), tile.data_ptr(), r, hkv, group, 1, d, bs,
-                               lmax, sm_scale, KINDS[k_cache.dtype], threads)
+    lib.kvchat_paged_attention(q.data_ptr(), *pool_pointers(kv), block_table.data_ptr(), block_table.stride(0),
+                               seq_lens.data_ptr(), sink_k, sink_v, sink_stride, out.data_ptr(), work.data_ptr(),
+                               tile.data_ptr(), r, hkv, group, 1, d, bs, lmax, sm_scale, KINDS[kv.k_cache.dtype], threads)
     return out.to(query.dtype)
 
 
-def takes_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> bool:
+def takes_write(key: torch.Tensor, value: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor) -> bool:
     """Whether :func:`write_kv` runs these (the arguments of :func:`kvchat.kernels.reference.write_kv`): the
     pools as :func:`takes_pool` says, CPU ``[num_tokens, num_kv_heads, head_dim]`` K/V of their
     shape in one of :data:`FLOAT_DTYPES`, int64 slots."""
-    return (takes_pool(k_cache, v_cache, k_scale, v_scale) and key.dtype == value.dtype and key.dtype in FLOAT_DTYPES
-            and key.dim() == 3 and key.shape == value.shape and tuple(key.shape[1:]) == tuple(k_cache.shape[2:])
+    return (takes_pool(kv) and key.dtype == value.dtype and key.dtype in FLOAT_DTYPES
+            and key.dim() == 3 and key.shape == value.shape and tuple(key.shape[1:]) == tuple(kv.k_cache.shape[2:])
             and slot_mapping.dtype == torch.int64 and tuple(slot_mapping.shape) == (key.shape[0],)
             and key.device.type == value.device.type == slot_mapping.device.type == "cpu")
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+def pool_pointers(kv: KVLayer) -> tuple[int, int, int | None, int | None]:
+    """The addresses of the pools and (fp8) scales, as the C functions take them."""
+    fp8 = kv.k_cache.dtype == FP8_DTYPE
+    return (kv.k_cache.data_ptr(), kv.v_cache.data_ptr(), kv.k_scale.data_ptr() if fp8 else None,
+            kv.v_scale.data_ptr() if fp8 else None)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor) -> None:
     """:func:`kvchat.kernels.reference.write_kv` (same arguments; slot -1 skips a token), bit for bit the
     same pool contents.
 
     Raises:
         ValueError: inputs :func:`takes_write` refuses, or a slot outside the pool (the kernel writes unchecked).
     """
-    if not takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-        raise ValueError(f"cpu write_kv: key {tuple(key.shape)} {key.dtype}, pool {tuple(k_cache.shape)} "
-                         f"{k_cache.dtype}: not what the kernel takes (or it is not built)")
-    if slot_mapping.numel() and int(slot_mapping.max()) >= k_cache.shape[0] * k_cache.shape[1]:
-        raise ValueError(f"cpu write_kv: slot {int(slot_mapping.max())} outside a pool of "
-                         f"{k_cache.shape[0] * k_cache.shape[1]} slots")
-    fp8 = k_cache.dtype == FP8_DTYPE
+    if not takes_write(key, value, kv, slot_mapping):
+        raise ValueError(f"cpu write_kv: key {tuple(key.shape)} {key.dtype}, pool {tuple(kv.k_cache.shape)} "
+                         f"{kv.k_cache.dtype}: not what the kernel takes (or it is not built)")
+    slots_in_pool = kv.k_cache.shape[0] * kv.k_cache.shape[1]
+    if slot_mapping.numel() and int(slot_mapping.max()) >= slots_in_pool:
+        raise ValueError(f"cpu write_kv: slot {int(slot_mapping.max())} outside a pool of {slots_in_pool} slots")
     k, v, slots = key.float().contiguous(), value.float().contiguous(), slot_mapping.contiguous()
-    _library().kvchat_paged_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                  k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
-                                  slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2], KINDS[k_cache.dtype])
+    _library().kvchat_paged_write(k.data_ptr(), v.data_ptr(), *pool_pointers(kv), slots.data_ptr(),
+                                  k.shape[0], k.shape[1], k.shape[2], KINDS[kv.k_cache.dtype])

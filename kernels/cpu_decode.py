@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
-from .cpu_attention import KINDS, takes_pool
+from .cpu_attention import KINDS, pool_pointers, takes_pool
 from .cpu_attention import SOURCE as ATTENTION_SOURCE
 from .cpu_build import load as load_library
 from .cpu_int4 import SOURCE as INT4_SOURCE
 from .cpu_int8 import GROUP
 from .cpu_int8 import SOURCE as INT8_SOURCE
+from .layout import KVLayer
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -99,7 +100,7 @@ class LayerTensors:
             head_dim]``; gate_up ``[2 inter, hidden]`` (gate rows, then up); down ``[hidden, inter]``.
         k_shift: ``[kv_heads, head_dim]`` subtracted from post-RoPE K before it is stored, or None
             (:class:`kvchat.model.transformer.Attention`).
-        pool: the layer's ``(k_cache, v_cache, k_scale, v_scale)`` (:meth:`kvchat.engine.kv_pool.KVPool.layer`).
+        pool: the layer's pools (:meth:`kvchat.engine.kv_pool.KVPool.layer`).
     """
 
     attn_norm: torch.Tensor
@@ -109,7 +110,7 @@ class LayerTensors:
     gate_up: GroupWeight
     down: GroupWeight
     k_shift: torch.Tensor | None
-    pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    pool: KVLayer
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -161,7 +162,7 @@ class DecodeLayers:
         if not self.takes(layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden, inter=inter):
             raise ValueError("decode layers: tensors or pools of a layout the compiled decode step does not take")
         self._lib, self._layers = lib, layers
-        k_cache = layers[0].pool[0]
+        k_cache = layers[0].pool.k_cache
         self._slots_in_pool = k_cache.shape[0] * k_cache.shape[1]
         self._block_size = k_cache.shape[1]
         self._structs = (_Layer * len(layers))()
@@ -171,7 +172,7 @@ class DecodeLayers:
                 w = getattr(t, name)
                 setattr(c, name, _Weight(w.q.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), _ptr(w.bias),
                                          w.q.shape[0], w.q.shape[1] * 8 // w.bits, w.bits))
-            c.k_cache, c.v_cache, c.k_scale, c.v_scale = (_ptr(p) for p in t.pool)
+            c.k_cache, c.v_cache, c.k_scale, c.v_scale = pool_pointers(t.pool)
         self._addresses = [ctypes.addressof(c) for c in self._structs]
         self._step = _Step(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter,
                            block_size=self._block_size, num_layers=len(layers), eps=eps, sm_scale=sm_scale,
@@ -193,8 +194,8 @@ class DecodeLayers:
             and (t.k_shift is None or _is_f32(t.k_shift, (kv_heads, head_dim)))
             and _takes_weight(t.qkv, q_size + 2 * kv_size, hidden) and _takes_weight(t.o, hidden, q_size)
             and _takes_weight(t.gate_up, 2 * inter, hidden) and _takes_weight(t.down, hidden, inter)
-            and takes_pool(*t.pool) and tuple(t.pool[0].shape[2:]) == (kv_heads, head_dim)
-            and t.pool[0].dtype == layers[0].pool[0].dtype and t.pool[0].shape == layers[0].pool[0].shape
+            and takes_pool(t.pool) and tuple(t.pool.k_cache.shape[2:]) == (kv_heads, head_dim)
+            and t.pool.k_cache.dtype == layers[0].pool.k_cache.dtype and t.pool.k_cache.shape == layers[0].pool.k_cache.shape
             for t in layers)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,

@@ -66,6 +66,7 @@ from kvchat import settings
 from kvchat.settings import SettingError
 
 from . import cpu_attention, reference, triton_build
+from .layout import KVLayer, Sink
 from .reference import (
     FP8_DTYPE,
     FP8_EPS,
@@ -83,7 +84,9 @@ __all__ = [
     "FP8_EPS",
     "FP8_MAX",
     "SCALE_SCHEME",
+    "KVLayer",
     "KernelChoice",
+    "Sink",
     "backend_for",
     "decode_attention",
     "dense_attention",
@@ -221,47 +224,29 @@ def _triton(name: str, cache: torch.Tensor, backend: str | None) -> ModuleType:
     return _import_kernels(name) if backend else _triton_module(name, cache)
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    slot_mapping: torch.Tensor,
-    backend: str | None = None,
-) -> None:
-    """Write new tokens' K/V into the paged pools; see :func:`reference.write_kv` for shapes.
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+             backend: str | None = None) -> None:
+    """:func:`reference.write_kv` on the backend of ``kv`` (see the module doc).
 
     ``backend``: :attr:`KernelChoice.backend` decided at load (None: :func:`backend_for` now).
 
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    choice = backend or backend_for(k_cache)
+    choice = backend or backend_for(kv.k_cache)
     if choice == "triton":
-        fn = _triton("triton_write", k_cache, backend).write_kv
-    elif choice == "compiled" and cpu_attention.takes_write(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        fn = _triton("triton_write", kv.k_cache, backend).write_kv
+    elif choice == "compiled" and cpu_attention.takes_write(key, value, kv, slot_mapping):
         fn = cpu_attention.write_kv
     else:
         fn = reference.write_kv
-    fn(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    fn(key, value, kv, slot_mapping)
 
 
-def decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
-    provisional: bool = False,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """Paged decode attention, ``[num_seqs, num_heads, head_dim]``; see :func:`reference.decode_attention`.
+def decode_attention(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float, sink: Sink | None = None, provisional: bool = False,
+                     backend: str | None = None) -> torch.Tensor:
+    """:func:`reference.decode_attention` on the backend of ``kv``.
 
     ``provisional``: a decode step's tokens, whose K/V prefill recomputes later; only then may a CPU pool take
     the compiled kernel here (another rounding than the reference's), never for a one-token prefill chunk on
@@ -273,39 +258,28 @@ def decode_attention(
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    choice = backend or backend_for(k_cache)
+    choice = backend or backend_for(kv.k_cache)
     if choice == "triton":
-        fn = _triton("triton_decode", k_cache, backend).decode_attention
-    elif provisional and choice == "compiled" and cpu_attention.takes_decode(query, k_cache, v_cache, k_scale, v_scale,
-                                                                             block_table, seq_lens, sink):
+        fn = _triton("triton_decode", kv.k_cache, backend).decode_attention
+    elif provisional and choice == "compiled" and cpu_attention.takes_decode(query, kv, block_table, seq_lens, sink):
         fn = cpu_attention.decode_attention
     else:
         fn = reference.decode_attention
-    return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, sink)
+    return fn(query, kv, block_table, seq_lens, sm_scale, sink)
 
 
-def extend_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    sm_scale: float,
-    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """Prefix-extend attention, ``[total_q, num_heads, head_dim]``; see :func:`reference.extend_attention`.
+def extend_attention(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, sm_scale: float, sink: Sink | None = None,
+                     backend: str | None = None) -> torch.Tensor:
+    """:func:`reference.extend_attention` on the backend of ``kv``.
 
     ``backend``: as :func:`write_kv`'s.
 
     Raises:
         SettingError: see :func:`backend_for` and the module doc.
     """
-    if (backend or backend_for(k_cache)) == "triton":
-        fn = _triton("triton_extend", k_cache, backend).extend_attention
+    if (backend or backend_for(kv.k_cache)) == "triton":
+        fn = _triton("triton_extend", kv.k_cache, backend).extend_attention
     else:
         fn = reference.extend_attention
-    return fn(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, sink)
+    return fn(query, kv, block_table, seq_lens, cu_seqlens_q, sm_scale, sink)

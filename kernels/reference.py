@@ -1,18 +1,9 @@
 """Pure-PyTorch reference for the paged KV cache kernels.
 
 This module is both the CPU backend and the test oracle for the Triton
-kernels (same signatures, see ``kvchat.kernels.dispatch``). Layout, vLLM style
-(Kwon et al., "Efficient Memory Management for Large Language Model Serving
-with PagedAttention", SOSP 2023):
-
-- pools ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
-  in float8_e4m3fn, bfloat16 or float16;
-- scales ``k_scale``/``v_scale``: ``[num_blocks, block_size, num_kv_heads]``
-  float32 for fp8 pools (one per token and KV head), ``None`` otherwise;
-- ``slot_mapping``: int64 ``[num_tokens]``, slot = block * block_size + offset,
-  -1 = skip (padding);
-- ``block_table``: int32 ``[num_seqs, max_blocks]``; ``seq_lens``: int32
-  ``[num_seqs]``, tokens of each sequence in the pool, new ones included.
+kernels (same signatures, see ``kvchat.kernels.dispatch``); the layout they
+share is :mod:`kvchat.kernels.layout`'s. Its docstrings are the kernels'
+contract: the other backends document only what they add to it.
 
 FP8 scheme "pth1": per-token, per-KV-head absmax scale
 ``max(amax, FP8_EPS) / 448``, values clamped to ±448 before the cast, so
@@ -25,6 +16,8 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+
+from .layout import KVLayer, Sink
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -80,23 +73,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return fp8_bits_to_f16(q.view(torch.uint8)).float() * (scale * 256.0).unsqueeze(-1)
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    slot_mapping: torch.Tensor,
-) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor) -> None:
     """Write new tokens' K/V into the paged pools (vLLM's ``reshape_and_cache``).
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]`` fp16/bf16/fp32.
-        k_cache, v_cache: pools (see module doc); fp8 pools are quantized
-            per token and KV head, 16-bit pools take a plain cast.
-        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32
-            for fp8 pools, else ``None``.
+        kv: the layer's pools; fp8 pools are quantized per token and KV head
+            (their scales written too), 16-bit pools take a plain cast.
         slot_mapping: int64 ``[num_tokens]``; -1 skips the token.
     """
     keep = slot_mapping >= 0
@@ -104,17 +87,17 @@ def write_kv(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if slot_mapping.numel() == 0:
         return
-    if k_cache.dtype == FP8_DTYPE:
-        assert k_scale is not None and v_scale is not None
+    if kv.k_cache.dtype == FP8_DTYPE:
+        assert kv.k_scale is not None and kv.v_scale is not None
         q, s = quantize_fp8(torch.stack((key, value)))  # K and V in one pass
         q = q.view(torch.uint8)
-        k_cache.view(torch.uint8).flatten(0, 1)[slot_mapping] = q[0]
-        v_cache.view(torch.uint8).flatten(0, 1)[slot_mapping] = q[1]
-        k_scale.flatten(0, 1)[slot_mapping] = s[0]
-        v_scale.flatten(0, 1)[slot_mapping] = s[1]
+        kv.k_cache.view(torch.uint8).flatten(0, 1)[slot_mapping] = q[0]
+        kv.v_cache.view(torch.uint8).flatten(0, 1)[slot_mapping] = q[1]
+        kv.k_scale.flatten(0, 1)[slot_mapping] = s[0]
+        kv.v_scale.flatten(0, 1)[slot_mapping] = s[1]
     else:
-        k_cache.flatten(0, 1)[slot_mapping] = key.to(k_cache.dtype)
-        v_cache.flatten(0, 1)[slot_mapping] = value.to(v_cache.dtype)
+        kv.k_cache.flatten(0, 1)[slot_mapping] = key.to(kv.k_cache.dtype)
+        kv.v_cache.flatten(0, 1)[slot_mapping] = value.to(kv.v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int) -> torch.Tensor:
@@ -240,60 +223,40 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out[0].view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, h, d).to(query.dtype)
 
 
-def _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table, length: int, sink, i: int):
+def _gather_seq(kv: KVLayer, blocks: torch.Tensor, length: int, sink: Sink | None, i: int):
     """Sequence ``i``'s dequantized K/V ``[length, num_kv_heads, head_dim]``, position 0 from ``sink`` if given."""
-    k = gather_kv(k_cache, k_scale, block_table, length)
-    v = gather_kv(v_cache, v_scale, block_table, length)
+    k = gather_kv(kv.k_cache, kv.k_scale, blocks, length)
+    v = gather_kv(kv.v_cache, kv.v_scale, blocks, length)
     if sink is not None:
         k[0], v[0] = sink[0][i], sink[1][i]
     return k, v
 
 
-def decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float, sink: Sink | None = None) -> torch.Tensor:
     """One query token per sequence attending to its whole cached sequence.
 
     Args:
         query: ``[num_seqs, num_heads, head_dim]``; ``num_heads`` a multiple
             of ``num_kv_heads`` (GQA).
+        kv: the layer's pools.
         block_table: int32 ``[num_seqs, max_blocks]``; seq_lens: int32 ``[num_seqs]``
             (the query token's own K/V already written, so it is included).
         sm_scale: softmax scale, usually ``head_dim ** -0.5``.
-        sink: optional exact K/V of position 0, float32 ``([num_seqs, num_kv_heads,
-            head_dim], same)``, read instead of the stored (quantized) position 0
-            (the attention sink, Xiao et al. 2023; see ``kvchat.engine.runner``).
+        sink: optional exact K/V of position 0 (:data:`kvchat.kernels.layout.Sink`).
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 math).
     """
     out = torch.empty_like(query)
     for i in range(query.shape[0]):
         length = int(seq_lens[i])
-        k, v = _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table[i], length, sink, i)
+        k, v = _gather_seq(kv, block_table[i], length, sink, i)
         out[i] = dense_attention(query[i : i + 1], k.transpose(0, 1), v.transpose(0, 1), length - 1, sm_scale)[0]
     return out
 
 
-def extend_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    sm_scale: float,
-    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def extend_attention(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, sm_scale: float, sink: Sink | None = None) -> torch.Tensor:
     """A chunk of new tokens per sequence attending to the cached prefix and causally to itself.
 
     Used for prefill (empty prefix) and for extending a restored or shared
@@ -302,13 +265,11 @@ def extend_attention(
 
     Args:
         query: ``[total_q, num_heads, head_dim]``, sequences concatenated.
-        block_table: int32 ``[num_seqs, max_blocks]``.
+        kv, block_table, sm_scale, sink: as :func:`decode_attention`'s.
         seq_lens: int32 ``[num_seqs]``, cached prefix + new tokens.
         cu_seqlens_q: int32 ``[num_seqs + 1]``, offsets of each sequence's
             new tokens in ``query``; its queries sit at positions
             ``seq_len - q_len .. seq_len - 1``.
-        sm_scale: softmax scale.
-        sink: optional exact position-0 K/V, as in :func:`decode_attention`.
     Returns:
         ``[total_q, num_heads, head_dim]`` in ``query.dtype``.
     """
@@ -318,6 +279,6 @@ def extend_attention(
         if a == b:
             continue
         length = int(seq_lens[i])
-        k, v = _gather_seq(k_cache, v_cache, k_scale, v_scale, block_table[i], length, sink, i)
+        k, v = _gather_seq(kv, block_table[i], length, sink, i)
         out[a:b] = dense_attention(query[a:b], k.transpose(0, 1), v.transpose(0, 1), length - (b - a), sm_scale)
     return out

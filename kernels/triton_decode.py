@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .reference import FP8_DTYPE
+from .layout import KVLayer, Sink
+from .triton_write import kernel_pools
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per tile: a multiple of 16 (and of 32 for 8-bit dot operands)
@@ -301,7 +302,7 @@ def fp8_bits_default(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) < NATIVE_FP8_CAPABILITY
 
 
-def sink_args(sink, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def sink_args(sink: Sink | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """``(sink K, sink V, seq stride, head stride)`` for a kernel launch; the placeholder when no sink."""
     if sink is None:
         return placeholder, placeholder, 0, 0
@@ -310,21 +311,9 @@ def sink_args(sink, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return k0, v0, k0.stride(0), k0.stride(1)
 
 
-def paged_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_splits: int | None = None,
-    fp8_bits: bool | None = None,
-    split_tokens: int | None = None,
-    tiles: DecodeTiles = DEFAULT_TILES,
-) -> torch.Tensor:
+def paged_decode(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                 sink: Sink | None = None, num_splits: int | None = None, fp8_bits: bool | None = None,
+                 split_tokens: int | None = None, tiles: DecodeTiles = DEFAULT_TILES) -> torch.Tensor:
     """:func:`decode_attention` with an explicit split count, fp8 conversion and launch tiling.
 
     Args:
@@ -339,7 +328,7 @@ def paged_decode(
         tiles: the split kernel's tile size, warps and stages.
     """
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = kv.k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     if num_seqs == 0:
@@ -351,11 +340,7 @@ def paged_decode(
     if fp8_bits is None:
         fp8_bits = fp8_bits_default(query.device)
     query = query if query.stride(-1) == 1 else query.contiguous()
-    is_fp8 = k_cache.dtype == FP8_DTYPE
-    if is_fp8:
-        kc, vc, ks, vs = k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
-    else:  # no scales: pass the pools as placeholders, never dereferenced
-        kc, vc, ks, vs = k_cache, v_cache, k_cache, v_cache
+    is_fp8, kc, vc, ks, vs = kernel_pools(kv)
     sink_k, sink_v, stride_ks, stride_kh = sink_args(sink, query)
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
@@ -382,33 +367,11 @@ def paged_decode(
     return out
 
 
-def decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """One query token per sequence attending to its whole cached sequence (paged, split-KV).
+def decode_attention(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float, sink: Sink | None = None) -> torch.Tensor:
+    """:func:`kvchat.kernels.reference.decode_attention`, paged and split-KV.
 
-    Args:
-        query: ``[num_seqs, num_heads, head_dim]`` fp16/bf16/fp32, ``num_heads``
-            a multiple of ``num_kv_heads``.
-        k_cache, v_cache: contiguous pools ``[num_blocks, block_size, num_kv_heads, head_dim]``
-            (float8_e4m3fn, bfloat16 or float16).
-        k_scale, v_scale: float32 ``[num_blocks, block_size, num_kv_heads]`` for fp8, else ``None``.
-        block_table: int32 ``[num_seqs, max_blocks]`` (unit stride on blocks).
-        seq_lens: int32 ``[num_seqs]`` tokens in the pool, the query's own included.
-        sm_scale: softmax scale, usually ``head_dim ** -0.5``.
-        sink: optional exact position-0 K/V, float32 ``([num_seqs, num_kv_heads, head_dim], same)``
-            (same strides), read instead of the stored position 0, as in
-            :func:`kvchat.kernels.reference.decode_attention`.
-    Returns:
-        ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 softmax and
-        accumulation; zeros for a zero-length sequence).
+    Beyond the reference's arguments: ``query`` fp16/bf16/fp32, the pools contiguous, ``block_table`` of unit
+    stride on blocks, the sink's K and V of the same strides. A zero-length sequence gives zeros.
     """
-    return paged_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, sink)
+    return paged_decode(query, kv, block_table, seq_lens, sm_scale, sink)

@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .reference import FP8_DTYPE
+from .layout import KVLayer, Sink
 from .triton_decode import BLOCK_N, LOG2E, fp8_bits_default, load_kv_tile, sink_args, sink_init
+from .triton_write import kernel_pools
 
 BLOCK_R = 64  # query rows (tokens x heads of a group) per program
 
@@ -106,44 +107,20 @@ INTERPRETED: bool = isinstance(_extend_kernel, InterpretedFunction)
 """True when this module was imported with ``TRITON_INTERPRET=1`` (kernels then run on CPU tensors)."""
 
 
-def extend_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    sm_scale: float,
-    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fp8_bits: bool | None = None,
-) -> torch.Tensor:
-    """A chunk of new tokens per sequence attending to the cached prefix and causally to itself.
+def extend_attention(query: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, sm_scale: float, sink: Sink | None = None,
+                     fp8_bits: bool | None = None) -> torch.Tensor:
+    """:func:`kvchat.kernels.reference.extend_attention` in one launch.
 
-    Args:
-        query: ``[total_q, num_heads, head_dim]`` fp16/bf16/fp32, sequences
-            concatenated; ``num_heads`` a multiple of ``num_kv_heads``.
-        k_cache, v_cache: contiguous pools ``[num_blocks, block_size, num_kv_heads, head_dim]``
-            (float8_e4m3fn, bfloat16 or float16), the chunk's own K/V already written.
-        k_scale, v_scale: float32 ``[num_blocks, block_size, num_kv_heads]`` for fp8, else ``None``.
-        block_table: int32 ``[num_seqs, max_blocks]`` (unit stride on blocks).
-        seq_lens: int32 ``[num_seqs]``, cached prefix + new tokens.
-        cu_seqlens_q: int32 ``[num_seqs + 1]`` offsets of each sequence's new
-            tokens in ``query``; they sit at positions ``seq_len - q_len .. seq_len - 1``.
-        sm_scale: softmax scale.
-        sink: optional exact position-0 K/V, float32 ``([num_seqs, num_kv_heads, head_dim], same)``,
-            as in :func:`kvchat.kernels.reference.extend_attention`.
-        fp8_bits: read fp8 bytes by integer bit conversion (``None``: below
-            compute capability 8.9; see :func:`kvchat.kernels.triton_decode.paged_decode`).
-    Returns:
-        ``[total_q, num_heads, head_dim]`` in ``query.dtype``.
+    Beyond the reference's arguments: ``query`` fp16/bf16/fp32, the pools contiguous, ``block_table`` of unit
+    stride on blocks; ``fp8_bits``: read fp8 bytes by integer bit conversion (``None``: below compute
+    capability 8.9; see :func:`kvchat.kernels.triton_decode.paged_decode`).
 
     The grid is sized by ``total_q`` (no device sync); query blocks past a
     sequence's own length exit at once.
     """
     total_q, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = kv.k_cache.shape
     num_seqs = block_table.shape[0]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
@@ -152,11 +129,7 @@ def extend_attention(
     if fp8_bits is None:
         fp8_bits = fp8_bits_default(query.device)
     query = query if query.stride(-1) == 1 else query.contiguous()
-    is_fp8 = k_cache.dtype == FP8_DTYPE
-    if is_fp8:
-        kc, vc, ks, vs = k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
-    else:  # no scales: pass the pools as placeholders, never dereferenced
-        kc, vc, ks, vs = k_cache, v_cache, k_cache, v_cache
+    is_fp8, kc, vc, ks, vs = kernel_pools(kv)
     sink_k, sink_v, stride_ks, stride_kh = sink_args(sink, query)
     block_g = triton.next_power_of_2(group)
     block_q = max(1, BLOCK_R // block_g)

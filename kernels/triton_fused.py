@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .reference import FP8_DTYPE, FP8_EPS, FP8_MAX
-from .triton_write import store_rows
+from .layout import KVLayer
+from .reference import FP8_EPS, FP8_MAX
+from .triton_write import kernel_pools, store_rows
 
 
 @triton.jit
@@ -169,18 +170,8 @@ def _rope_write_kernel(
         store_rows(v, v_cache_ptr, v_scale_ptr, dst, sc, mask, kv_mask, IS_FP8, FP8_MAX_C, FP8_EPS_C)
 
 
-def rope_write_kv(
-    qk: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin_signed: torch.Tensor,
-    k_shift: torch.Tensor | None,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
+def rope_write_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                  k_shift: torch.Tensor | None, kv: KVLayer, slot_mapping: torch.Tensor) -> torch.Tensor:
     """RoPE of Q and K, ``K - k_shift``, and K/V into the paged pools, in one launch; returns rotated Q.
 
     The same values as :func:`kvchat.model.transformer.apply_rope` on ``qk``, ``k - k_shift`` and
@@ -194,7 +185,7 @@ def rope_write_kv(
         cos, sin_signed: ``[T, 1, head_dim]`` from :meth:`kvchat.model.transformer.Transformer.rope`
             (``sin_signed`` carries rotate-half's sign), unit stride on ``head_dim``.
         k_shift: ``[num_kv_heads, head_dim]`` contiguous in ``qk.dtype``, or None.
-        k_cache, v_cache, k_scale, v_scale, slot_mapping: as :func:`kvchat.kernels.triton_write.write_kv`.
+        kv, slot_mapping: as :func:`kvchat.kernels.triton_write.write_kv`.
     Returns:
         Q ``[T, num_heads, head_dim]`` in ``qk.dtype``, rotated.
     """
@@ -205,11 +196,7 @@ def rope_write_kv(
     if num_tokens == 0:
         return q
     assert qk.stride(2) == 1 and qk.stride(1) == head_dim and v.stride(2) == 1 and v.stride(1) == head_dim
-    is_fp8 = k_cache.dtype == FP8_DTYPE
-    if is_fp8:
-        kc, vc, ks, vs = k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
-    else:  # no scales: pass the pools as placeholders, never dereferenced
-        kc, vc, ks, vs = k_cache, v_cache, k_cache, v_cache
+    is_fp8, kc, vc, ks, vs = kernel_pools(kv)
     cos2, sin2 = cos.reshape(num_tokens, head_dim), sin_signed.reshape(num_tokens, head_dim)
     assert cos2.stride() == sin2.stride() and cos2.stride(1) == 1
     _rope_write_kernel[(num_tokens,)](
@@ -218,7 +205,7 @@ def rope_write_kv(
         qk.stride(0), v.stride(0), cos2.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         num_heads, num_kv_heads, head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_SIZE=kc.shape[1], BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_SHIFT=k_shift is not None, IS_FP8=is_fp8, FP8_MAX_C=FP8_MAX, FP8_EPS_C=FP8_EPS,
     )
@@ -226,18 +213,16 @@ def rope_write_kv(
 
 
 def warm_up(hidden_size: int, intermediate_size: int, num_heads: int, dtype: torch.dtype,
-            pool_layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-            k_shift: torch.Tensor | None) -> None:
+            pool_layer: KVLayer, k_shift: torch.Tensor | None) -> None:
     """Launch every kernel here once as an engine's decode steps launch them (same dtypes, strides and
     constexprs), on zeros, so Triton compiles them at engine start rather than at the first token
     (``kvchat.kernels.warmup`` does the attention kernels). Writes nothing to the pool (slot -1).
 
     Args:
-        pool_layer: one layer's ``(k_cache, v_cache, k_scale, v_scale)`` (``KVPool.layer``).
+        pool_layer: one layer's pools (``KVPool.layer``).
         k_shift: the layers' K shift (``[num_kv_heads, head_dim]``) or None, as the model holds it.
     """
-    k_cache = pool_layer[0]
-    dev, (num_kv_heads, head_dim) = k_cache.device, k_cache.shape[2:]
+    dev, (num_kv_heads, head_dim) = pool_layer.k_cache.device, pool_layer.k_cache.shape[2:]
     x = torch.zeros((1, hidden_size), dtype=dtype, device=dev)
     weight = torch.ones(hidden_size, dtype=dtype, device=dev)
     add_rms_norm(x, None, weight, 1e-6)
@@ -247,4 +232,4 @@ def warm_up(hidden_size: int, intermediate_size: int, num_heads: int, dtype: tor
     split = (num_heads + num_kv_heads) * head_dim
     rope = torch.zeros((1, 1, head_dim), dtype=dtype, device=dev)
     rope_write_kv(qkv[:, :split].view(1, -1, head_dim), qkv[:, split:].view(1, num_kv_heads, head_dim), rope, rope,
-                  k_shift, *pool_layer, torch.full((1,), -1, dtype=torch.long, device=dev))
+                  k_shift, pool_layer, torch.full((1,), -1, dtype=torch.long, device=dev))

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .layout import KVLayer
 from .reference import FP8_DTYPE, FP8_EPS, FP8_MAX
 
 
@@ -114,44 +115,33 @@ INTERPRETED: bool = isinstance(_write_kv_kernel, InterpretedFunction)
 """True when this module was imported with ``TRITON_INTERPRET=1`` (kernels then run on CPU tensors)."""
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write new tokens' K/V into the paged pools, quantizing in-kernel for fp8 pools.
+def kernel_pools(kv: KVLayer) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(is_fp8, K pool, V pool, K scales, V scales)`` as this package's kernels take them: fp8 pools as their
+    bytes; 16-bit pools, which have no scales, passed again in their place (never dereferenced)."""
+    if kv.k_cache.dtype == FP8_DTYPE:
+        return True, kv.k_cache.view(torch.uint8), kv.v_cache.view(torch.uint8), kv.k_scale, kv.v_scale
+    return False, kv.k_cache, kv.v_cache, kv.k_cache, kv.v_cache
 
-    Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]`` fp16/bf16/fp32
-            (any token/head strides, unit stride on head_dim).
-        k_cache, v_cache: contiguous pools ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-            float8_e4m3fn, bfloat16 or float16, same shape.
-        k_scale, v_scale: contiguous float32 ``[num_blocks, block_size, num_kv_heads]``
-            for fp8 pools (written here), else ``None``.
-        slot_mapping: int64 (or int32) ``[num_tokens]``, slot = block * block_size
-            + offset; -1 skips the token.
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor) -> None:
+    """:func:`kvchat.kernels.reference.write_kv`, quantizing in-kernel for fp8 pools.
+
+    Beyond the reference's arguments: ``key``/``value`` may have any token/head strides (unit stride on
+    head_dim); the pools and scales must be contiguous; ``slot_mapping`` may be int32.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
-    is_fp8 = k_cache.dtype == FP8_DTYPE
-    if is_fp8:
-        kc, vc, ks, vs = k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
-    else:  # no scales: pass the pools as placeholders, never dereferenced
-        kc, vc, ks, vs = k_cache, v_cache, k_cache, v_cache
+    is_fp8, kc, vc, ks, vs = kernel_pools(kv)
     _write_kv_kernel[(num_tokens,)](
         key, value, kc, vc, ks, vs, slot_mapping.contiguous(),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
         num_kv_heads, head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_SIZE=kc.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         IS_FP8=is_fp8, FP8_MAX_C=FP8_MAX, FP8_EPS_C=FP8_EPS,

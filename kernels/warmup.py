@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvchat.kernels import dispatch
+from kvchat.kernels.layout import KVLayer
 from kvchat.kernels.triton_build import is_build_failure
 
 DECODE_BATCHES = (1,)  # decode batch sizes an engine runs (the batching server passes its buckets)
@@ -106,13 +107,12 @@ def plan_warmup(num_kv_heads: int, block_size: int, max_context: int, num_sms: i
     return [*decode.values(), *extend.values()]
 
 
-def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_heads: int, dtype: torch.dtype,
+def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], layer: KVLayer, num_heads: int, dtype: torch.dtype,
                   exact_sink: bool, progress: Callable[[int, int], None] | None = None) -> None:
     """Launch every planned variant of decode and extend (and the cache write once) on zero inputs.
 
     Args:
-        k_cache, v_cache, k_scale, v_scale: one layer of the engine's pool (see ``kvchat.kernels.reference``).
+        layer: one layer of the engine's pool.
         num_heads: query heads; dtype: the activations' dtype (the engine's compute dtype).
         exact_sink: pass a float32 sink, as the engine's attention calls do.
         progress: called with ``(launches done, len(plan))`` after each one (a first start compiles each).
@@ -126,8 +126,8 @@ def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Te
     from .triton_extend import extend_attention
     from .triton_write import write_kv
 
-    device = k_cache.device
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    device = layer.k_cache.device
+    _, block_size, num_kv_heads, head_dim = layer.k_cache.shape
 
     def queries(n: int) -> torch.Tensor:
         return torch.zeros(n, num_heads + num_kv_heads, head_dim, dtype=dtype, device=device)[:, :num_heads]
@@ -140,21 +140,20 @@ def launch_warmup(plan: Sequence[DecodeLaunch | ExtendLaunch], k_cache: torch.Te
                 torch.zeros(n, dtype=torch.int32, device=device))
 
     kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
-    write_kv(kv, kv, k_cache, v_cache, k_scale, v_scale, torch.full((1,), -1, dtype=torch.long, device=device))
+    write_kv(kv, kv, layer, torch.full((1,), -1, dtype=torch.long, device=device))
     for done, launch in enumerate(plan, 1):
         if isinstance(launch, DecodeLaunch):
             n = launch.num_seqs
-            paged_decode(queries(n), k_cache, v_cache, k_scale, v_scale, *table(n, launch.width, launch.row_stride),
-                         head_dim**-0.5,
+            paged_decode(queries(n), layer, *table(n, launch.width, launch.row_stride), head_dim**-0.5,
                          sink(n), num_splits=launch.num_splits, split_tokens=MIN_TOKENS_PER_SPLIT)  # as engines
         else:
-            extend_attention(queries(1), k_cache, v_cache, k_scale, v_scale, *table(1, launch.width),
+            extend_attention(queries(1), layer, *table(1, launch.width),
                              torch.zeros(2, dtype=torch.int32, device=device), head_dim**-0.5, sink(1))
         if progress is not None:
             progress(done, len(plan))
 
 
-def compile_plan(plan: Sequence[DecodeLaunch | ExtendLaunch], layer, num_heads: int, dtype: torch.dtype,
+def compile_plan(plan: Sequence[DecodeLaunch | ExtendLaunch], layer: KVLayer, num_heads: int, dtype: torch.dtype,
                  exact_sink: bool, progress: Callable[[int, int], None] | None = None) -> bool:
     """:func:`launch_warmup` on ``layer`` (a CUDA pool's, or under the interpreter a CPU one), synced.
 
@@ -163,10 +162,10 @@ def compile_plan(plan: Sequence[DecodeLaunch | ExtendLaunch], layer, num_heads: 
     PyTorch reference (:func:`kvchat.kernels.dispatch.disable_triton`, which names the failure in one
     logged line) instead of a traceback. Any other error propagates.
     """
-    cuda = layer[0].is_cuda
+    cuda = layer.k_cache.is_cuda
     try:
-        with torch.cuda.device(layer[0].device) if cuda else contextlib.nullcontext():
-            launch_warmup(plan, *layer, num_heads, dtype, exact_sink, progress)
+        with torch.cuda.device(layer.k_cache.device) if cuda else contextlib.nullcontext():
+            launch_warmup(plan, layer, num_heads, dtype, exact_sink, progress)
             if cuda:
                 torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - only a failed launcher build is recovered from, below
@@ -177,20 +176,18 @@ def compile_plan(plan: Sequence[DecodeLaunch | ExtendLaunch], layer, num_heads: 
     return True
 
 
-def warm_up(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], num_heads: int,
-            dtype: torch.dtype, max_context: int, exact_sink: bool,
+def warm_up(layer: KVLayer, num_heads: int, dtype: torch.dtype, max_context: int, exact_sink: bool,
             batch_sizes: Sequence[int] = DECODE_BATCHES, decode_widths: Sequence[int] | None = None,
             row_stride: int = 0, progress: Callable[[int, int], None] | None = None) -> list[DecodeLaunch | ExtendLaunch]:
     """Compile every kernel variant an engine will launch, at its start; the launches made.
 
-    A no-op (``[]``) unless ``layer`` (one layer's ``(k_cache, v_cache, k_scale,
-    v_scale)``) is on a CUDA device and the Triton backend serves it; ``[]`` too when
-    Triton cannot build its launcher there (:func:`compile_plan`: the engine then runs the
+    A no-op (``[]``) unless ``layer`` (one layer of the engine's pool) is on a CUDA device and
+    the Triton backend serves it; ``[]`` too when Triton cannot build its launcher there (:func:`compile_plan`: the engine then runs the
     reference). On a GPU the first start compiles (about 20 variants; ``progress`` gets
     ``(done, total)`` after each); later starts find Triton's on-disk cache. See
     :func:`plan_warmup` for the other arguments.
     """
-    k_cache = layer[0]
+    k_cache = layer.k_cache
     if not k_cache.is_cuda or dispatch.backend_for(k_cache) != "triton":
         return []
     from .triton_decode import num_sms

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from process_helpers import RUN_KVCHAT
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key-123"
+MESSAGE_COUNT = "SELECT COUNT(*) FROM messages"  # for Server.query: a refused request stores nothing
 
 
 def free_port() -> int:
@@ -76,6 +78,14 @@ class Server:
                 return r.status, json.loads(r.read()), r.headers
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read()), e.headers
+
+    def query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        """The rows of ``sql`` on the server's database (its own connection, closed after)."""
+        db = sqlite3.connect(self.home / "kvchat.db")
+        try:
+            return db.execute(sql, params).fetchall()
+        finally:
+            db.close()
 
     def client(self, **kw):
         import openai

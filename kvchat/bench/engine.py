@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvchat.bench.ceiling import matmul_ceiling
-from kvchat.bench.run_info import run_info, write_json
+from kvchat.bench.run_info import print_report, run_info
 from kvchat.bench.stats import Spread, format_table, ratios
 from kvchat.engine.inference import inference
 from kvchat.texts import BenchText, stdlib_text
@@ -390,7 +390,4 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         BenchConfigError: see :func:`run_benchmark`.
     """
     res = run_benchmark(args)
-    print(format_report(res))
-    if args.json:
-        write_json(args.json, res)
-    return 0
+    return print_report(res, format_report(res), args.json)

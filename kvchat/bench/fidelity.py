@@ -35,7 +35,7 @@ import torch
 
 from kvchat.bench.kv_schemes import all_schemes
 from kvchat.bench.retrieval import DEFAULT_DEPTHS, DEFAULT_DOC_TOKENS, format_retrieval, run_retrieval
-from kvchat.bench.run_info import run_info, write_json
+from kvchat.bench.run_info import print_report, run_info
 from kvchat.bench.stats import format_table
 from kvchat.bench.teacher_forced import SCORE_CHUNK_TOKENS, FidelityResult, compare_to_reference
 from kvchat.bench.weight_fidelity import compare_weights
@@ -170,7 +170,4 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
         ValueError, OSError: see :func:`run_fidelity`.
     """
     res = run_fidelity(args)
-    print(format_report(res))
-    if args.json:
-        write_json(args.json, res)
-    return 0
+    return print_report(res, format_report(res), args.json)

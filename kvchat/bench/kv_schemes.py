@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvchat.kernels import dispatch
+from kvchat.kernels.layout import KVLayer
 from kvchat.kernels.reference import FP8_DTYPE, FP8_MAX, SCALE_SCHEME
 
 FIXED_SCALE_SCHEME = "fixed-1.0"
@@ -65,7 +66,7 @@ class KVScheme:
         original = dispatch.write_kv
         scale = self.fixed_scale
         # the backend the model passes (every backend writes the same rows) does not apply to this scheme
-        dispatch.write_kv = lambda *args, backend=None: write_fixed_scale(*args[:7], scale=scale)
+        dispatch.write_kv = lambda *args, backend=None: write_fixed_scale(*args[:4], scale=scale)
         try:
             yield
         finally:
@@ -82,13 +83,13 @@ def all_schemes() -> list[KVScheme]:
     ]
 
 
-def write_fixed_scale(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, *, scale: float) -> None:
+def write_fixed_scale(key, value, kv: KVLayer, slot_mapping, *, scale: float) -> None:
     """``write_kv`` with one fixed scale: ``q = clamp(x / scale, ±448)`` cast to e4m3fn (same arguments)."""
     keep = slot_mapping >= 0
     key, value, slots = key[keep], value[keep], slot_mapping[keep]
-    block_size = k_cache.shape[1]
+    block_size = kv.k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+    for x, cache, scales in ((key, kv.k_cache, kv.k_scale), (value, kv.v_cache, kv.v_scale)):
         q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         cache.view(torch.uint8)[blocks, offsets] = q.view(torch.uint8)
         scales[blocks, offsets] = scale

@@ -23,7 +23,7 @@ import math
 import random
 
 from kvchat.bench.paged_waste import DEFAULT_MIX_CHATS, measure_paged_waste
-from kvchat.bench.run_info import run_info, write_json
+from kvchat.bench.run_info import print_report, run_info
 from kvchat.bench.stats import format_table
 from kvchat.engine.cache_identity import KV_DTYPE_NAMES
 
@@ -162,7 +162,4 @@ def format_report(res: dict) -> str:
 def cmd_bench_memory(args: argparse.Namespace) -> int:
     """``kvchat bench memory``: print the tables; write JSON to ``args.json`` if set. Returns 0."""
     res = run_memory(args)
-    print(format_report(res))
-    if args.json:
-        write_json(args.json, res)
-    return 0
+    return print_report(res, format_report(res), args.json)

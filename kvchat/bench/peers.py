@@ -363,10 +363,7 @@ def format_report(res: dict) -> str:
 
 def cmd_bench_peers(args: argparse.Namespace) -> int:
     """``kvchat bench peers``: print the tables; write JSON to ``args.json`` if set. Returns 0."""
-    from kvchat.bench.run_info import write_json
+    from kvchat.bench.run_info import print_report
 
     res = run_peers(args)
-    print(format_report(res))
-    if args.json:
-        write_json(args.json, res)
-    return 0
+    return print_report(res, format_report(res), args.json)

@@ -110,3 +110,16 @@ def write_json(path: str | Path, result: dict) -> None:
     import json
 
     Path(path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+def print_report(result: dict, text: str, json_path: str | Path | None) -> int:
+    """A ``kvchat bench`` command's ending: print its tables ``text``, write ``result`` to ``json_path`` when one
+    is given (:func:`write_json`). Returns 0, the command's exit status.
+
+    Raises:
+        OSError: ``json_path`` cannot be written.
+    """
+    print(text)
+    if json_path:
+        write_json(json_path, result)
+    return 0

@@ -32,7 +32,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 from kvchat.bench import PYTHON
 from kvchat.bench.stats import format_table
@@ -241,10 +240,7 @@ def _ratio(row: dict, kind: str) -> str:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """``kvchat bench serve``: print the tables (and write ``--json``)."""
-    from kvchat.bench.run_info import write_json
+    from kvchat.bench.run_info import print_report
 
     res = run_serve(args)
-    print(format_report(res))
-    if args.json:
-        write_json(Path(args.json), res)
-    return 0
+    return print_report(res, format_report(res), args.json)

@@ -163,8 +163,9 @@ class DenseKV:
         Returns:
             ``(k, v)`` float32 ``[num_kv_heads, start + T, head_dim]`` views.
         """
-        k_cache, v_cache, k_scale, v_scale = self.pool.layer(layer)
-        return self.put(layer, start, dispatch.read_slots(k_cache, k_scale, slots), dispatch.read_slots(v_cache, v_scale, slots))
+        kv = self.pool.layer(layer)
+        return self.put(layer, start, dispatch.read_slots(kv.k_cache, kv.k_scale, slots),
+                        dispatch.read_slots(kv.v_cache, kv.v_scale, slots))
 
     def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`append` with the new tokens already read back from the pool: float32 ``k``, ``v``

@@ -14,6 +14,7 @@ import torch
 from kvchat.engine.decode_graphs import graphs_wanted
 from kvchat.kernels import cpu_attention
 from kvchat.kernels.dispatch import KernelChoice
+from kvchat.kernels.layout import KVLayer
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +67,11 @@ class ExecutionPlan:
         return ", ".join(parts)
 
 
-def plan_execution(device: torch.device, kernels: KernelChoice, pool_layer: tuple, *, weight_format: str,
+def plan_execution(device: torch.device, kernels: KernelChoice, pool_layer: KVLayer, *, weight_format: str,
                    compute_dtype: torch.dtype, int8_kernel: str | None, exact_sink: bool, int8_prefill: bool,
                    dense_kv: bool | None, compiled_layers_fit: bool, cuda_graphs: bool) -> ExecutionPlan:
     """The plan of an engine on ``device`` whose model runs ``kernels`` over a pool whose first layer is
-    ``pool_layer`` (``(k_cache, v_cache, k_scale, v_scale)``, :meth:`kvchat.engine.kv_pool.KVPool.layer`).
+    ``pool_layer`` (:meth:`kvchat.engine.kv_pool.KVPool.layer`).
 
     The rules, each in one place:
 
@@ -90,7 +91,7 @@ def plan_execution(device: torch.device, kernels: KernelChoice, pool_layer: tupl
     backend = kernels.backend
     if dense_kv is None:
         dense_kv = device.type == "cpu" and backend != "triton"
-    decode_on_pool = not dense_kv or (backend == "compiled" and cpu_attention.takes_pool(*pool_layer))
+    decode_on_pool = not dense_kv or (backend == "compiled" and cpu_attention.takes_pool(pool_layer))
     compiled_layers = backend == "compiled" and decode_on_pool and compiled_layers_fit
     pad_decode = not dense_kv and graphs_wanted(device, backend, True)
     return ExecutionPlan(str(device), weight_format, str(compute_dtype).removeprefix("torch."), backend, dense_kv,

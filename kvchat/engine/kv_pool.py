@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvchat.engine.cache_identity import BLOCK_SIZE, KV_DTYPE_NAMES
+from kvchat.kernels.layout import KVLayer
 from kvchat.kernels.reference import FP8_DTYPE
 
 KV_DTYPES: dict[str, torch.dtype] = dict(zip(KV_DTYPE_NAMES, (FP8_DTYPE, torch.bfloat16, torch.float16)))
@@ -82,7 +83,7 @@ class KVPool:
         self.block_writes = [0] * num_blocks
         fp8 = self.k_scale is not None
         self._layers = [  # views made once: a decode step asks for them 60 times
-            (self.k[i], self.v[i], self.k_scale[i] if fp8 else None, self.v_scale[i] if fp8 else None)
+            KVLayer(self.k[i], self.v[i], self.k_scale[i] if fp8 else None, self.v_scale[i] if fp8 else None)
             for i in range(spec.num_layers)
         ]
 
@@ -102,8 +103,8 @@ class KVPool:
         tensors = [self.k, self.v, self.k_scale, self.v_scale]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Views ``(k_cache, v_cache, k_scale, v_scale)`` of layer ``i`` in kernel layout."""
+    def layer(self, i: int) -> KVLayer:
+        """Views of layer ``i``'s pools in kernel layout."""
         return self._layers[i]
 
     def mark_written(self, block_ids) -> None:

@@ -190,10 +190,9 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.cfg.num_kv_heads, self.cfg.head_dim)
         if self.cfg.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        k_cache, v_cache, k_scale, v_scale = pool.layer(self.layer_id)
+        kv = pool.layer(self.layer_id)
         if fused is not None:  # never a sink's capture: that is a forward at position 0, not a decode step
-            q = fused.rope_write_kv(qk, v, cos, sin, self.k_shift, k_cache, v_cache, k_scale, v_scale,
-                                    meta.slot_mapping)
+            q = fused.rope_write_kv(qk, v, cos, sin, self.k_shift, kv, meta.slot_mapping)
         else:
             qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
             q, k = qk[:, :heads], qk[:, heads:]
@@ -201,15 +200,14 @@ class Attention(nn.Module):
                 k = k - self.k_shift
             if meta.capture_sink:
                 meta.sink[0][self.layer_id], meta.sink[1][self.layer_id] = k[0], v[0]
-            dispatch.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping, backend)
-        args = (k_cache, v_cache, k_scale, v_scale, meta.block_table, meta.seq_lens)
+            dispatch.write_kv(k, v, kv, meta.slot_mapping, backend)
         if meta.dense is not None:  # the dense copy holds the sink in row 0 already
             key, value = meta.dense.append(self.layer_id, meta.slot_mapping, meta.q_start)
             out = dispatch.dense_attention(q, key, value, meta.q_start, self.sm_scale)
             return self.o_proj(out.reshape(t, self.q_size))
         if meta.dense_batch is not None:  # one new token per sequence, each over its own dense copy
-            k_new = dispatch.read_slots(k_cache, k_scale, meta.slot_mapping)  # every sequence's token in one read
-            v_new = dispatch.read_slots(v_cache, v_scale, meta.slot_mapping)
+            k_new = dispatch.read_slots(kv.k_cache, kv.k_scale, meta.slot_mapping)  # every sequence's token in one read
+            v_new = dispatch.read_slots(kv.v_cache, kv.v_scale, meta.slot_mapping)
             outs = [dispatch.dense_attention(q[i : i + 1], *dense.put(self.layer_id, pos, k_new[i : i + 1], v_new[i : i + 1]),
                                             pos, self.sm_scale)
                     for i, (dense, pos) in enumerate(meta.dense_batch)]
@@ -218,9 +216,11 @@ class Attention(nn.Module):
         if meta.sink is not None:  # [num_layers, ...] for one sequence, [num_seqs, num_layers, ...] batched
             sink = tuple(x.reshape(-1, *x.shape[-3:])[:, self.layer_id] for x in meta.sink)
         if meta.is_decode:
-            out = dispatch.decode_attention(q, *args, self.sm_scale, sink, meta.provisional, backend)
+            out = dispatch.decode_attention(q, kv, meta.block_table, meta.seq_lens, self.sm_scale, sink, meta.provisional,
+                                            backend)
         else:
-            out = dispatch.extend_attention(q, *args, meta.cu_seqlens_q, self.sm_scale, sink, backend)
+            out = dispatch.extend_attention(q, kv, meta.block_table, meta.seq_lens, meta.cu_seqlens_q, self.sm_scale,
+                                            sink, backend)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -25,12 +25,12 @@ def test_fixed_scale_clamps_outliers_instead_of_nan():
     pool = KVPool(KVCacheSpec(LAYERS, KV_HEADS, HEAD_DIM, "fp8"), 8)
     k = torch.full((T, KV_HEADS, HEAD_DIM), 1e4)
     k[1] = 0.3
-    kc, vc, ks, vs = pool.layer(0)
-    write_fixed_scale(k, -k, kc, vc, ks, vs, _slots(), scale=1.0)
-    got = reference.gather_kv(kc, ks, torch.tensor(TABLE), T)
+    kv = pool.layer(0)
+    write_fixed_scale(k, -k, kv, _slots(), scale=1.0)
+    got = reference.gather_kv(kv.k_cache, kv.k_scale, torch.tensor(TABLE), T)
     assert not got.isnan().any()
     assert got[0].eq(448.0).all() and got[1].sub(0.3).abs().max() < 0.3 / 8  # e4m3: 3 mantissa bits
-    assert ks[5, :2].eq(1.0).all()
+    assert kv.k_scale[5, :2].eq(1.0).all()
 
 
 def test_fixed_scale_dispatch_is_restored_after_an_error():

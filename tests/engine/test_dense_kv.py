@@ -43,9 +43,9 @@ def _assert_copy_matches_pool(engine: Engine, seq: SeqBlocks, first_token: int, 
     table = torch.tensor(seq.block_table)
     sink = engine.sink_kv(first_token) if engine.exact_sink else None
     for layer in range(engine.cfg.num_layers):
-        kc, vc, ks, vs = engine.pool.layer(layer)
-        want_k = ref.gather_kv(kc, ks, table, dense.length).transpose(0, 1)
-        want_v = ref.gather_kv(vc, vs, table, dense.length).transpose(0, 1)
+        kv = engine.pool.layer(layer)
+        want_k = ref.gather_kv(kv.k_cache, kv.k_scale, table, dense.length).transpose(0, 1)
+        want_v = ref.gather_kv(kv.v_cache, kv.v_scale, table, dense.length).transpose(0, 1)
         if sink is not None:
             assert not torch.equal(want_k[:, 0], sink[0][layer])  # the pool holds the quantized sink
             want_k[:, 0], want_v[:, 0] = sink[0][layer], sink[1][layer]

@@ -29,7 +29,7 @@ def _plan(device: str, backend: str, *, layer=None, dense_kv=None, fit=True, gra
                           compiled_layers_fit=fit, cuda_graphs=graphs, **COMMON)
 
 
-@pytest.mark.skipif(not cpu_attention.takes_pool(*_pool_layer()), reason="the compiled CPU attention is not built here")
+@pytest.mark.skipif(not cpu_attention.takes_pool(_pool_layer()), reason="the compiled CPU attention is not built here")
 def test_a_cpu_with_the_compiled_kernels_decodes_on_the_pool_through_the_compiled_layers():
     plan = _plan("cpu", "compiled")
     assert (plan.dense_kv, plan.decode_on_pool, plan.compiled_layers, plan.pad_decode, plan.cuda_graphs) == (
@@ -41,7 +41,7 @@ def test_a_cpu_with_the_compiled_kernels_decodes_on_the_pool_through_the_compile
 
 def test_a_pool_the_compiled_attention_cannot_read_decodes_on_the_dense_copy_without_compiled_layers():
     layer = _pool_layer(head_dim=24)  # not a multiple of 16: the compiled attention refuses it
-    assert not cpu_attention.takes_pool(*layer)
+    assert not cpu_attention.takes_pool(layer)
     plan = _plan("cpu", "compiled", layer=layer)
     assert (plan.dense_kv, plan.decode_on_pool, plan.compiled_layers) == (True, False, False)
 

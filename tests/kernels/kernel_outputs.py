@@ -22,6 +22,7 @@ from kvchat.engine.loop import run_alone
 from kvchat.engine.runner import Engine
 from kvchat.kernels import cpu_attention, cpu_decode, cpu_int4, cpu_int8
 from kvchat.kernels import reference as ref
+from kvchat.kernels.layout import KVLayer
 from kvchat.model.config import ModelConfig
 
 POOL_DTYPES = {"fp8": ref.FP8_DTYPE, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,11 +53,11 @@ def _attention(out: dict) -> None:
     for kv_dtype, dtype in POOL_DTYPES.items():
         for heads, hkv, d in ((9, 3, 64), (4, 4, 32), (8, 2, 16), (16, 2, 128)):
             shape = (90, 16, hkv, d)
-            k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
             scales = (torch.zeros(shape[:3]), torch.zeros(shape[:3])) if kv_dtype == "fp8" else (None, None)
+            pool = KVLayer(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), *scales)
             slots = torch.arange(90 * 16)
             ref.write_kv(torch.randn(len(slots), hkv, d, generator=gen) * 2, torch.randn(len(slots), hkv, d, generator=gen),
-                         k_cache, v_cache, *scales, slots)
+                         pool, slots)
             lengths = [1, 127, 129, 300, 7]
             perm = torch.randperm(90, generator=gen).tolist()
             table = torch.zeros(len(lengths), 20, dtype=torch.int32)
@@ -68,7 +69,7 @@ def _attention(out: dict) -> None:
             lens = torch.tensor(lengths, dtype=torch.int32)
             q = torch.randn(len(lengths), heads, d, generator=gen)
             for sink in (None, (torch.randn(len(lengths), hkv, d, generator=gen), torch.randn(len(lengths), hkv, d, generator=gen))):
-                got = cpu_attention.decode_attention(q, k_cache, v_cache, *scales, table, lens, d**-0.5, sink)
+                got = cpu_attention.decode_attention(q, pool, table, lens, d**-0.5, sink)
                 out[f"attention {kv_dtype} {heads}/{hkv}x{d} sink={sink is not None}"] = got
 
 

@@ -3,6 +3,7 @@ layers they replace, on small random-weight engines, and where they run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -66,11 +67,35 @@ class _Counted:
         return self.step.chunk(input_ids, start, *args)
 
 
+def _shifted_engine(model, kv_dtype: str, **kw) -> Engine:
+    """:func:`_engine` with, for an fp8 pool, a random K shift of the calibration's shape: the compiled layer
+    must subtract it too."""
+    cal = None
+    if kv_dtype == "fp8":
+        cfg = model[0]
+        cal = make_calibration(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) * 0.3, "test")
+    return _engine(model, kv_dtype, cal, **kw)
+
+
+@contextlib.contextmanager
+def _layers(engine: Engine, compiled: bool):
+    """Within the block ``engine`` runs its compiled decode layers (``compiled``) or the torch ones; yields the
+    :class:`_Counted` compiled step, which counts nothing in the second case."""
+    saved = engine.compiled_decode
+    counted = _Counted(saved)
+    engine.compiled_decode = counted if compiled else None
+    try:
+        yield counted
+    finally:
+        engine.compiled_decode = saved
+
+
 def _stored_k(engine: Engine, seq: SeqBlocks, start: int, end: int) -> torch.Tensor:
     """Tokens ``[start, end)`` of ``seq`` as layer 1 of the pool stores their K, dequantized: ``[end - start,
     kv_heads, head_dim]`` float32."""
     slots = torch.tensor(engine.blocks.slots(seq, start, end))
-    k_cache, _, k_scale, _ = engine.pool.layer(1)
+    layer = engine.pool.layer(1)
+    k_cache, k_scale = layer.k_cache, layer.k_scale
     bs = k_cache.shape[1]
     k = k_cache[slots // bs, slots % bs].float()
     return k if k_scale is None else k * k_scale[slots // bs, slots % bs][..., None]
@@ -79,10 +104,7 @@ def _stored_k(engine: Engine, seq: SeqBlocks, start: int, end: int) -> torch.Ten
 def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``ids[:-1]`` on a fresh sequence, decode ``ids[-1]``: (logits, the stored K of that token in
     layer 1, dequantized); the decode on the compiled layers (checked) or on the torch layers."""
-    saved = engine.compiled_decode
-    counted = _Counted(saved)
-    engine.compiled_decode = counted if compiled else None
-    try:
+    with _layers(engine, compiled) as counted:
         seq = SeqBlocks()
         prefill(engine, seq, ids[:-1])
         logits = engine.decode(seq, ids)
@@ -90,8 +112,6 @@ def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.
         engine.release(seq)
         assert counted.calls == (1 if compiled else 0)
         return logits, k
-    finally:
-        engine.compiled_decode = saved
 
 
 @needs_kernel
@@ -99,12 +119,7 @@ def _decode_once(engine: Engine, ids: list[int], compiled: bool) -> tuple[torch.
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
 @pytest.mark.parametrize("length", [2, 17, 130, 300])
 def test_a_compiled_step_is_the_torch_layers_step_to_fp32_rounding(kind, kv_dtype, length):
-    model = _model(kind)
-    cal = None
-    if kv_dtype == "fp8":  # a K shift of the calibration's shape: the compiled layer must subtract it too
-        cfg = model[0]
-        cal = make_calibration(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) * 0.3, "test")
-    engine = _engine(model, kv_dtype, cal)
+    engine = _shifted_engine(_model(kind), kv_dtype)
     assert engine.compiled_decode is not None
     ids = torch.randint(0, 97, (length,), generator=torch.Generator().manual_seed(length)).tolist()
     got, got_k = _decode_once(engine, ids, compiled=True)
@@ -121,10 +136,7 @@ def test_a_compiled_step_is_the_torch_layers_step_to_fp32_rounding(kind, kv_dtyp
 def _chunk_once(engine: Engine, ids: list[int], start: int, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``ids[:start]``, then ``ids[start:]`` as one chunk: (its hidden states, its tokens' stored K in
     layer 1, dequantized ``[T, kv_heads, head_dim]``); the chunk on the compiled layers (checked) or the torch ones."""
-    saved = engine.compiled_decode
-    counted = _Counted(saved)
-    engine.compiled_decode = counted if compiled else None
-    try:
+    with _layers(engine, compiled) as counted:
         seq = SeqBlocks()
         prefill(engine, seq, ids[:start])
         with torch.inference_mode():  # as the engine loop runs prefill chunks
@@ -133,8 +145,6 @@ def _chunk_once(engine: Engine, ids: list[int], start: int, compiled: bool) -> t
         engine.release(seq)
         assert counted.chunks == ([(start, len(ids))] if compiled else [])
         return hidden, k
-    finally:
-        engine.compiled_decode = saved
 
 
 @needs_kernel
@@ -145,11 +155,7 @@ def test_a_compiled_chunk_is_the_torch_layers_chunk_to_fp32_rounding(kind, kv_dt
     """A short chunk (a question after a resume) on the compiled layers: each token attends causally to the
     cached tokens and to the chunk's tokens up to itself, read from the pool once for all of them."""
     model = _model(kind)
-    cal = None
-    if kv_dtype == "fp8":
-        cfg = model[0]
-        cal = make_calibration(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) * 0.3, "test")
-    engine = _engine(model, kv_dtype, cal, exact_sink=kv_dtype == "fp8")
+    engine = _shifted_engine(model, kv_dtype, exact_sink=kv_dtype == "fp8")
     assert engine.runs_compiled(start, start + tokens)
     ids = torch.randint(0, 97, (start + tokens,), generator=torch.Generator().manual_seed(start)).tolist()
     got, got_k = _chunk_once(engine, ids, start, compiled=True)

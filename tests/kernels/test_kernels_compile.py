@@ -101,15 +101,14 @@ def _warm_up_then_chat(cc: int, num_sms: int = 132, max_context: int = 2048) -> 
 
     compiled = _compile_only(cc)
     from kvchat.kernels import triton_decode, triton_extend, triton_write
+    from kvchat.kernels.layout import KVLayer
     from kvchat.kernels.warmup import launch_warmup, plan_warmup
 
     num_heads, num_kv_heads, head_dim, act = 9, 3, 64, torch.bfloat16
     fp8 = torch.float8_e4m3fn
     k_cache = torch.zeros(200, 16, num_kv_heads, head_dim, dtype=fp8)
-    v_cache = torch.zeros_like(k_cache)
-    scales = [torch.zeros(200, 16, num_kv_heads) for _ in range(2)]
-    launch_warmup(plan_warmup(num_kv_heads, 16, max_context, num_sms), k_cache, v_cache, *scales, num_heads, act,
-                  exact_sink=True)
+    pool = KVLayer(k_cache, torch.zeros_like(k_cache), *(torch.zeros(200, 16, num_kv_heads) for _ in range(2)))
+    launch_warmup(plan_warmup(num_kv_heads, 16, max_context, num_sms), pool, num_heads, act, exact_sink=True)
     warmed = {id(kernel) for _, kernel in compiled}
     print(f"variants compiled by the warm-up: {len(warmed)}")
     del compiled[:]
@@ -123,13 +122,12 @@ def _warm_up_then_chat(cc: int, num_sms: int = 132, max_context: int = 2048) -> 
         table = torch.zeros(1, width, dtype=torch.int32)
         seq_lens = torch.full((1,), width * 16, dtype=torch.int32)
         q, k, v = rows(1)
-        triton_write.write_kv(k, v, k_cache, v_cache, *scales, torch.zeros(1, dtype=torch.long))
+        triton_write.write_kv(k, v, pool, torch.zeros(1, dtype=torch.long))
         splits = triton_decode.splits_for(1, num_kv_heads, width * 16, num_sms)
-        triton_decode.paged_decode(q, k_cache, v_cache, *scales, table, seq_lens, 0.125, sink, num_splits=splits,
+        triton_decode.paged_decode(q, pool, table, seq_lens, 0.125, sink, num_splits=splits,
                                    split_tokens=triton_decode.MIN_TOKENS_PER_SPLIT)  # the engine's launch
         q, _, _ = rows(16)
-        triton_extend.extend_attention(q, k_cache, v_cache, *scales, table, seq_lens,
-                                       torch.tensor([0, 16], dtype=torch.int32), 0.125, sink)
+        triton_extend.extend_attention(q, pool, table, seq_lens, torch.tensor([0, 16], dtype=torch.int32), 0.125, sink)
     new = {(name, id(kernel)) for name, kernel in compiled if id(kernel) not in warmed}
     print(f"new variants during the chat: {len(new)} {sorted(name for name, _ in new)}")
 
@@ -143,6 +141,7 @@ def _compile_all(cc: int) -> None:
 
     compiled = _compile_only(cc)
     from kvchat.kernels import triton_decode, triton_extend, triton_fused, triton_write
+    from kvchat.kernels.layout import KVLayer
 
     fp8 = torch.float8_e4m3fn
     bits = cc < 89  # no float8e4nv below sm_89: fp8 bytes converted with integer bit operations
@@ -155,21 +154,21 @@ def _compile_all(cc: int) -> None:
     hidden = {32: (4096, 14336), 9: (576, 1536)}  # Llama-3-8B's and SmolLM2's hidden and MLP sizes
     for num_heads, num_kv_heads, head_dim, act, pool in cases:
         k_cache = torch.zeros(64, 16, num_kv_heads, head_dim, dtype=pool)
-        v_cache = torch.zeros_like(k_cache)
         scales = [torch.zeros(64, 16, num_kv_heads) for _ in range(2)] if pool == fp8 else [None, None]
+        layer = KVLayer(k_cache, torch.zeros_like(k_cache), *scales)
         sink = tuple(torch.zeros(4, num_kv_heads, head_dim) for _ in range(2)) if pool == fp8 else None
         kv = torch.zeros(40, num_kv_heads, head_dim, dtype=act)
-        triton_write.write_kv(kv, kv, k_cache, v_cache, *scales, torch.arange(40))
+        triton_write.write_kv(kv, kv, layer, torch.arange(40))
         shift = torch.zeros(num_kv_heads, head_dim, dtype=act) if pool == fp8 else None  # K centring: fp8 pools
-        triton_fused.warm_up(*hidden[num_heads], num_heads, act, (k_cache, v_cache, *scales), shift)
+        triton_fused.warm_up(*hidden[num_heads], num_heads, act, layer, shift)
         table = torch.zeros(4, 13, dtype=torch.int32)
         seq_lens = torch.ones(4, dtype=torch.int32)
         for splits in (1, 5):
-            triton_decode.paged_decode(torch.zeros(4, num_heads, head_dim, dtype=act), k_cache, v_cache, *scales,
-                                       table, seq_lens, 0.125, sink, num_splits=splits, fp8_bits=bits)
+            triton_decode.paged_decode(torch.zeros(4, num_heads, head_dim, dtype=act), layer, table, seq_lens, 0.125,
+                                       sink, num_splits=splits, fp8_bits=bits)
         cu = torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32)
-        triton_extend.extend_attention(torch.zeros(40, num_heads, head_dim, dtype=act), k_cache, v_cache, *scales,
-                                       table, seq_lens, cu, 0.125, sink, fp8_bits=bits)
+        triton_extend.extend_attention(torch.zeros(40, num_heads, head_dim, dtype=act), layer, table, seq_lens, cu,
+                                       0.125, sink, fp8_bits=bits)
     cuobjdump = os.path.join(os.path.dirname(sys.modules["triton"].__file__), "backends", "nvidia", "bin", "cuobjdump")
     for name, kernel in compiled:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:

@@ -25,6 +25,7 @@ if DEVICE.type == "cpu" and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kvchat.kernels import reference, triton_fused  # noqa: E402
+from kvchat.kernels.layout import KVLayer  # noqa: E402
 from kvchat.model.transformer import RMSNorm, apply_rope  # noqa: E402
 
 if DEVICE.type == "cpu" and not triton_fused.INTERPRETED:
@@ -100,15 +101,15 @@ def test_rope_write_is_rope_then_shift_then_the_cache_write(dtype, pool_dtype, s
     for _ in range(2):
         k_cache = torch.zeros(shape, dtype=pool_dtype, device=DEVICE)
         scales = [torch.full(shape[:3], -1.0, device=DEVICE) for _ in range(2)] if pool_dtype == FP8 else [None, None]
-        pools.append((k_cache, k_cache.clone(), *scales))
-    q = triton_fused.rope_write_kv(qk, v, cos, sin, k_shift, *pools[0], slots)
+        pools.append(KVLayer(k_cache, k_cache.clone(), *scales))
+    q = triton_fused.rope_write_kv(qk, v, cos, sin, k_shift, pools[0], slots)
     rotated = apply_rope(qk, cos, sin)
     k = rotated[:, heads:] if k_shift is None else rotated[:, heads:] - k_shift
-    reference.write_kv(k, v, *pools[1], slots)
+    reference.write_kv(k, v, pools[1], slots)
     swapped = torch.cat((qk[..., head_dim // 2 :], qk[..., : head_dim // 2]), dim=-1)
     terms = (qk.float() * cos.float()).abs() + (swapped.float() * sin.float()).abs()  # the sum's terms
     assert_ulp(q, rotated[:, :heads], terms[:, :heads])
-    (kc, vc, ks, vs), (rkc, rvc, rks, rvs) = pools
+    (kc, vc, ks, vs), (rkc, rvc, rks, rvs) = ((p.k_cache, p.v_cache, p.k_scale, p.v_scale) for p in pools)
     assert torch.equal(vc.view(torch.uint8), rvc.view(torch.uint8))
     if pool_dtype == FP8:
         assert torch.equal(vs, rvs)
@@ -129,9 +130,9 @@ def test_warm_up_launches_each_kernel_and_writes_nothing_to_the_pool(pool_dtype)
     shape = (2, 16, 2, 16)
     k_cache = torch.zeros(shape, dtype=pool_dtype, device=DEVICE)
     scales = [torch.zeros(shape[:3], device=DEVICE) for _ in range(2)] if pool_dtype == FP8 else [None, None]
-    layer = (k_cache, k_cache.clone(), *scales)
+    layer = KVLayer(k_cache, k_cache.clone(), *scales)
     with LaunchCounter() as counter:
         triton_fused.warm_up(64, 96, 4, torch.float16, layer, _randn(2, 16, dtype=torch.float16, seed=7))
     assert counter.outside_ops["_add_rms_norm_kernel"] == 2 and counter.outside_ops["_silu_mul_kernel"] == 1
     assert counter.outside_ops["_rope_write_kernel"] == 1
-    assert all(not t.view(torch.uint8).any() for t in layer if t is not None)
+    assert all(not t.view(torch.uint8).any() for t in (layer.k_cache, layer.v_cache, *scales) if t is not None)

@@ -45,6 +45,7 @@ from kvchat.kernels import (  # noqa: E402
     triton_extend,
     triton_write,
 )
+from kvchat.kernels.layout import KVLayer  # noqa: E402
 from kvchat.settings import SettingError  # noqa: E402
 
 if DEVICE.type == "cpu" and not (triton_write.INTERPRETED and triton_decode.INTERPRETED and triton_extend.INTERPRETED):
@@ -71,7 +72,7 @@ def make_pool(lens, num_kv_heads, head_dim, pool_dtype, block_size=16, extreme=F
     Unused pool bytes are NaN (0x7F for fp8, NaN scales) and the block table
     has extra columns of foreign block ids, so a kernel that reads past a
     sequence's end shows it. ``extreme``: some tokens are +-1e4, some all zero.
-    Returns ``(k_cache, v_cache, k_scale, v_scale, block_table, seq_lens)`` on DEVICE.
+    Returns ``(KVLayer, block_table, seq_lens)`` on DEVICE, the arguments of attention after the query.
     """
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // block_size) for n in lens]
@@ -90,7 +91,7 @@ def make_pool(lens, num_kv_heads, head_dim, pool_dtype, block_size=16, extreme=F
     else:
         k_cache = torch.full(shape, float("nan"), dtype=pool_dtype)
         k_scale = v_scale = None
-    v_cache = k_cache.clone()
+    kv = KVLayer(k_cache, k_cache.clone(), k_scale, v_scale)
     for i, n in enumerate(lens):
         k = torch.randn(n, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
@@ -100,9 +101,13 @@ def make_pool(lens, num_kv_heads, head_dim, pool_dtype, block_size=16, extreme=F
                 x[1::4] = 0.0
         pos = torch.arange(n)
         slots = table[i, pos // block_size].long() * block_size + pos % block_size
-        reference.write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slots)
-    tensors = (k_cache, v_cache, k_scale, v_scale, table, torch.tensor(lens, dtype=torch.int32))
-    return tuple(None if t is None else t.to(DEVICE) for t in tensors)
+        reference.write_kv(k, v, kv, slots)
+    return _on((kv, table, torch.tensor(lens, dtype=torch.int32)), DEVICE)
+
+
+def _on(pool, device):
+    """:func:`make_pool`'s ``(KVLayer, block_table, seq_lens)`` (or a sink's tensors) on ``device``."""
+    return tuple(t.to(device) for t in pool)
 
 
 def assert_matches(out, ref, q_dtype):
@@ -160,7 +165,7 @@ def test_write_fp8_bytes_bit_exact(dtype):
         v_cache = k_cache.clone()
         k_scale = torch.full((8, 16, num_kv_heads), -1.0, device=device)
         v_scale = k_scale.clone()
-        fn(key.to(device), value.to(device), k_cache, v_cache, k_scale, v_scale, slots.to(device))
+        fn(key.to(device), value.to(device), KVLayer(k_cache, v_cache, k_scale, v_scale), slots.to(device))
         results.append([t.cpu() for t in (k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale)])
     for name, ref, out in zip(("k bytes", "v bytes", "k_scale", "v_scale"), *results, strict=True):
         assert torch.equal(out, ref), f"{name}: {int((out != ref).sum())} entries differ"
@@ -180,7 +185,7 @@ def test_write_fp8_rounding_over_all_magnitudes():
     for fn, device in ((reference.write_kv, "cpu"), (triton_write.write_kv, DEVICE)):
         k_cache = torch.zeros(4, 16, num_kv_heads, head_dim, dtype=FP8, device=device)
         scales = [torch.zeros(4, 16, num_kv_heads, device=device) for _ in range(2)]
-        fn(key.to(device), key.to(device), k_cache, k_cache.clone(), *scales, slots.to(device))
+        fn(key.to(device), key.to(device), KVLayer(k_cache, k_cache.clone(), *scales), slots.to(device))
         results.append(k_cache.view(torch.uint8).cpu())
     assert torch.equal(results[1], results[0])
 
@@ -195,7 +200,7 @@ def test_write_16bit_pool_is_a_plain_cast(pool_dtype, dtype):
     results = []
     for fn, device in ((reference.write_kv, "cpu"), (triton_write.write_kv, DEVICE)):
         caches = [torch.full((4, 16, 3, 64), -7.0, dtype=pool_dtype, device=device) for _ in range(2)]
-        fn(key.to(device), value.to(device), *caches, None, None, slots.to(device))
+        fn(key.to(device), value.to(device), KVLayer(*caches), slots.to(device))
         results.append([c.cpu() for c in caches])
     for ref, out in zip(*results, strict=True):
         assert torch.equal(out, ref)
@@ -220,7 +225,7 @@ def test_decode_matches_reference(group, head_dim, num_kv_heads, pool_dtype, q_d
         pytest.skip("pool dtype not available on this device; 16-bit pools run once (no fp8 bytes to convert)")
     pool = make_pool(lens, num_kv_heads, head_dim, pool_dtype, seed=group)
     query = torch.randn(len(lens), group * num_kv_heads, head_dim).to(q_dtype)
-    ref = reference.decode_attention(query, *[t if t is None else t.cpu() for t in pool], head_dim**-0.5)
+    ref = reference.decode_attention(query, *_on(pool, "cpu"), head_dim**-0.5)
     out = triton_decode.paged_decode(query.to(DEVICE), *pool, head_dim**-0.5, num_splits=splits, fp8_bits=fp8_bits)
     assert out.dtype == q_dtype and out.shape == query.shape
     assert_matches(out, ref, q_dtype)
@@ -231,7 +236,7 @@ def test_decode_extreme_values_and_block_size_8(pool_dtype):
     """K/V of +-1e4 and all-zero tokens; a block size of 8 (tiles do not depend on it)."""
     pool = make_pool([9, 40], 2, 64, pool_dtype, block_size=8, extreme=True)
     query = torch.randn(2, 6, 64)
-    ref = reference.decode_attention(query, *[t if t is None else t.cpu() for t in pool], 0.125)
+    ref = reference.decode_attention(query, *_on(pool, "cpu"), 0.125)
     out = triton_decode.paged_decode(query.to(DEVICE), *pool, 0.125, num_splits=3)
     assert torch.isfinite(out).all()
     assert_matches(out, ref, torch.float32)
@@ -248,13 +253,12 @@ def test_decode_f16_math_matches_reference(values, q_dtype, fp8_bits):
     all-zero tokens (tiles whose V scales are partly at the floor); and V scales a thousandth of normal, where
     ``p x scale`` would fall below fp16's normal range without the tile-relative scale (checked relative to the
     output's own size, as an absolute tolerance would pass an output of zeros)."""
-    k_cache, v_cache, k_scale, v_scale, table, lens = make_pool([15, 150, 300], 2, 64, FP8, extreme=values == "extreme",
-                                                               seed=11)
+    kv, table, lens = make_pool([15, 150, 300], 2, 64, FP8, extreme=values == "extreme", seed=11)
     if values == "tiny-v":
-        v_scale = v_scale * 1e-3
-    pool = (k_cache, v_cache, k_scale, v_scale, table, lens)
+        kv = KVLayer(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale * 1e-3)
+    pool = (kv, table, lens)
     query = torch.randn(3, 8, 64).to(q_dtype)
-    ref = reference.decode_attention(query.cpu(), *[t.cpu() for t in pool], 0.125)
+    ref = reference.decode_attention(query.cpu(), *_on(pool, "cpu"), 0.125)
     tiles = triton_decode.DecodeTiles(block_n=32, f16_math=True)
     out = triton_decode.paged_decode(query.to(DEVICE), *pool, 0.125, num_splits=2, fp8_bits=fp8_bits, tiles=tiles)
     assert out.dtype == q_dtype and torch.isfinite(out).all()
@@ -284,30 +288,29 @@ def test_each_sequence_splits_by_its_own_length():
     row bit-identical to a launch of exactly that many splits; and the result matches the reference."""
     lens = [1, 200, 300, 700, 1030]  # 1, 1, 2, 3 and 5 splits of >= 256 tokens, under a grid of 5
     num_kv_heads, sms = 1, 25  # a wave of 25 programs over 5 sequences: at most 5 splits each
-    k_cache, v_cache, k_scale, v_scale, table, seq_lens = make_pool(lens, num_kv_heads, 64, FP8, seed=5)
+    pool = make_pool(lens, num_kv_heads, 64, FP8, seed=5)
+    kv, table, seq_lens = pool
     grid = triton_decode.splits_for(len(lens), num_kv_heads, table.shape[1] * 16, sms)
     assert grid == 5
     query = torch.randn(len(lens), 4, 64)
-    pool = (k_cache, v_cache, k_scale, v_scale, table, seq_lens)
     out = triton_decode.paged_decode(query.to(DEVICE), *pool, 0.125, num_splits=grid,
                                      split_tokens=triton_decode.MIN_TOKENS_PER_SPLIT)
-    assert_matches(out, reference.decode_attention(query, *[t.cpu() for t in pool], 0.125), torch.float32)
+    assert_matches(out, reference.decode_attention(query, *_on(pool, "cpu"), 0.125), torch.float32)
     used = [triton_decode.splits_for(len(lens), num_kv_heads, n, sms) for n in lens]
     assert used == [1, 1, 2, 3, 5]
     for i, n in enumerate(used):
-        one = triton_decode.paged_decode(query[i:i + 1].to(DEVICE), k_cache, v_cache, k_scale, v_scale, table[i:i + 1],
-                                         seq_lens[i:i + 1], 0.125, num_splits=n)
+        one = triton_decode.paged_decode(query[i:i + 1].to(DEVICE), kv, table[i:i + 1], seq_lens[i:i + 1], 0.125,
+                                         num_splits=n)
         assert torch.equal(out[i:i + 1], one), (lens[i], n)
 
 
 def test_decode_zero_length_sequence_gives_zeros():
     """A padded batch slot with seq_len 0 (e.g. CUDA-graph padding) yields zeros, not NaN, with or without splits."""
-    k_cache, v_cache, k_scale, v_scale, table, _ = make_pool([20, 5], 1, 64, POOLS[0])
+    kv, table, _ = make_pool([20, 5], 1, 64, POOLS[0])
     seq_lens = torch.tensor([20, 0], dtype=torch.int32, device=DEVICE)
     query = torch.randn(2, 2, 64, device=DEVICE)
     for splits in (1, 3):
-        out = triton_decode.paged_decode(query, k_cache, v_cache, k_scale, v_scale, table, seq_lens, 0.125,
-                                         num_splits=splits)
+        out = triton_decode.paged_decode(query, kv, table, seq_lens, 0.125, num_splits=splits)
         assert torch.equal(out[1].cpu(), torch.zeros(2, 64))
         assert torch.isfinite(out[0]).all()
 
@@ -332,7 +335,7 @@ def test_extend_matches_reference(group, head_dim, num_kv_heads, pool_dtype, q_d
     pool = make_pool([p + n for p, n in chunks], num_kv_heads, head_dim, pool_dtype, seed=group)
     cu = torch.tensor([0] + [n for _, n in chunks]).cumsum(0).to(torch.int32)
     query = torch.randn(int(cu[-1]), group * num_kv_heads, head_dim).to(q_dtype)
-    ref = reference.extend_attention(query, *[t if t is None else t.cpu() for t in pool], cu, head_dim**-0.5)
+    ref = reference.extend_attention(query, *_on(pool, "cpu"), cu, head_dim**-0.5)
     out = triton_extend.extend_attention(query.to(DEVICE), *pool, cu.to(DEVICE), head_dim**-0.5, fp8_bits=fp8_bits)
     assert out.dtype == q_dtype and out.shape == query.shape
     assert_matches(out, ref, q_dtype)
@@ -347,7 +350,7 @@ def test_extend_extreme_values_agree_with_decode(pool_dtype):
     # tie within fp32 rounding, where any summation order (triton vs torch) picks a different winner.
     torch.manual_seed(0)
     query = torch.randn(25, 4, 64)
-    ref = reference.extend_attention(query, *[t if t is None else t.cpu() for t in pool], cu, 0.125)
+    ref = reference.extend_attention(query, *_on(pool, "cpu"), cu, 0.125)
     out = triton_extend.extend_attention(query.to(DEVICE), *pool, cu.to(DEVICE), 0.125)
     assert_matches(out, ref, torch.float32)
     last = cu[1:].long() - 1
@@ -370,17 +373,12 @@ def shared_prefix_pool(pool_dtype, num_kv_heads=2, head_dim=64):
     Returns the pool tuple of :func:`make_pool` and the sink, the sharing sequences having one sink row
     each (equal: a shared prefix starts with the same token).
     """
-    k_cache, v_cache, k_scale, v_scale, table, seq_lens = make_pool([1, 70, 45], num_kv_heads, head_dim, pool_dtype,
-                                                                    seed=3)
-    table[2, :2] = table[1, :2]
+    pool = make_pool([1, 70, 45], num_kv_heads, head_dim, pool_dtype, seed=3)
+    pool[1][2, :2] = pool[1][1, :2]
     sink = make_sink(3, num_kv_heads, head_dim)
     for t in sink:
         t[2] = t[1]
-    return (k_cache, v_cache, k_scale, v_scale, table, seq_lens), sink
-
-
-def _on(sink, device):
-    return tuple(t.to(device) for t in sink)
+    return pool, sink
 
 
 @pytest.mark.parametrize("fp8_bits", FP8_READS, ids=lambda b: "bits" if b else "cast")
@@ -392,7 +390,7 @@ def test_decode_with_sink_matches_reference_length_1_and_shared_prefix(pool_dtyp
         pytest.skip("16-bit pools run once (no fp8 bytes to convert)")
     pool, sink = shared_prefix_pool(pool_dtype)
     query = torch.randn(3, 6, 64).to(q_dtype)
-    cpu_pool = [t if t is None else t.cpu() for t in pool]
+    cpu_pool = _on(pool, "cpu")
     ref = reference.decode_attention(query, *cpu_pool, 0.125, sink)
     assert (ref - reference.decode_attention(query, *cpu_pool, 0.125)).abs().amax(dim=(1, 2)).min() > 1e-2, \
         "the sink does not change every sequence's output: the test would not see it ignored"
@@ -411,7 +409,7 @@ def test_extend_with_sink_matches_reference_and_decode(pool_dtype, fp8_bits):
     pool, sink = shared_prefix_pool(pool_dtype)
     cu = torch.tensor([0, 1, 71, 71 + 13], dtype=torch.int32)  # all of seqs 0 and 1, the last 13 tokens of seq 2
     query = torch.randn(int(cu[-1]), 6, 64)
-    ref = reference.extend_attention(query, *[t if t is None else t.cpu() for t in pool], cu, 0.125, sink)
+    ref = reference.extend_attention(query, *_on(pool, "cpu"), cu, 0.125, sink)
     out = triton_extend.extend_attention(query.to(DEVICE), *pool, cu.to(DEVICE), 0.125, _on(sink, DEVICE),
                                          fp8_bits=fp8_bits)
     assert_matches(out, ref, torch.float32)
@@ -437,7 +435,7 @@ def test_dispatch_passes_the_sink_to_triton(monkeypatch):
 
 def _every_byte_pool(num_kv_heads=2, head_dim=64):
     """An fp8 pool whose first 4 one-token sequences hold all 256 byte values (NaN codes and subnormals
-    included) in K and in V, with random positive scales; returns ``(pool tuple, [4] int32 lengths of 1)``."""
+    included) in K and in V, with random positive scales; returns :func:`make_pool`'s tuple, lengths of 1."""
     gen = torch.Generator().manual_seed(5)
     codes = torch.arange(256, dtype=torch.uint8)
     per_token = codes.view(4, 1, head_dim).expand(4, num_kv_heads, head_dim)
@@ -446,8 +444,7 @@ def _every_byte_pool(num_kv_heads=2, head_dim=64):
     v_cache = k_cache.flip(-1).contiguous()
     scales = [torch.rand(4, 16, num_kv_heads, generator=gen) + 0.5 for _ in range(2)]
     table = torch.arange(4, dtype=torch.int32)[:, None]
-    tensors = (k_cache.view(FP8), v_cache.view(FP8), *scales, table, torch.ones(4, dtype=torch.int32))
-    return tuple(t.to(DEVICE) for t in tensors)
+    return _on((KVLayer(k_cache.view(FP8), v_cache.view(FP8), *scales), table, torch.ones(4, dtype=torch.int32)), DEVICE)
 
 
 @pytest.mark.parametrize("kernel", ["decode", "extend"])
@@ -456,7 +453,7 @@ def test_fp8_bit_conversion_reads_every_byte_as_the_reference(kernel):
     NaN codes 0x7F/0xFF (read as ±480, as ``reference.fp8_bits_to_f16`` does) equal the reference bit for bit."""
     pool = _every_byte_pool()
     query = torch.randn(4, 6, 64)
-    cpu_pool = [t.cpu() for t in pool]
+    cpu_pool = _on(pool, "cpu")
     if kernel == "decode":
         ref = reference.decode_attention(query, *cpu_pool, 0.125)
         out = triton_decode.paged_decode(query.to(DEVICE), *pool, 0.125, fp8_bits=True)
@@ -464,25 +461,25 @@ def test_fp8_bit_conversion_reads_every_byte_as_the_reference(kernel):
         cu = torch.arange(5, dtype=torch.int32)
         ref = reference.extend_attention(query, *cpu_pool, cu, 0.125)
         out = triton_extend.extend_attention(query.to(DEVICE), *pool, cu.to(DEVICE), 0.125, fp8_bits=True)
-    expected = reference.dequantize_fp8(cpu_pool[1][:, 0], cpu_pool[3][:, 0]).repeat_interleave(3, dim=1)
+    kv = cpu_pool[0]
+    expected = reference.dequantize_fp8(kv.v_cache[:, 0], kv.v_scale[:, 0]).repeat_interleave(3, dim=1)
     assert torch.equal(ref, expected)
     assert torch.isfinite(out).all() and torch.equal(out.cpu(), ref)
     # K holds every byte too: its scores go through the same conversion (close, not exact: a softmax of one key
     # is exactly 1 whatever the score, so compare against a two-key read where K matters)
-    k_cache, v_cache, k_scale, v_scale, table, _ = cpu_pool
     pairs = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    two = (k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone())
+    two = (kv.k_cache.view(torch.uint8).clone(), kv.v_cache.view(torch.uint8).clone())
     for c in two:  # token 1 of block b = token 0 of block b + 1: two keys per sequence, 16 tokens apart
         c[:, 1] = c.roll(-1, 0)[:, 0]
     k2, v2 = (c.view(FP8) for c in two)
-    scales2 = [s.clone() for s in (k_scale, v_scale)]
+    scales2 = [s.clone() for s in (kv.k_scale, kv.v_scale)]
     for s in scales2:
         s[:, 1] = s.roll(-1, 0)[:, 0]
     lens2 = torch.full((2,), 2, dtype=torch.int32)
     q2 = torch.randn(2, 6, 64) * 0.01  # scores of order 1: both keys weigh
-    ref2 = reference.decode_attention(q2, k2, v2, *scales2, pairs[:, :1], lens2, 0.125)
-    out2 = triton_decode.paged_decode(q2.to(DEVICE), k2.to(DEVICE), v2.to(DEVICE), *[s.to(DEVICE) for s in scales2],
-                                      pairs[:, :1].to(DEVICE), lens2.to(DEVICE), 0.125, fp8_bits=True)
+    pool2 = (KVLayer(k2, v2, *scales2), pairs[:, :1], lens2)
+    ref2 = reference.decode_attention(q2, *pool2, 0.125)
+    out2 = triton_decode.paged_decode(q2.to(DEVICE), *_on(pool2, DEVICE), 0.125, fp8_bits=True)
     assert_matches(out2, ref2, torch.float32)
 
 
@@ -496,11 +493,12 @@ def test_dispatch_default_uses_the_cpu_kernels_or_reference_on_cpu_and_triton_on
     query = torch.randn(1, 3, 64, device=DEVICE)
     monkeypatch.delenv("KVCHAT_ATTENTION", raising=False)
     cpu_default = "compiled" if cpu_attention.available() else "torch"
-    assert dispatch.backend_for(pool[0]) == ("triton" if DEVICE.type == "cuda" else cpu_default)
+    k_cache = pool[0].k_cache
+    assert dispatch.backend_for(k_cache) == ("triton" if DEVICE.type == "cuda" else cpu_default)
     monkeypatch.setenv("KVCHAT_ATTENTION", "torch")
-    assert dispatch.backend_for(pool[0]) == "torch"
+    assert dispatch.backend_for(k_cache) == "torch"
     monkeypatch.setenv("KVCHAT_ATTENTION", "triton")
-    assert dispatch.backend_for(pool[0]) == "triton"
+    assert dispatch.backend_for(k_cache) == "triton"
     out = dispatch.decode_attention(query, *pool, 0.125)
     assert torch.equal(out, triton_decode.decode_attention(query, *pool, 0.125))
 

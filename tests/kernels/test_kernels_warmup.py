@@ -23,6 +23,7 @@ from kvchat.kernels import (  # noqa: E402
     triton_decode,  # noqa: E402
     triton_write,
 )
+from kvchat.kernels.layout import KVLayer  # noqa: E402
 from kvchat.kernels.warmup import DecodeLaunch, ExtendLaunch, compile_plan, launch_warmup, plan_warmup, warm_up  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -87,8 +88,8 @@ def test_split_count_grows_with_the_length_up_to_the_grids():
 
 
 def test_warm_up_is_a_no_op_on_cpu(monkeypatch):
-    layer = (torch.zeros(4, 16, 2, 64, dtype=FP8), torch.zeros(4, 16, 2, 64, dtype=FP8),
-             torch.zeros(4, 16, 2), torch.zeros(4, 16, 2))
+    layer = KVLayer(torch.zeros(4, 16, 2, 64, dtype=FP8), torch.zeros(4, 16, 2, 64, dtype=FP8),
+                    torch.zeros(4, 16, 2), torch.zeros(4, 16, 2))
     for backend in ("torch", "triton"):
         monkeypatch.setenv("KVCHAT_ATTENTION", backend)
         assert warm_up(layer, 6, torch.float32, 8192, True) == []
@@ -105,7 +106,7 @@ def test_every_planned_launch_runs_and_leaves_the_pool_alone(pool_dtype, sink):
     before = [t.clone() for t in (k_cache, v_cache, *scales) if t is not None]
     plan = plan_warmup(2, 16, 1024, 8, (1, 2))  # up to 4 splits (a wave of 8 SMs); 3 and 4 share one variant
     assert {launch.num_splits for launch in plan if isinstance(launch, DecodeLaunch)} == {1, 2, 3}
-    launch_warmup(plan, k_cache, v_cache, *scales, 6, torch.float16, sink)
+    launch_warmup(plan, KVLayer(k_cache, v_cache, *scales), 6, torch.float16, sink)
     after = [t for t in (k_cache, v_cache, *scales) if t is not None]
     assert all(torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)
                for a, b in zip(after, before))
@@ -113,7 +114,7 @@ def test_every_planned_launch_runs_and_leaves_the_pool_alone(pool_dtype, sink):
 
 def _cpu_layer():
     shape = (4, 16, 2, 64)
-    return (torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8), torch.ones(shape[:3]), torch.ones(shape[:3]))
+    return KVLayer(torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8), torch.ones(shape[:3]), torch.ones(shape[:3]))
 
 
 def test_compiling_reports_each_variant(monkeypatch):

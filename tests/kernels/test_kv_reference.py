@@ -53,8 +53,8 @@ def test_write_skips_padding_and_16bit_pools_copy_exactly():
     pool = _pool("fp16")
     k = torch.randn(5, 3, 64, dtype=torch.float16)
     slots = torch.tensor([0, -1, 17, 18, -1])
-    kc, vc, _, _ = pool.layer(0)
-    ref.write_kv(k, k, kc, vc, None, None, slots)
+    kc = pool.layer(0).k_cache
+    ref.write_kv(k, k, pool.layer(0), slots)
     assert torch.equal(kc[0, 0], k[0]) and torch.equal(kc[1, 1], k[2]) and torch.equal(kc[1, 2], k[3])
     assert kc[0, 1].abs().sum() == 0, "a -1 slot must not be written"
 
@@ -66,19 +66,19 @@ def test_decode_equals_last_row_of_extend_on_shuffled_blocks():
         table = [5, 2, 7, 0]
         n = 50
         k, v, q = torch.randn(n, 3, 64) * 3, torch.randn(n, 3, 64), torch.randn(n, 9, 64)
-        kc, vc, ks, vs = pool.layer(0)
-        ref.write_kv(k, v, kc, vc, ks, vs, _slots(table, n))
+        kv = pool.layer(0)
+        ref.write_kv(k, v, kv, _slots(table, n))
         bt = torch.tensor([table], dtype=torch.int32)
         # prefill 30 then extend 20 over the cached prefix
         ext = torch.cat([
-            ref.extend_attention(q[:30], kc, vc, ks, vs, bt, torch.tensor([30]), torch.tensor([0, 30]), 0.125),
-            ref.extend_attention(q[30:], kc, vc, ks, vs, bt, torch.tensor([n]), torch.tensor([0, 20]), 0.125),
+            ref.extend_attention(q[:30], kv, bt, torch.tensor([30]), torch.tensor([0, 30]), 0.125),
+            ref.extend_attention(q[30:], kv, bt, torch.tensor([n]), torch.tensor([0, 20]), 0.125),
         ])
-        dec = ref.decode_attention(q[-1:], kc, vc, ks, vs, bt, torch.tensor([n]), 0.125)
+        dec = ref.decode_attention(q[-1:], kv, bt, torch.tensor([n]), 0.125)
         assert torch.allclose(dec[0], ext[-1], atol=1e-5)
         # and both equal plain causal attention over the dequantized values
-        kd = ref.gather_kv(kc, ks, bt[0], n)
-        vd = ref.gather_kv(vc, vs, bt[0], n)
+        kd = ref.gather_kv(kv.k_cache, kv.k_scale, bt[0], n)
+        vd = ref.gather_kv(kv.v_cache, kv.v_scale, bt[0], n)
         want = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), kd.repeat_interleave(3, 1).transpose(0, 1), vd.repeat_interleave(3, 1).transpose(0, 1),
             is_causal=True, scale=0.125,
@@ -99,9 +99,9 @@ def test_pool_bytes_per_token_matches_allocation():
 def test_read_slots_paths_agree_bit_for_bit():
     """The small-read cast, the bulk bit trick and the in-place ``out=`` path give the same values."""
     pool = _pool("fp8", num_blocks=40)
-    kc, vc, ks, vs = pool.layer(0)
+    kc, ks = pool.layer(0).k_cache, pool.layer(0).k_scale
     slots = torch.randperm(40 * 16)[:600]
-    ref.write_kv(torch.randn(600, 3, 64) * 3, torch.randn(600, 3, 64), kc, vc, ks, vs, slots)
+    ref.write_kv(torch.randn(600, 3, 64) * 3, torch.randn(600, 3, 64), pool.layer(0), slots)
     want = ref.gather_kv(kc, ks, torch.arange(40), 640).view(40 * 16, 3, 64)[slots]
     small = ref.read_slots(kc, ks, slots[:100])  # 19,200 elements: the cast path
     bulk = ref.read_slots(kc, ks, slots)  # 115,200 elements: the bit trick

@@ -6,13 +6,12 @@ nothing."""
 from __future__ import annotations
 
 import json
-import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
-from server_helpers import ask_greedy
+from server_helpers import MESSAGE_COUNT, ask_greedy
 
 from kvchat.bench.grammar import SCHEMA
 
@@ -24,14 +23,6 @@ PEOPLE = ["a nurse from Lyon", "a retired pilot", "a young painter in Rome", "a 
           "a software engineer in Oslo", "a farmer aged 130", "a child of 5", "a violinist", "a doctor in Lagos",
           "a carpenter", "a student in Tokyo", "a marathon runner", "a librarian", "a sculptor in Paris",
           "a firefighter", "a baker aged -3", "an astronaut", "a poet", "a mathematician in Kyiv"]
-
-
-def _rows(server) -> int:
-    db = sqlite3.connect(server.home / "kvchat.db")
-    try:
-        return db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
-    finally:
-        db.close()
 
 
 def test_twenty_schema_answers_parse_and_validate(server):
@@ -64,10 +55,10 @@ def test_streaming_gives_the_non_streaming_answer_and_json_object_gives_an_objec
 
 def test_a_schema_with_an_unenforceable_keyword_is_a_400_naming_it_and_nothing_is_stored(server):
     c = server.client()
-    before = _rows(server)
+    before = server.query(MESSAGE_COUNT)
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {"required": ["a"]}}}}
     with pytest.raises(openai.BadRequestError, match='"not"') as err:
         ask_greedy(c, [{"role": "user", "content": "Hi"}], max_tokens=4, response_format=bad)
     body = err.value.body
     assert body["param"] == "response_format" and body["type"] == "invalid_request_error", body
-    assert _rows(server) == before
+    assert server.query(MESSAGE_COUNT) == before

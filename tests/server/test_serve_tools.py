@@ -8,12 +8,11 @@ list too), choices, ``top_logprobs`` or ``n`` are 400s with OpenAI's error objec
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import jsonschema
 import openai
 import pytest
-from server_helpers import MODEL, ask_greedy
+from server_helpers import MESSAGE_COUNT, MODEL, ask_greedy
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.model
@@ -42,22 +41,6 @@ def _many_tools(n: int) -> list[dict]:
                                             "name, price, stock, supplier, last update and warehouse location.",
         "parameters": {"type": "object", "properties": {"id": {"type": "integer"}, "field": {"type": "string"}}}}}
         for i in range(n)]
-
-
-def _titles(server) -> list[str]:
-    db = sqlite3.connect(server.home / "kvchat.db")
-    try:
-        return [title for (title,) in db.execute("SELECT title FROM documents")]
-    finally:
-        db.close()
-
-
-def _rows(server) -> int:
-    db = sqlite3.connect(server.home / "kvchat.db")
-    try:
-        return db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
-    finally:
-        db.close()
 
 
 def test_a_named_tool_choice_gives_a_call_whose_arguments_validate_streamed_piece_by_piece(server):
@@ -114,7 +97,7 @@ def test_parallel_tool_calls_false_ends_an_auto_answer_at_its_first_call(server,
 def test_bad_tools_choices_and_counts_are_400s_that_store_nothing(server):
     c = server.client()
     msgs = [{"role": "user", "content": "Hi"}]
-    before = _rows(server)
+    before = server.query(MESSAGE_COUNT)
     cases = [({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", "name is required"),
              ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
              ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
@@ -130,7 +113,7 @@ def test_bad_tools_choices_and_counts_are_400s_that_store_nothing(server):
         body = err.value.body
         assert (body["param"], body["type"]) == (param, "invalid_request_error"), body
         assert set(err.value.response.json()["error"]) == {"message", "type", "param", "code"}
-    assert _rows(server) == before
+    assert server.query(MESSAGE_COUNT) == before
     assert ask_greedy(c, msgs, max_tokens=2, logit_bias={}).choices[0].message.content  # OpenAI accepts it too
 
 
@@ -141,7 +124,7 @@ def test_tool_definitions_and_a_tool_conversation_are_reused_from_memory_and_fro
                        tools=tools, tool_choice="none")
     assert first.usage.prompt_tokens >= 2000, first.usage
     server.wait_idle()
-    titles = _titles(server)  # what `kvchat doc list` shows
+    titles = [title for (title,) in server.query("SELECT title FROM documents")]  # what `kvchat doc list` shows
     assert [t for t in titles if t.startswith("tools: get_weather, get_time, convert, tool_0, ")], titles
     question = {"role": "user", "content": "Convert 12.50 euros to dollars."}
     named = {"type": "function", "function": {"name": "convert"}}
