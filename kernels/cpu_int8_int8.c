@@ -33,7 +33,6 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,32 +47,10 @@ void kvchat_int8_int8_matmul(const float *x, const int8_t *q, const float *scale
                              float *xd, float *xsum, float *y, char *work, int64_t M, int64_t N, int64_t G,
                              int threads);
 
-static inline float hmax8(__m256 v) {
-  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_max_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-
 /* Group mg (row m, group g) of x: its float sum, its scale d and its 32 int8 values (VNNI build: + 128, u8). */
 static inline void quantize_group(const float *v, int8_t *out, float *d, float *sum) {
-  const __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8), a2 = _mm256_loadu_ps(v + 16),
-               a3 = _mm256_loadu_ps(v + 24);
-  *sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
-                                  _mm256_max_ps(_mm256_andnot_ps(sign, a2), _mm256_andnot_ps(sign, a3)));
-  const float amax = hmax8(mx);
-  /* below 127 x FLT_MIN, 127 / amax overflows to inf (values would turn NaN): such a group counts as zeros */
-  const int zero = !(amax >= 127.0f * FLT_MIN);
-  *d = zero ? 0.0f : amax / 127.0f;
-  const __m256 id = _mm256_set1_ps(zero ? 0.0f : 127.0f / amax);
-  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, id)),
-                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, id));
-  /* packs interleave the 128-bit halves: the permutation puts the 32 bytes back in order */
-  __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-  b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  b = _mm256_max_epi8(b, _mm256_set1_epi8(-127));
+  group_sums(v, sum, 1, 1);
+  __m256i b = quantize32(v, d);
 #ifdef KVCHAT_VNNI
   b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80));
 #endif

@@ -94,18 +94,25 @@ def int8_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs
     return y
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The kernel's formula in float64 torch (tests): activations quantized as the C source does, the integer
-    dot products exact, the epilogue in float64 (so it differs from the kernel only by float32 rounding)."""
-    m, k = x.shape
-    n = q.shape[0]
-    xg = x.double().view(m, -1, GROUP)
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[M, K]`` -> ``(a float32 [M, K] of integers in [-127, 127], d float32 [M, K / 32])``: each 32
+    inputs quantized as the C kernels do (``cpu_kernels.h``'s ``quantize32``), in torch (tests' references)."""
+    m = x.shape[0]
     xf = x.float().view(m, -1, GROUP)
     amax = xf.abs().amax(dim=2)
     zero = ~(amax >= 127 * torch.finfo(torch.float32).tiny)  # as the C source: 127 / amax would overflow
     d = torch.where(zero, torch.zeros_like(amax), amax / 127)
     inv = torch.where(zero, torch.zeros_like(amax), 127 / amax)
     a = torch.round(xf * inv[..., None]).clamp(-127, 127)  # round half to even, as _mm256_cvtps_epi32
-    dots = torch.einsum("mgk,ngk->mng", a.double(), q.double().view(n, -1, GROUP))
+    return a.view(m, -1), d
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The kernel's formula in float64 torch (tests): activations quantized as the C source does, the integer
+    dot products exact, the epilogue in float64 (so it differs from the kernel only by float32 rounding)."""
+    m, k = x.shape
+    n = q.shape[0]
+    a, d = quantize_activations(x)
+    dots = torch.einsum("mgk,ngk->mng", a.double().view(m, -1, GROUP), q.double().view(n, -1, GROUP))
     return (torch.einsum("mng,ng,mg->mn", dots, scale.double(), d.double())
-            + torch.einsum("ng,mg->mn", offset.double(), xg.sum(dim=2))).float()
+            + torch.einsum("ng,mg->mn", offset.double(), x.double().view(m, -1, GROUP).sum(dim=2))).float()
