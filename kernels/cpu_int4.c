@@ -26,15 +26,16 @@
    xd, xs   float32 [M, G] scratch: their scales d and sums xs
    y        float32 [M, N] row-major (written, not accumulated)
 
-   Order of the float arithmetic (every build): per row and channel an 8-lane accumulator, per group
+   Order of the float arithmetic (every build): per row and channel two 8-lane accumulators, even groups on one
+   and odd groups on the other (two FMA chains: one chain's latency bounded a decode row), per group
    acc = fma(float(P), scale * d, acc) where lane i of P is the exact int32 sum of the products of inputs
    4 i .. 4 i + 3 of the group (vpdpbusd forms exactly that, and so do vpmaddubsw, whose pair sums of at most
-   2 x 15 x 127 never saturate, then vpmaddwd by ones); then y = hsum8(acc) + groups_dot(minimum, xs)
+   2 x 15 x 127 never saturate, then vpmaddwd by ones); then y = hsum8(even + odd) + groups_dot(minimum, xs)
    (cpu_kernels.h). scale * d is one fp32 product. So a row's bits depend on neither M (a decode row alone or
    among others) nor the thread count (threads split output channels, each channel's sum is one thread's), and
    the avx2, avx512 and avx512vnni builds compute the same bits: the integers are exact whichever instructions
-   form them and the float steps are the same 8-lane operations in the same order. Rows run in eights, then the
-   rest together, only to unpack each weight byte once for several rows.
+   form them and the float steps are the same 8-lane operations in the same order. Rows run in eights (fours on
+   AVX2), then the rest together, only to unpack each weight byte once for several rows.
 
    Threads: an OpenMP team of `threads` splits the N output channels (blocks of 8); torch's pool (cpu_build.py).
    The activations are quantized by the calling thread for a few rows, by the team for many. */
@@ -45,7 +46,11 @@
 #include "cpu_kernels.h"
 
 #define MAX_GROUPS 1024 /* a channel's widened scales and minima live on the stack: K up to 32768 inputs */
-#define ROWS_MAX 8
+#ifdef KVCHAT_AVX512
+#define ROWS_MAX 8 /* rows per pass over a channel's weights: two chains each, in the 32 registers */
+#else
+#define ROWS_MAX 4 /* in AVX2's 16 */
+#endif
 #define TEAM_QUANTIZE_GROUPS 2048 /* fewer activation groups than this are quantized by the calling thread */
 
 /* The G fp16 values at h as floats at f (exact). */
@@ -89,15 +94,25 @@ static inline __attribute__((always_inline)) void channel(const int8_t *xq, cons
   widen_halves(scale + n * G, sc, G);
   widen_halves(minimum + n * G, mn, G);
   for (int i = 0; i < ROWS; ++i) products(sc, xd + (m + i) * G, sd[i], G);
-  __m256 acc[ROWS_MAX];
-  for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const __m256i wv = nibbles(w + g * (GROUP / 2));
-    for (int i = 0; i < ROWS; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(wv, xq + ((m + i) * G + g) * GROUP)),
-                               _mm256_broadcast_ss(&sd[i][g]), acc[i]);
+  __m256 even[ROWS_MAX], odd[ROWS_MAX];
+  for (int i = 0; i < ROWS; ++i) even[i] = odd[i] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    const __m256i w0 = nibbles(w + g * (GROUP / 2)), w1 = nibbles(w + (g + 1) * (GROUP / 2));
+    for (int i = 0; i < ROWS; ++i) {
+      const int8_t *a = xq + ((m + i) * G + g) * GROUP;
+      even[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w0, a)), _mm256_broadcast_ss(&sd[i][g]), even[i]);
+      odd[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w1, a + GROUP)), _mm256_broadcast_ss(&sd[i][g + 1]), odd[i]);
+    }
   }
-  for (int i = 0; i < ROWS; ++i) y[(m + i) * N + n] = hsum8(acc[i]) + groups_dot(mn, xs + (m + i) * G, G);
+  if (g < G) { /* an odd count: the last group on the even chain */
+    const __m256i w0 = nibbles(w + g * (GROUP / 2));
+    for (int i = 0; i < ROWS; ++i)
+      even[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w0, xq + ((m + i) * G + g) * GROUP)),
+                                _mm256_broadcast_ss(&sd[i][g]), even[i]);
+  }
+  for (int i = 0; i < ROWS; ++i)
+    y[(m + i) * N + n] = hsum8(_mm256_add_ps(even[i], odd[i])) + groups_dot(mn, xs + (m + i) * G, G);
 }
 
 /* Row group mg of x into xq, xd and xs (the comment at the top). */
@@ -121,11 +136,16 @@ void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *s
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n1 = (blk + 1) * 8 < N ? (blk + 1) * 8 : N;
-    for (int64_t m = 0; m < M;) { /* rows in eights, then the 1-7 left together (as many FMA chains as rows) */
+    for (int64_t m = 0; m < M;) { /* rows in ROWS_MAX, then the rest together (two FMA chains per row) */
       const int rows = M - m >= ROWS_MAX ? ROWS_MAX : (int)(M - m);
       for (int64_t n = blk * 8; n < n1; ++n) {
 #define ROWS_CASE(R) case R: channel(xq, xd, xs, packed, scale, minimum, y, N, G, n, m, R); break;
-        switch (rows) { ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5) ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1) }
+        switch (rows) {
+#if ROWS_MAX > 4
+          ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5)
+#endif
+          ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1)
+        }
 #undef ROWS_CASE
       }
       m += rows;
