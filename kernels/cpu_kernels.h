@@ -82,6 +82,15 @@ static inline __m256i quantize32(const float *v, float *d) {
   return _mm256_max_epi8(b, _mm256_set1_epi8(-127));
 }
 
+/* Q8_1's block sum: d times the exact sum of a quantize32 group's 32 values b (byte pairs, at most 254 in
+   magnitude, into int16, then into int32 lanes; at most 32 x 127 in all, exact in fp32), as one fp32 product. */
+static inline float block_sum(__m256i b, float d) {
+  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b), _mm256_set1_epi16(1));
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  const __m128i q = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+  return d * (float)_mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 1)));
+}
+
 #ifdef KVCHAT_AVX512
 /* 8 floats at x in both halves. */
 static inline __m512 both(const float *x) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(x)); }

@@ -52,9 +52,9 @@ groups (:func:`_kind` says why). Every row count quantizes the activations to in
 multiplies on integer dot products: up to ``GROUPS_KERNEL_MAX_ROWS`` rows (decode, a question after a resume)
 the int4 kernel (:mod:`kvchat.kernels.cpu_int4`, llama.cpp's Q4_1 x Q8_1 dot product), more rows (512-token
 prefill chunks) the integer prefill kernel of int8 groups (:mod:`kvchat.kernels.cpu_int8_int8`) on the nibbles
-unpacked and centred on 8 (``scale (q - 8)`` with offset ``minimum + 8 scale``), which holds 16 channels per
-register: 2.5x the int4 kernel and 3.6x the dequantized fp32 GEMM at 512 rows (docs/performance.md, "4-bit
-weights", where their cost in perplexity is measured too).
+unpacked to one byte each, with Q8_1's block sums (the int4 kernel's formula in another float order), which holds
+16 channels per register: 2.5x the int4 kernel and 3.6x the dequantized fp32 GEMM at 512 rows
+(docs/performance.md, "4-bit weights", where their cost in perplexity is measured too).
 
 The tensors live in ``models_dir()/.weights/<model fingerprint>.<scheme>.safetensors``
 (:func:`quantized_path`; written atomically on first use, read on every later load).
@@ -79,7 +79,6 @@ from kvchat.safetensors_file import save_atomic
 WEIGHTS_DIR = ".weights"
 QMAX = 127
 INT4_LEVELS = 15  # the largest 4-bit value: a group spans 0..15 steps of its scale
-INT4_CENTRE = 8  # subtracted from the 4-bit values for the int8 x int8 prefill kernel (int8 weights centred on 0)
 
 _scratch = threading.local()  # one fp32 buffer per thread for the dequantized weight of the large-M path
 
@@ -313,10 +312,9 @@ class Int4GroupLinear(_Int8Layer):
     def _many_rows(self, rows: torch.Tensor) -> torch.Tensor:
         if not cpu_int8_int8.takes(self.out_features, self.in_features):
             return self._few_rows(rows)
-        # the int8 x int8 kernel on the nibbles centred on 8: scale q + minimum = scale (q - 8) + (minimum + 8 scale)
-        q = cpu_int4.unpack(self.packed).view(torch.int8).sub_(INT4_CENTRE)
-        scale = self.scale.float()
-        return cpu_int8_int8.int8_int8_matmul(rows, q, scale, self.minimum.float() + INT4_CENTRE * scale)
+        # the int8 x int8 kernel on the nibbles, one byte each; the minima meet Q8_1's block sums, as in cpu_int4.c
+        return cpu_int8_int8.int8_int8_matmul(rows, cpu_int4.unpack(self.packed).view(torch.int8), self.scale.float(),
+                                              self.minimum.float(), block_sums=True)
 
 
 QUANTIZED_LAYERS = (Int8Linear, Int8GroupLinear, Int4GroupLinear)  # the module types quantize_linears puts in

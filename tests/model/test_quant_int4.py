@@ -73,12 +73,13 @@ def test_int4_linear_runs_int8_activations_at_every_row_count(rows):
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     # its kernel's bits, the bias added after: the int4 kernel for few rows, the int8 x int8 kernel on the
-    # nibbles centred on 8 for more
+    # unpacked nibbles with Q8_1's block sums for more; the same formula (the reference) either way
     if rows <= quant.GROUPS_KERNEL_MAX_ROWS:
         assert torch.equal(got, cpu_int4.int4_matmul(x, packed, scale, minimum) + b)
     else:
-        centred = cpu_int4.unpack(packed).view(torch.int8) - 8
-        assert torch.equal(got, cpu_int8_int8.int8_int8_matmul(x, centred, scale.float(), minimum.float() + 8 * scale.float()) + b)
+        nibbles = cpu_int4.unpack(packed).view(torch.int8)
+        assert torch.equal(got, cpu_int8_int8.int8_int8_matmul(x, nibbles, scale.float(), minimum.float(), block_sums=True) + b)
+    torch.testing.assert_close(got - b, cpu_int4.reference(x, packed, scale, minimum), rtol=1e-4, atol=1e-4)
     want = x.double() @ _dequant(packed, scale, minimum).t()
     # int8 activations cost ~0.6% of the product's norm (tests/kernels/test_cpu_int4.py says why)
     assert (got.double() - b.double() - want).norm() / want.norm() < 0.01
