@@ -421,7 +421,8 @@ def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = N
             kernel is not available; int4 weights beyond fp16's range (:func:`quantize_int4_groups`).
     """
     if bits == 4:
-        if not (cpu_int4.available() and cpu_int8.available()):  # the head is int8 groups
+        # the head is int8 groups; prefill chunks run the int8 x int8 kernel
+        if not (cpu_int4.available() and cpu_int8.available() and cpu_int8_int8.available()):
             raise ValueError("int4 weights need the compiled CPU int4 and int8 kernels, which are not available here "
                              "(a C compiler and AVX2; KVCHAT_CPU_KERNEL not 0)")
         kernel, scheme = "int4", INT4_SCHEME
