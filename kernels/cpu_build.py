@@ -13,7 +13,8 @@ Two builds of each (:data:`VARIANTS`): ``avx2``, and ``avx512`` (the same source
 defined: the hot loops put two 8-lane computations, or 16 independent lanes, in each 16-lane register,
 so their bits equal the ``avx2`` build's; each source says how). A process loads ``avx512`` where the
 CPU has its flags and ``KVCHAT_CPU_KERNEL`` is not ``avx2`` (:func:`chosen_variant`), else ``avx2``.
-The integer prefill kernel (``cpu_int8_int8.c``) has a third, ``avx512vnni`` (:func:`integer_variant`).
+The integer-dot-product kernels (``cpu_int8_int8.c``, ``cpu_int4.c`` and the decode layer that links it) have a
+third, ``avx512vnni`` (:func:`integer_variant`).
 
 Where a library cannot be built or loaded (no compiler, no AVX2/FMA/F16C, no
 writable cache dir, no platformdirs) or ``KVCHAT_CPU_KERNEL=0``, :func:`load`
@@ -58,7 +59,8 @@ VARIANTS = {
     "avx512": Variant(("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-DKVCHAT_AVX512"),
                       _BASE_CPU_FLAGS | {"avx512f", "avx512vl", "avx512bw", "avx512dq"}),
     # avx512 plus VNNI's integer dot product (vpdpbusd): built only for the sources that use it
-    # (cpu_int8_int8.c, :func:`integer_variant`); their bits equal the other builds'
+    # (cpu_int8_int8.c, cpu_int4.c and cpu_decode.c with it, :func:`integer_variant`); their bits equal the other
+    # builds'
     "avx512vnni": Variant(("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-DKVCHAT_AVX512",
                            "-DKVCHAT_VNNI"),
                           _BASE_CPU_FLAGS | {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx512_vnni"}),

@@ -22,7 +22,7 @@
    cat/mul/addcmul, slicing, softmax, SiLU, residuals, the ctypes wrappers' checks), each a few microseconds
    of dispatch for a few hundred floats of work. Here they are plain loops between the kernels' OpenMP regions.
 
-   Numerics: fp32 throughout; the rounding differs from torch's (summation order of the norms, the
+   Numerics: fp32 throughout (int4 weights meet int8-quantized activations: cpu_int4.c); the rounding differs from torch's (summation order of the norms, the
    polynomial exp below). Decode K/V are provisional (recomputed as prefill chunks when the turn ends;
    kvchat.engine.runner.Engine.decode); a short chunk's K/V are stored, and every chunk of its size runs
    here, cold or resumed, so they are the same bits either way (kvchat.model.int8_scheme.COMPILED_LAYER_MAX_TOKENS,
@@ -67,8 +67,8 @@ typedef struct DecodeStep {
 } DecodeStep;
 
 typedef struct {
-  float *h, *qkv, *q, *k, *v, *attn, *proj, *gu, *act, *xsum, *tile, *work;
-} Scratch;
+  float *h, *qkv, *q, *k, *v, *attn, *proj, *gu, *act, *xsum, *xq, *xd, *tile, *work;
+} Scratch; /* xq: int4 matmuls' int8 activations (R * widest bytes); xd: their scales */
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -82,15 +82,15 @@ static int64_t longest(const DecodeStep *s) {
 static int64_t carve(const DecodeStep *s, int64_t lmax, float *base, Scratch *b) {
   const int64_t R = s->rows, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->inter, TG = s->tokens * H / Hkv;
   const int64_t widest = max64(max64(s->hidden, H * D), I);
-  const int64_t sizes[12] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
+  const int64_t sizes[14] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
                              R * Hkv * D,         R * H * D,             R * s->hidden, R * 2 * I,
-                             R * I,               R * (widest / GROUP),
+                             R * I,               R * (widest / GROUP),  R * widest / 4, R * (widest / GROUP),
                              kvchat_attention_tile_floats(Hkv, TG, D, s->threads),
                              kvchat_attention_work_floats(R / s->tokens, Hkv, TG, D, lmax)};
-  float **slot[12] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
-                      &b->tile, &b->work};
+  float **slot[14] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
+                      &b->xq, &b->xd, &b->tile, &b->work};
   int64_t used = 0;
-  for (int i = 0; i < 12; ++i) {
+  for (int i = 0; i < 14; ++i) {
     if (base != NULL) *slot[i] = base + used;
     used += (sizes[i] + 15) / 16 * 16; /* each part on a 64-byte boundary of the base */
   }
@@ -113,11 +113,12 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t R, int64_
   }
 }
 
-static void linear(const Weight *w, const float *x, float *y, int64_t R, float *xsum, int threads) {
+static void linear(const Weight *w, const float *x, float *y, int64_t R, const Scratch *b, int threads) {
   if (w->bits == 4)
-    kvchat_int4_matmul(x, w->q, w->scale, w->offset, xsum, y, R, w->n, w->k / GROUP, threads);
+    kvchat_int4_matmul(x, w->q, w->scale, w->offset, (int8_t *)b->xq, b->xd, b->xsum, y, R, w->n, w->k / GROUP,
+                       threads);
   else
-    kvchat_int8_matmul(x, w->q, w->scale, w->offset, xsum, y, R, w->n, w->k / GROUP, threads);
+    kvchat_int8_matmul(x, w->q, w->scale, w->offset, b->xsum, y, R, w->n, w->k / GROUP, threads);
   if (w->bias != NULL)
     for (int64_t r = 0; r < R; ++r)
       for (int64_t i = 0; i < w->n; ++i) y[r * w->n + i] += w->bias[i];
@@ -165,7 +166,7 @@ void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
   carve(s, lmax, (float *)(((uintptr_t)s->scratch + 63) & ~(uintptr_t)63), &b);
 
   rms_norm(x, w->attn_norm, b.h, R, Hd, s->eps);
-  linear(&w->qkv, b.h, b.qkv, R, b.xsum, th);
+  linear(&w->qkv, b.h, b.qkv, R, &b, th);
   for (int64_t r = 0; r < R; ++r) {
     const float *row = b.qkv + r * width, *c = s->cos + r * D, *sn = s->sin + r * D;
     for (int64_t h = 0; h < Hkv; ++h) /* q as [S, Hkv, T, G, D]: a KV head's T * G queries together */
@@ -188,12 +189,12 @@ void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
           b.q[r * H * D + h * G * D + i] = b.attn[(((r / T * Hkv + h) * T + r % T) * G) * D + i];
     attn = b.q;
   }
-  linear(&w->o, attn, b.proj, R, b.xsum, th);
+  linear(&w->o, attn, b.proj, R, &b, th);
   add_rows(x, b.proj, R * Hd);
 
   rms_norm(x, w->mlp_norm, b.h, R, Hd, s->eps);
-  linear(&w->gate_up, b.h, b.gu, R, b.xsum, th);
+  linear(&w->gate_up, b.h, b.gu, R, &b, th);
   silu_mul(b.gu, b.act, R, I);
-  linear(&w->down, b.act, b.proj, R, b.xsum, th);
+  linear(&w->down, b.act, b.proj, R, &b, th);
   add_rows(x, b.proj, R * Hd);
 }

@@ -29,6 +29,7 @@ import torch
 
 from .cpu_attention import KINDS, pool_pointers, takes_pool
 from .cpu_attention import SOURCE as ATTENTION_SOURCE
+from .cpu_build import integer_variant
 from .cpu_build import load as load_library
 from .cpu_int4 import SOURCE as INT4_SOURCE
 from .cpu_int8 import GROUP
@@ -59,7 +60,9 @@ class _Step(ctypes.Structure):
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE, INT8_SOURCE, INT4_SOURCE, ATTENTION_SOURCE)
+    # the int4 kernel's integer dot products: the VNNI build where the CPU has it (the other sources' bits are
+    # the same in every build)
+    lib = load_library(SOURCE, INT8_SOURCE, INT4_SOURCE, ATTENTION_SOURCE, variant=integer_variant())
     if lib is not None:
         lib.kvchat_decode_layer.restype = None
         lib.kvchat_decode_layer.argtypes = [_P, _P, _P]

@@ -1,33 +1,46 @@
-/* int4 weight-only matmul with float32 activations for the CPU (AVX2 + FMA + F16C, or AVX-512): asymmetric groups
-   of 32 inputs, two 4-bit values per byte, an fp16 scale and an fp16 minimum per group (GGUF's Q4_1 block).
+/* int4 weights times int8-quantized activations on integer dot products, for the CPU (AVX2, or AVX-512 with VNNI):
+   GGUF's Q4_1 weight blocks against Q8_1 activation blocks, as llama.cpp's ggml_vec_dot_q4_1_q8_1
+   (ggml-quants.c) multiplies them.
 
-   y[m, n] = sum_g ( scale[n, g] * sum_{k < 32} x[m, 32 g + k] * q[n, 32 g + k]
-                     + minimum[n, g] * sum_{k < 32} x[m, 32 g + k] )
+   Weights: asymmetric groups of 32 inputs, two 4-bit values per byte, an fp16 scale and an fp16 minimum per group
+   (GGUF's Q4_1 block), w[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + minimum[n, g], q in 0 .. 15.
+   Activations: each row quantized per group of 32 (cpu_kernels.h's quantize32, llama.cpp's Q8_1 block):
+   d[m, g] = max|x| / 127, a[m, 32 g + k] = round(x / d) in [-127, 127], and the block's sum
+   xs[m, g] = d[m, g] * sum_k a[m, 32 g + k] (Q8_1's s, kept in fp32). Then
 
-   i.e. x times the weight w[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + minimum[n, g], q in 0 .. 15.
+     y[m, n] = sum_g ( scale[n, g] * d[m, g] * I[m, n, g] + minimum[n, g] * xs[m, g] ),
+     I[m, n, g] = sum_{k < 32} q[n, 32 g + k] * a[m, 32 g + k]   (exact, in int32)
+
+   i.e. the exact product of the dequantized weights and the dequantized activations, rounded in fp32. The
+   minimum's term takes the quantized sum, as llama.cpp does, rather than the float one: the activations'
+   rounding error e then meets the weight itself (e . w) instead of the weight less its minimum (or less its
+   group's midpoint, were the nibbles centred), which in a group skewed by one outlier is several times larger
+   than w. Measured on SmolLM2 (docs/performance.md, "4-bit weights"): centred nibbles with float sums lost up to
+   +1.5% perplexity where these block sums keep within +0.6%.
 
    x        float32 [M, K] row-major, K = 32 G
    packed   uint8   [N, K / 2]: group g of channel n is the 16 bytes at packed[n, 16 g ..]; byte j holds input
-                    32 g + j in its low nibble and input 32 g + 16 + j in its high nibble, so one 16-byte load, an
-                    AND and a shift give the group's first and second halves in input order (no shuffle)
+                    32 g + j in its low nibble and input 32 g + 16 + j in its high nibble (one 16-byte load, a
+                    per-half shift and an AND give the group's 32 values in input order)
    scale    fp16    [N, G] (IEEE half, as uint16)
    minimum  fp16    [N, G]
-   xsum     float32 [M, G] scratch: each row's group sums, computed here first
+   xq       int8    [M, K] scratch: the quantized activations, written here first
+   xd, xs   float32 [M, G] scratch: their scales d and sums xs
    y        float32 [M, N] row-major (written, not accumulated)
 
-   The arithmetic is cpu_int8.c's, value for value: a group's dot product is one 8-lane chain over its four
-   blocks of 8 inputs (the nibbles widened to floats exactly), scaled into one 8-lane accumulator per row (an FMA)
-   and reduced once at the end; the minima's terms are one 8-lane dot product over the groups, then the remainder
-   in order. The fp16 scales and minima are widened to fp32 exactly (F16C) before use. So a row's bits never
-   depend on M (a decode row alone or among others) nor on the thread count (threads split output channels, each
-   channel's sum is one thread's), and rows run in eights, then the rest together, only to unpack each weight
-   byte once for several rows.
+   Order of the float arithmetic (every build): per row and channel two 8-lane accumulators, even groups on one
+   and odd groups on the other (two FMA chains: one chain's latency bounded a decode row), per group
+   acc = fma(float(P), scale * d, acc) where lane i of P is the exact int32 sum of the products of inputs
+   4 i .. 4 i + 3 of the group (vpdpbusd forms exactly that, and so do vpmaddubsw, whose pair sums of at most
+   2 x 15 x 127 never saturate, then vpmaddwd by ones); then y = hsum8(even + odd) + groups_dot(minimum, xs)
+   (cpu_kernels.h). scale * d is one fp32 product. So a row's bits depend on neither M (a decode row alone or
+   among others) nor the thread count (threads split output channels, each channel's sum is one thread's), and
+   the avx2, avx512 and avx512vnni builds compute the same bits: the integers are exact whichever instructions
+   form them and the float steps are the same 8-lane operations in the same order. Rows run in eights (fours on
+   AVX2), then the rest together, only to unpack each weight byte once for several rows.
 
-   Built with KVCHAT_AVX512 (cpu_build.py's avx512 variant), channels go in pairs: one 16-lane register holds
-   channel n's 8 lanes below channel n + 1's, each half doing exactly the 8-lane operations above, in the same
-   order, so the bits equal the AVX2 build's.
-
-   Threads: an OpenMP team of `threads` splits the N output channels (blocks of 8); torch's pool (cpu_build.py). */
+   Threads: an OpenMP team of `threads` splits the N output channels (blocks of 8); torch's pool (cpu_build.py).
+   The activations are quantized by the calling thread for a few rows, by the team for many. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -35,6 +48,12 @@
 #include "cpu_kernels.h"
 
 #define MAX_GROUPS 1024 /* a channel's widened scales and minima live on the stack: K up to 32768 inputs */
+#ifdef KVCHAT_AVX512
+#define ROWS_MAX 8 /* rows per pass over a channel's weights: two chains each, in the 32 registers */
+#else
+#define ROWS_MAX 4 /* in AVX2's 16 */
+#endif
+#define TEAM_QUANTIZE_GROUPS 2048 /* fewer activation groups than this are quantized by the calling thread */
 
 /* The G fp16 values at h as floats at f (exact). */
 static inline void widen_halves(const uint16_t *h, float *f, int64_t G) {
@@ -43,105 +62,88 @@ static inline void widen_halves(const uint16_t *h, float *f, int64_t G) {
   for (; g < G; ++g) f[g] = _cvtsh_ss(h[g]);
 }
 
-/* The 8 values in the low 8 bytes of v (each 0 .. 15) as floats. */
-static inline __m256 widen8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+/* f[g] = a[g] * b[g] for g < G (one fp32 product each, vector or not). */
+static inline void products(const float *a, const float *b, float *f, int64_t G) {
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) _mm256_storeu_ps(f + g, _mm256_mul_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g)));
+  for (; g < G; ++g) f[g] = a[g] * b[g];
+}
+
+/* A group's 32 nibbles at p (16 bytes) as 32 bytes 0 .. 15 in input order: the low nibbles below, the high above. */
+static inline __m256i nibbles(const uint8_t *p) {
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+  return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+/* Lane i: the exact int32 sum_{k < 4} w[4 i + k] * a[4 i + k] (w unsigned 0 .. 15, a signed). */
+static inline __m256i dot4(__m256i w, const int8_t *a) {
+  const __m256i v = _mm256_loadu_si256((const __m256i *)a);
+#ifdef KVCHAT_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, v);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, v), _mm256_set1_epi16(1));
+#endif
+}
 
 /* Output channel n for rows m .. m + ROWS - 1 (ROWS a compile-time constant at each call). */
-static inline __attribute__((always_inline)) void channel(const float *x, const uint8_t *packed, const uint16_t *scale,
-                                                         const uint16_t *minimum, const float *xsum, float *y,
-                                                         int64_t N, int64_t G, int64_t n, int64_t m, const int ROWS) {
+static inline __attribute__((always_inline)) void channel(const int8_t *xq, const float *xd, const float *xs,
+                                                         const uint8_t *packed, const uint16_t *scale,
+                                                         const uint16_t *minimum, float *y, int64_t N, int64_t G,
+                                                         int64_t n, int64_t m, const int ROWS) {
   const int64_t K = G * GROUP;
-  const float *x0 = x + m * K;
   const uint8_t *w = packed + n * (K / 2);
-  float sc[MAX_GROUPS], mn[MAX_GROUPS];
+  float sc[MAX_GROUPS], mn[MAX_GROUPS], sd[ROWS_MAX][MAX_GROUPS];
   widen_halves(scale + n * G, sc, G);
   widen_halves(minimum + n * G, mn, G);
-  const __m128i low = _mm_set1_epi8(0x0F);
-  __m256 acc[8];
-  for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)(w + g * (GROUP / 2)));
-    const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-    const __m256 w0 = widen8(lo), w1 = widen8(_mm_unpackhi_epi64(lo, lo)), w2 = widen8(hi),
-                 w3 = widen8(_mm_unpackhi_epi64(hi, hi));
-    const __m256 s = _mm256_broadcast_ss(sc + g);
+  for (int i = 0; i < ROWS; ++i) products(sc, xd + (m + i) * G, sd[i], G);
+  __m256 even[ROWS_MAX], odd[ROWS_MAX];
+  for (int i = 0; i < ROWS; ++i) even[i] = odd[i] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    const __m256i w0 = nibbles(w + g * (GROUP / 2)), w1 = nibbles(w + (g + 1) * (GROUP / 2));
+    for (int i = 0; i < ROWS; ++i) {
+      const int8_t *a = xq + ((m + i) * G + g) * GROUP;
+      even[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w0, a)), _mm256_broadcast_ss(&sd[i][g]), even[i]);
+      odd[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w1, a + GROUP)), _mm256_broadcast_ss(&sd[i][g + 1]), odd[i]);
+    }
+  }
+  if (g < G) { /* an odd count: the last group on the even chain */
+    const __m256i w0 = nibbles(w + g * (GROUP / 2));
     for (int i = 0; i < ROWS; ++i)
-      acc[i] = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + i * K + g * GROUP), s, acc[i]);
+      even[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w0, xq + ((m + i) * G + g) * GROUP)),
+                                _mm256_broadcast_ss(&sd[i][g]), even[i]);
   }
-  for (int i = 0; i < ROWS; ++i) y[(m + i) * N + n] = hsum8(acc[i]) + groups_dot(mn, xsum + (m + i) * G, G);
+  for (int i = 0; i < ROWS; ++i)
+    y[(m + i) * N + n] = hsum8(_mm256_add_ps(even[i], odd[i])) + groups_dot(mn, xs + (m + i) * G, G);
 }
 
-#ifdef KVCHAT_AVX512
-/* The 8 values in the low 8 bytes of a (lanes 0-7) and of b (lanes 8-15) as floats. */
-static inline __m512 widen8x2(__m128i a, __m128i b) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(a, b)));
-}
-
-/* channel() for output channels n and n + 1 at once (see the comment at the top). */
-static inline __attribute__((always_inline)) void channel2(const float *x, const uint8_t *packed, const uint16_t *scale,
-                                                          const uint16_t *minimum, const float *xsum, float *y,
-                                                          int64_t N, int64_t G, int64_t n, int64_t m, const int ROWS) {
-  const int64_t K = G * GROUP;
-  const float *x0 = x + m * K;
-  const uint8_t *w = packed + n * (K / 2);
-  float sc[2 * MAX_GROUPS], mn[2 * MAX_GROUPS];
-  widen_halves(scale + n * G, sc, 2 * G); /* channel n's G scales, then channel n + 1's */
-  widen_halves(minimum + n * G, mn, 2 * G);
-  const __m128i low = _mm_set1_epi8(0x0F);
-  __m512 acc[8];
-  for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const __m128i a = _mm_loadu_si128((const __m128i *)(w + g * (GROUP / 2)));
-    const __m128i b = _mm_loadu_si128((const __m128i *)(w + K / 2 + g * (GROUP / 2)));
-    const __m128i alo = _mm_and_si128(a, low), ahi = _mm_and_si128(_mm_srli_epi16(a, 4), low);
-    const __m128i blo = _mm_and_si128(b, low), bhi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-    const __m512 w0 = widen8x2(alo, blo), w1 = widen8x2(_mm_unpackhi_epi64(alo, alo), _mm_unpackhi_epi64(blo, blo)),
-                 w2 = widen8x2(ahi, bhi), w3 = widen8x2(_mm_unpackhi_epi64(ahi, ahi), _mm_unpackhi_epi64(bhi, bhi));
-    const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sc[g]), _mm256_set1_ps(sc[G + g]), 1);
-    for (int i = 0; i < ROWS; ++i)
-      acc[i] = _mm512_fmadd_ps(group_dot2(w0, w1, w2, w3, x0 + i * K + g * GROUP), s, acc[i]);
-  }
-  for (int i = 0; i < ROWS; ++i) {
-    const float *xs = xsum + (m + i) * G;
-    y[(m + i) * N + n] = hsum8(_mm512_castps512_ps256(acc[i])) + groups_dot(mn, xs, G);
-    y[(m + i) * N + n + 1] = hsum8(_mm512_extractf32x8_ps(acc[i], 1)) + groups_dot(mn + G, xs, G);
-  }
-}
-#endif
-
-/* Output channel n (and n + 1 too where built with KVCHAT_AVX512, for 4 to 8 rows, when n + 1 < n1) for ROWS rows
-   from m; returns the channels done. Pairs from 4 rows as cpu_int8.c (the pairing's extra shuffles cost more than
-   they save for one or two rows). */
-static inline __attribute__((always_inline)) int64_t channels(const float *x, const uint8_t *packed,
-                                                             const uint16_t *scale, const uint16_t *minimum,
-                                                             const float *xsum, float *y, int64_t N, int64_t G,
-                                                             int64_t n, int64_t n1, int64_t m, const int ROWS) {
-#ifdef KVCHAT_AVX512
-  if (ROWS >= 4 && n + 1 < n1) {
-    channel2(x, packed, scale, minimum, xsum, y, N, G, n, m, ROWS);
-    return 2;
-  }
-#else
-  (void)n1;
-#endif
-  channel(x, packed, scale, minimum, xsum, y, N, G, n, m, ROWS);
-  return 1;
+/* Row group mg of x into xq, xd and xs (the comment at the top). */
+static inline void quantize_row_group(const float *x, int8_t *xq, float *xd, float *xs, int64_t mg) {
+  const __m256i b = quantize32(x + mg * GROUP, xd + mg);
+  _mm256_storeu_si256((__m256i *)(xq + mg * GROUP), b);
+  xs[mg] = block_sum(b, xd[mg]);
 }
 
 int64_t kvchat_int4_max_groups(void) { return MAX_GROUPS; }
 
 void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
-                        float *xsum, float *y, int64_t M, int64_t N, int64_t G, int threads) {
-  group_sums(x, xsum, M, G);
+                        int8_t *xq, float *xd, float *xs, float *y, int64_t M, int64_t N, int64_t G, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M * G >= TEAM_QUANTIZE_GROUPS)
+  for (int64_t mg = 0; mg < M * G; ++mg) quantize_row_group(x, xq, xd, xs, mg);
   const int64_t blocks = (N + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n1 = (blk + 1) * 8 < N ? (blk + 1) * 8 : N;
-    for (int64_t m = 0; m < M;) { /* rows in eights, then the 1-7 left together (as many FMA chains as rows) */
-      const int rows = M - m >= 8 ? 8 : (int)(M - m);
-      for (int64_t n = blk * 8; n < n1;) {
-#define ROWS_CASE(R) case R: n += channels(x, packed, scale, minimum, xsum, y, N, G, n, n1, m, R); break;
-        switch (rows) { ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5) ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1) }
+    for (int64_t m = 0; m < M;) { /* rows in ROWS_MAX, then the rest together (two FMA chains per row) */
+      const int rows = M - m >= ROWS_MAX ? ROWS_MAX : (int)(M - m);
+      for (int64_t n = blk * 8; n < n1; ++n) {
+#define ROWS_CASE(R) case R: channel(xq, xd, xs, packed, scale, minimum, y, N, G, n, m, R); break;
+        switch (rows) {
+#if ROWS_MAX > 4
+          ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5)
+#endif
+          ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1)
+        }
 #undef ROWS_CASE
       }
       m += rows;

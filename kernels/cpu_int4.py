@@ -1,10 +1,14 @@
 """The compiled CPU int4 matmul (``cpu_int4.c``): 4-bit weights in asymmetric groups of 32 with an fp16 scale and
-minimum each (GGUF's Q4_1 block), float32 activations.
+minimum each (GGUF's Q4_1 block) times activations quantized to int8 per group of 32 (llama.cpp's Q8_1 block), on
+integer dot products (AVX-512 VNNI ``vpdpbusd`` where the CPU has it, else ``vpmaddubsw`` + ``vpmaddwd``).
 
 Why: a decode step reads every weight once, and on a CPU it is bound by those bytes. int8 groups of 32 with
 fp32 scale and offset read 1.25 bytes per parameter; these read 0.625 (16 bytes of nibbles and 4 of fp16 scale
-and minimum per 32), in the same arithmetic as :mod:`kvchat.kernels.cpu_int8` (an fp32 FMA chain per group;
-the C source says why the rows' bits do not depend on the row count or the threads). The quantizer is
+and minimum per 32). With float activations each nibble had to be widened to a float and multiplied on its own
+FMA lane, which left a one-row matmul partly compute bound; on integer dot products a group of 32 is one
+``vpdpbusd`` (or two instructions on AVX2) and one float FMA. The C source gives the formula and why a row's bits
+depend neither on the row count, nor the threads, nor the build (``avx2``, ``avx512``, ``avx512vnni``:
+:func:`kvchat.kernels.cpu_build.integer_variant`). The quantizer is
 :func:`kvchat.model.quant.quantize_int4_groups`; the layer :class:`kvchat.model.quant.Int4GroupLinear`.
 
 Built and loaded by :mod:`kvchat.kernels.cpu_build` (once per machine; its threads are torch's pool). Where it
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .cpu_build import integer_variant
 from .cpu_build import load as load_library
 from .cpu_int8 import GROUP
 
@@ -27,12 +32,12 @@ SOURCE = Path(__file__).with_name("cpu_int4.c")
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE)
+def _library(variant: str | None = None) -> ctypes.CDLL | None:
+    lib = load_library(SOURCE, variant=variant or integer_variant())
     if lib is not None:
         fn = lib.kvchat_int4_matmul
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.kvchat_int4_max_groups.restype = ctypes.c_int64
         lib.kvchat_int4_max_groups.argtypes = []
     return lib
@@ -63,20 +68,24 @@ def takes(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> b
             and all(t.is_contiguous() and t.device.type == "cpu" for t in (packed, scale, minimum)))
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """``y = x W^T`` with ``W[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + minimum[n, g]``, ``q`` the 4-bit
-    values of ``packed`` (``cpu_int4.c`` gives the nibble order), fp32 arithmetic.
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                variant: str | None = None) -> torch.Tensor:
+    """``y = quantize(x) W^T`` with ``W[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + minimum[n, g]``, ``q`` the
+    4-bit values of ``packed`` (``cpu_int4.c`` gives the nibble order), each 32 inputs of a row of ``x`` quantized
+    to int8 (symmetric, ``max|x| / 127``; the minima's term takes the quantized values' sum): the C source gives
+    the exact formula and order (:func:`reference` in float64).
 
     Args:
         x: float32 ``[M, K]`` on the CPU (any strides), ``K = 32 G``.
         packed: uint8 ``[N, K / 2]``; scale, minimum: float16 ``[N, G]``; all contiguous (:func:`takes`).
+        variant: a :data:`kvchat.kernels.cpu_build.VARIANTS` build (None: this process's); the bits are equal.
     Returns:
-        float32 ``[M, N]``. A row's bits do not depend on ``M`` nor on the thread count.
+        float32 ``[M, N]``. A row's bits depend neither on ``M``, nor on the thread count, nor on the build.
     Raises:
         RuntimeError: the kernel is not :func:`available`.
         ValueError: shapes, dtypes or layout the kernel does not take.
     """
-    lib = _library()
+    lib = _library(variant)
     if lib is None:
         raise RuntimeError("the compiled CPU int4 kernel is not available")
     if not (takes(packed, scale, minimum) and x.dtype == torch.float32 and x.dim() == 2
@@ -86,11 +95,28 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
                          "not a layout the kernel takes")
     n, groups = scale.shape
     x = x.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    xsum = torch.empty(x.shape[0], groups, dtype=torch.float32)
-    lib.kvchat_int4_matmul(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), xsum.data_ptr(),
-                           y.data_ptr(), x.shape[0], n, groups, torch.get_num_threads())
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    xq = torch.empty(m, x.shape[1], dtype=torch.int8)
+    xd, xs = torch.empty(m, groups, dtype=torch.float32), torch.empty(m, groups, dtype=torch.float32)
+    lib.kvchat_int4_matmul(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), xq.data_ptr(),
+                           xd.data_ptr(), xs.data_ptr(), y.data_ptr(), m, n, groups, torch.get_num_threads())
     return y
+
+
+def reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The kernel's formula in float64 torch (tests): the activations quantized as the C source does
+    (:func:`kvchat.kernels.cpu_int8_int8.quantize_activations`), the integer dot products exact, the rest in
+    float64, so it differs from the kernel only by float32 rounding. Shapes as :func:`int4_matmul`'s."""
+    from .cpu_int8_int8 import quantize_activations
+
+    m, k = x.shape
+    n = packed.shape[0]
+    a, d = quantize_activations(x)
+    dots = torch.einsum("mgk,ngk->mng", a.double().view(m, -1, GROUP), unpack(packed).double().view(n, -1, GROUP))
+    xs = d.double() * a.double().view(m, -1, GROUP).sum(dim=2)
+    return (torch.einsum("mng,ng,mg->mn", dots, scale.double(), d.double())
+            + torch.einsum("ng,mg->mn", minimum.double(), xs)).float()
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,19 @@
-/* int8 weights times int8-quantized activations on integer dot products, for prefill chunks on the CPU.
+/* int8 weights times int8-quantized activations on integer dot products, for prefill chunks on the CPU (int8
+   weights, and int4 weights unpacked to one byte each: kvchat.model.quant.Int4GroupLinear).
 
    The weights are cpu_int8.c's: int8 q[N, K] with a float32 scale and offset per 32 inputs of each output
    channel, w[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + offset[n, g]. Each activation row is quantized per
-   group of 32 inputs, symmetric (as llama.cpp's Q8_0 blocks): d[m, g] = max|x| / 127,
+   group of 32 inputs, symmetric (cpu_kernels.h's quantize32, as llama.cpp's Q8_0 blocks): d[m, g] = max|x| / 127,
    a[m, 32 g + k] = round(x / d) in [-127, 127] (round half to even: _mm256_cvtps_epi32 under the default MXCSR).
    Then
 
      y[m, n] = sum_g ( scale[n, g] * d[m, g] * I[m, n, g] + offset[n, g] * xsum[m, g] ),
      I[m, n, g] = sum_{k < 32} a[m, 32 g + k] * q[n, 32 g + k]   (exact, in int32)
 
-   with xsum the float sum of the group's 32 activations as they are (the same pairwise sum as cpu_int8.c).
+   with xsum the float sum of the group's 32 activations as they are (the same pairwise sum as cpu_int8.c), or
+   with block_sums Q8_1's block sum d[m, g] * sum_k a[m, 32 g + k] (cpu_kernels.h's block_sum): int4 weights'
+   prefill (q the nibbles 0 .. 15, offset the minimum), whose offset term must meet the quantized activations,
+   as cpu_int4.c says why, and which then computes cpu_int4.c's formula (in another float order).
 
    Layout: each thread repacks 16 output channels at a time into a small buffer (16 x K bytes, in L2): for every 4
    inputs, the 4 bytes of each of the 16 channels side by side, so one 16-lane int32 register holds 16 channels'
@@ -33,7 +37,6 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,34 +49,16 @@
 int64_t kvchat_int8_int8_work_bytes(int64_t G);
 void kvchat_int8_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, int8_t *xq,
                              float *xd, float *xsum, float *y, char *work, int64_t M, int64_t N, int64_t G,
-                             int threads);
+                             int threads, int block_sums);
 
-static inline float hmax8(__m256 v) {
-  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_max_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-
-/* Group mg (row m, group g) of x: its float sum, its scale d and its 32 int8 values (VNNI build: + 128, u8). */
-static inline void quantize_group(const float *v, int8_t *out, float *d, float *sum) {
-  const __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8), a2 = _mm256_loadu_ps(v + 16),
-               a3 = _mm256_loadu_ps(v + 24);
-  *sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
-                                  _mm256_max_ps(_mm256_andnot_ps(sign, a2), _mm256_andnot_ps(sign, a3)));
-  const float amax = hmax8(mx);
-  /* below 127 x FLT_MIN, 127 / amax overflows to inf (values would turn NaN): such a group counts as zeros */
-  const int zero = !(amax >= 127.0f * FLT_MIN);
-  *d = zero ? 0.0f : amax / 127.0f;
-  const __m256 id = _mm256_set1_ps(zero ? 0.0f : 127.0f / amax);
-  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, id)),
-                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, id));
-  /* packs interleave the 128-bit halves: the permutation puts the 32 bytes back in order */
-  __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-  b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  b = _mm256_max_epi8(b, _mm256_set1_epi8(-127));
+/* Group mg (row m, group g) of x: its sum (the float one, or with block_sums Q8_1's d x the int8 values' sum),
+   its scale d and its 32 int8 values (VNNI build: + 128, u8). */
+static inline void quantize_group(const float *v, int8_t *out, float *d, float *sum, int block_sums) {
+  __m256i b = quantize32(v, d);
+  if (block_sums)
+    *sum = block_sum(b, *d);
+  else
+    group_sums(v, sum, 1, 1);
 #ifdef KVCHAT_VNNI
   b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80));
 #endif
@@ -196,10 +181,10 @@ int64_t kvchat_int8_int8_work_bytes(int64_t G) {
 
 void kvchat_int8_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, int8_t *xq,
                              float *xd, float *xsum, float *y, char *work, int64_t M, int64_t N, int64_t G,
-                             int threads) {
+                             int threads, int block_sums) {
   const int64_t K = G * GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t mg = 0; mg < M * G; ++mg) quantize_group(x + mg * GROUP, xq + mg * GROUP, xd + mg, xsum + mg);
+  for (int64_t mg = 0; mg < M * G; ++mg) quantize_group(x + mg * GROUP, xq + mg * GROUP, xd + mg, xsum + mg, block_sums);
   const int64_t blocks = N / LANES;
 #pragma omp parallel num_threads(threads)
   {

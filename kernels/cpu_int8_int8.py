@@ -7,7 +7,8 @@ Why: prefill is compute bound, and a float FMA does 16 multiply-adds per 512-bit
 The activations' rounding changes the numbers (the C source's formula), so an engine runs it only where its
 :class:`kvchat.engine.runner.ExecutionPlan` says so, for prefill chunks alone (the K/V of a cold and a resumed
 run come from the same chunks either way), and it enters the cache fingerprint
-(:func:`kvchat.model.int8_scheme.int8_compute_scheme`'s ``prefill``).
+(:func:`kvchat.model.int8_scheme.int8_compute_scheme`'s ``prefill``). int4 weights' prefill chunks always run it,
+on their nibbles unpacked to one byte each, with Q8_1's block sums (:class:`kvchat.model.quant.Int4GroupLinear`).
 
 Every build (``avx2``, ``avx512``, ``avx512vnni``: :func:`kvchat.kernels.cpu_build.integer_variant`) computes
 the same bits, and a row's bits depend on neither the number of rows nor the thread count.
@@ -35,7 +36,7 @@ def _library(variant: str | None = None) -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.kvchat_int8_int8_matmul
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         lib.kvchat_int8_int8_work_bytes.restype = ctypes.c_int64
         lib.kvchat_int8_int8_work_bytes.argtypes = [ctypes.c_int64]
     return lib
@@ -52,10 +53,11 @@ def takes(out_features: int, in_features: int) -> bool:
 
 
 def int8_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                     variant: str | None = None) -> torch.Tensor:
+                     variant: str | None = None, block_sums: bool = False) -> torch.Tensor:
     """``y = quantize(x) W^T`` with ``W[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + offset[n, g]`` and each
     32 inputs of a row of ``x`` quantized to int8 (symmetric, ``max|x| / 127``); the offsets' term uses the
-    float sums of ``x``. The C source gives the exact formula and order.
+    float sums of ``x``, or with ``block_sums`` the quantized ones (llama.cpp's Q8_1 ``d * sum(a)``: int4 weights,
+    :class:`kvchat.model.quant.Int4GroupLinear`). The C source gives the exact formula and order.
 
     Args:
         x: float32 ``[M, K]`` on the CPU (any strides), ``K = 32 G``.
@@ -90,22 +92,32 @@ def int8_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs
     work = torch.empty(threads * lib.kvchat_int8_int8_work_bytes(groups) + 63, dtype=torch.uint8)
     lib.kvchat_int8_int8_matmul(x.data_ptr(), q.data_ptr(), scale.data_ptr(), offset.data_ptr(), xq.data_ptr(),
                                 xd.data_ptr(), xsum.data_ptr(), y.data_ptr(), -(-work.data_ptr() // 64) * 64, m, n,
-                                groups, threads)
+                                groups, threads, int(block_sums))
     return y
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The kernel's formula in float64 torch (tests): activations quantized as the C source does, the integer
-    dot products exact, the epilogue in float64 (so it differs from the kernel only by float32 rounding)."""
-    m, k = x.shape
-    n = q.shape[0]
-    xg = x.double().view(m, -1, GROUP)
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[M, K]`` -> ``(a float32 [M, K] of integers in [-127, 127], d float32 [M, K / 32])``: each 32
+    inputs quantized as the C kernels do (``cpu_kernels.h``'s ``quantize32``), in torch (tests' references)."""
+    m = x.shape[0]
     xf = x.float().view(m, -1, GROUP)
     amax = xf.abs().amax(dim=2)
     zero = ~(amax >= 127 * torch.finfo(torch.float32).tiny)  # as the C source: 127 / amax would overflow
     d = torch.where(zero, torch.zeros_like(amax), amax / 127)
     inv = torch.where(zero, torch.zeros_like(amax), 127 / amax)
     a = torch.round(xf * inv[..., None]).clamp(-127, 127)  # round half to even, as _mm256_cvtps_epi32
-    dots = torch.einsum("mgk,ngk->mng", a.double(), q.double().view(n, -1, GROUP))
+    return a.view(m, -1), d
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+              block_sums: bool = False) -> torch.Tensor:
+    """The kernel's formula in float64 torch (tests): activations quantized as the C source does, the integer
+    dot products exact, the epilogue in float64 (so it differs from the kernel only by float32 rounding)."""
+    m, k = x.shape
+    n = q.shape[0]
+    a, d = quantize_activations(x)
+    dots = torch.einsum("mgk,ngk->mng", a.double().view(m, -1, GROUP), q.double().view(n, -1, GROUP))
+    sums = (d.double() * a.double().view(m, -1, GROUP).sum(dim=2) if block_sums
+            else x.double().view(m, -1, GROUP).sum(dim=2))
     return (torch.einsum("mng,ng,mg->mn", dots, scale.double(), d.double())
-            + torch.einsum("ng,mg->mn", offset.double(), xg.sum(dim=2))).float()
+            + torch.einsum("ng,mg->mn", offset.double(), sums)).float()

@@ -5,6 +5,7 @@
 #ifndef KVCHAT_CPU_KERNELS_H
 #define KVCHAT_CPU_KERNELS_H
 
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -19,9 +20,8 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
-/* The weight kernels' (cpu_int8.c, cpu_int4.c) arithmetic, one order for both so their rows round alike: a
-   group's 32 products as one 8-lane chain over its four blocks of 8 inputs (w0..w3: the group's widened weights,
-   x: its 32 inputs) ... */
+/* cpu_int8.c's arithmetic: a group's 32 products as one 8-lane chain over its four blocks of 8 inputs (w0..w3:
+   the group's widened weights, x: its 32 inputs) ... */
 static inline __m256 group_dot(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *x) {
   __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
   d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), d);
@@ -29,8 +29,8 @@ static inline __m256 group_dot(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const
   return _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), d);
 }
 
-/* ... and sum_g c[g] * xs[g] (c: a channel's per-group offsets or minima, xs: a row's group sums), eight groups
-   per step, then the rest in order. */
+/* ... and sum_g c[g] * xs[g] (c: a channel's per-group offsets or minima, xs: a row's group sums; cpu_int4.c's
+   minima too), eight groups per step, then the rest in order. */
 static inline float groups_dot(const float *c, const float *xs, int64_t G) {
   __m256 v = _mm256_setzero_ps();
   int64_t g = 0;
@@ -41,7 +41,7 @@ static inline float groups_dot(const float *c, const float *xs, int64_t G) {
 }
 
 /* xsum [M, G]: each row's sums of its groups of 32 inputs (x float32 [M, 32 G]), as (x0 + x1) + (x2 + x3) over the
-   group's four blocks of 8, then the 8 lanes: the terms the weight kernels' offsets or minima multiply. */
+   group's four blocks of 8, then the 8 lanes: the terms cpu_int8.c's and cpu_int8_int8.c's offsets multiply. */
 static inline void group_sums(const float *x, float *xsum, int64_t M, int64_t G) {
   for (int64_t mg = 0; mg < M * G; ++mg) {
     const float *v = x + mg * GROUP;
@@ -49,6 +49,46 @@ static inline void group_sums(const float *x, float *xsum, int64_t M, int64_t G)
                                    _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
     xsum[mg] = hsum8(s);
   }
+}
+
+/* The largest of v's 8 lanes. */
+static inline float hmax8(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_max_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+/* The integer kernels' activations (cpu_int8_int8.c, cpu_int4.c): a group of 32 floats at v quantized to int8,
+   symmetric, as llama.cpp's Q8_0 / Q8_1 blocks (ggml-quants.c, quantize_row_q8_0 / q8_1): *d = max|v| / 127 and
+   the 32 values round(v / d) (half to even: _mm256_cvtps_epi32 under the default MXCSR) in [-127, 127], returned
+   in order. A group whose max|v| is below 127 x FLT_MIN (127 / max|v| overflows to inf and the values would be
+   NaN) counts as zeros (d 0). */
+static inline __m256i quantize32(const float *v, float *d) {
+  const __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8), a2 = _mm256_loadu_ps(v + 16),
+               a3 = _mm256_loadu_ps(v + 24);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, a2), _mm256_andnot_ps(sign, a3)));
+  const float amax = hmax8(mx);
+  const int zero = !(amax >= 127.0f * FLT_MIN);
+  *d = zero ? 0.0f : amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(zero ? 0.0f : 127.0f / amax);
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, id)),
+                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, id));
+  /* packs interleave the 128-bit halves: the permutation puts the 32 bytes back in order */
+  __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  return _mm256_max_epi8(b, _mm256_set1_epi8(-127));
+}
+
+/* Q8_1's block sum: d times the exact sum of a quantize32 group's 32 values b (byte pairs, at most 254 in
+   magnitude, into int16, then into int32 lanes; at most 32 x 127 in all, exact in fp32), as one fp32 product. */
+static inline float block_sum(__m256i b, float d) {
+  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b), _mm256_set1_epi16(1));
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  const __m128i q = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+  return d * (float)_mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 1)));
 }
 
 #ifdef KVCHAT_AVX512
@@ -106,9 +146,10 @@ static inline void store_part(float *y, int64_t i, int64_t n, __m256 v) {
 void kvchat_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, float *xsum, float *y,
                         int64_t M, int64_t N, int64_t G, int threads);
 
-/* cpu_int4.c: packed uint8 [N, K / 2] nibbles, fp16 (uint16) scale and minimum [N, G]. */
+/* cpu_int4.c: packed uint8 [N, K / 2] nibbles, fp16 (uint16) scale and minimum [N, G]; scratch xq int8 [M, K],
+   xd and xs float32 [M, G]. */
 void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
-                        float *xsum, float *y, int64_t M, int64_t N, int64_t G, int threads);
+                        int8_t *xq, float *xd, float *xs, float *y, int64_t M, int64_t N, int64_t G, int threads);
 int64_t kvchat_int4_max_groups(void);
 
 void kvchat_paged_attention(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const float *k_scale,

@@ -11,8 +11,8 @@ chunks of ``GROUPS_KERNEL_MAX_ROWS`` rows run the compiled fp32 kernel where
 it builds, else chunks of ``INT8MM_MAX_ROWS`` rows
 ``torch._weight_int8pack_mm`` with bf16 activations (the path of decode and
 of a question after a resume), 512-token chunks the dequantized fp32 GEMM
-(the path of prefill). int4 runs the same two chunk sizes: its compiled kernel up to
-``GROUPS_KERNEL_MAX_ROWS`` rows, the dequantized fp32 GEMM above.
+(the path of prefill). int4 runs the same two chunk sizes, both on int8 activations: the int4 kernel, and the
+int8 x int8 kernel on the unpacked nibbles (:class:`kvchat.model.quant.Int4GroupLinear`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def kernel_chunks(weight_format: str = "int8") -> dict[str, int]:
     ``int4``, :mod:`kvchat.model.quant`)."""
     from kvchat.kernels import cpu_int8
 
-    if weight_format == "int4" or cpu_int8.available():
+    if weight_format == "int4":
+        return {"compiled int4 x int8 activations": GROUPS_KERNEL_MAX_ROWS,
+                "int8 x int8 on the unpacked nibbles": SCORE_CHUNK_TOKENS}
+    if cpu_int8.available():
         few = {COMPILED_LABEL: GROUPS_KERNEL_MAX_ROWS}
     else:
         few = {"int8mm, per channel (bf16 activations)": INT8MM_MAX_ROWS}

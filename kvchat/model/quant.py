@@ -48,9 +48,13 @@ SmolLM2: int8mm 2.7 s, dequantize + fp32 2.1 s, fp32 weights 1.8 s at
 :mod:`kvchat.kernels.cpu_int4` builds): per output channel and 32 inputs an fp16 ``scale = (max - min) / 15``
 and an fp16 ``minimum = min``, ``q = round((w - minimum) / scale)`` in ``[0, 15]``, two per byte: GGUF's Q4_1
 block (20 bytes per 32 weights, 0.625 bytes per parameter against int8 groups' 1.25); the LM head stays int8
-groups (:func:`_kind` says why). Few rows
-(``M <= GROUPS_KERNEL_MAX_ROWS``) run the compiled kernel, more the dequantized fp32 GEMM, as int8 groups do.
-Its cost in perplexity is measured in docs/performance.md ("4-bit weights").
+groups (:func:`_kind` says why). Every row count quantizes the activations to int8 per group of 32 and
+multiplies on integer dot products: up to ``GROUPS_KERNEL_MAX_ROWS`` rows (decode, a question after a resume)
+the int4 kernel (:mod:`kvchat.kernels.cpu_int4`, llama.cpp's Q4_1 x Q8_1 dot product), more rows (512-token
+prefill chunks) the integer prefill kernel of int8 groups (:mod:`kvchat.kernels.cpu_int8_int8`) on the nibbles
+unpacked to one byte each, with Q8_1's block sums (the int4 kernel's formula in another float order), which holds
+16 channels per register: 2.5x the int4 kernel and 3.6x the dequantized fp32 GEMM at 512 rows
+(docs/performance.md, "4-bit weights", where their cost in perplexity is measured too).
 
 The tensors live in ``models_dir()/.weights/<model fingerprint>.<scheme>.safetensors``
 (:func:`quantized_path`; written atomically on first use, read on every later load).
@@ -276,9 +280,10 @@ def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class Int4GroupLinear(_Int8Layer):
-    """``y = x W^T (+ b)`` with ``W`` as 4-bit values, two per byte, and an fp16 scale and minimum per 32 inputs
-    of each output channel (the module doc's int4 scheme; the compiled kernel :mod:`kvchat.kernels.cpu_int4`
-    for few rows, the dequantized weight's fp32 GEMM above).
+    """``y = quantize(x) W^T (+ b)`` with ``W`` as 4-bit values, two per byte, and an fp16 scale and minimum per
+    32 inputs of each output channel, and ``x`` quantized to int8 per group of 32 (the module doc's int4 scheme;
+    the compiled kernels: :mod:`kvchat.kernels.cpu_int4` up to :attr:`max_rows` rows, the integer prefill kernel
+    :mod:`kvchat.kernels.cpu_int8_int8` on the nibbles above, where it takes the shape).
 
     Attributes:
         packed: uint8 ``[out_features, in_features // 2]`` (:func:`kvchat.kernels.cpu_int4.pack`'s order).
@@ -304,11 +309,12 @@ class Int4GroupLinear(_Int8Layer):
     def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return cpu_int4.int4_matmul(rows, self.packed, self.scale, self.minimum)
 
-    def _dequantized(self) -> torch.Tensor:
-        w = _scratch_buffer(self.out_features * self.in_features, self.packed.device).view(self.out_features, self.groups, -1)
-        w.copy_(cpu_int4.unpack(self.packed).view(self.out_features, self.groups, -1))
-        w.mul_(self.scale.float()[..., None]).add_(self.minimum.float()[..., None])
-        return w.view(self.out_features, self.in_features)
+    def _many_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if not cpu_int8_int8.takes(self.out_features, self.in_features):
+            return self._few_rows(rows)
+        # the int8 x int8 kernel on the nibbles, one byte each; the minima meet Q8_1's block sums, as in cpu_int4.c
+        return cpu_int8_int8.int8_int8_matmul(rows, cpu_int4.unpack(self.packed).view(torch.int8), self.scale.float(),
+                                              self.minimum.float(), block_sums=True)
 
 
 QUANTIZED_LAYERS = (Int8Linear, Int8GroupLinear, Int4GroupLinear)  # the module types quantize_linears puts in
@@ -415,7 +421,8 @@ def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = N
             kernel is not available; int4 weights beyond fp16's range (:func:`quantize_int4_groups`).
     """
     if bits == 4:
-        if not (cpu_int4.available() and cpu_int8.available()):  # the head is int8 groups
+        # the head is int8 groups; prefill chunks run the int8 x int8 kernel
+        if not (cpu_int4.available() and cpu_int8.available() and cpu_int8_int8.available()):
             raise ValueError("int4 weights need the compiled CPU int4 and int8 kernels, which are not available here "
                              "(a C compiler and AVX2; KVCHAT_CPU_KERNEL not 0)")
         kernel, scheme = "int4", INT4_SCHEME

@@ -23,8 +23,11 @@ TOKENS = 2048
 # counts and machines
 BOUNDS = {True: (0.006, 0.95), False: (0.02, 0.90)}  # compiled groups scheme or not: (max mean KL, min top-1)
 INT4_GOAL_PPL_DELTA_PCT = 1.0  # the int4 target: within +1% perplexity of fp32 weights
-INT4_BOUNDS = (0.006, 0.95)  # measured: see docs/performance.md ("4-bit weights"); the imported weights are Q4_1
-# blocks, which int4 groups of 32 hold exactly, so its rows sit where int8's do
+# measured: see docs/performance.md ("4-bit weights"); the imported weights are Q4_1 blocks, which int4 groups of 32
+# hold exactly, so the weights cost nearly nothing, but int4 layers multiply int8-quantized activations (llama.cpp's
+# Q8_1): on 000's first 1,024 tokens mean KL 0.0059 / 0.0057 and top-1 0.953 / 0.951 (32- / 512-token chunks),
+# over the five texts measured KL 0.0049-0.0063, top-1 0.946-0.966; bounds with room for thread counts and machines
+INT4_BOUNDS = (0.009, 0.93)
 
 
 def test_int8_and_int4_weights_within_their_goals_of_fp32_perplexity(smol_info):

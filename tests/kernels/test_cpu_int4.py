@@ -1,5 +1,6 @@
-"""The compiled CPU int4 matmul (kvchat.kernels.cpu_int4): its nibble layout, its numbers against the dequantized
-weight, its bits whatever the row count or threads, and the layouts it refuses."""
+"""The compiled CPU int4 matmul (kvchat.kernels.cpu_int4): its nibble layout, its formula (int8 activations on
+integer dot products), its bits whatever the row count, threads or build, what the int8 activations cost against
+the float product, and the layouts it refuses."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import threading
 import pytest
 import torch
 
-from kvchat.kernels import cpu_int4
+from kvchat.kernels import cpu_build, cpu_int4
+from kvchat.kernels.cpu_int8_int8 import quantize_activations
+from kvchat.model.quant import quantize_int4_groups
 
 needs_kernel = pytest.mark.skipif(not cpu_int4.available(), reason="the compiled CPU int4 kernel does not build here")
+BUILDS = [v for v in cpu_build.VARIANTS if cpu_build.supported(v)]
 
 
 def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,30 +40,91 @@ def test_pack_puts_a_groups_halves_in_the_low_and_high_nibbles():
         cpu_int4.pack(torch.zeros(2, 48, dtype=torch.uint8))
 
 
+def _rows(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[:, 7] *= 40  # an outlier activation channel, as trained models have
+    x[0, 32:64] = 0  # a group of zeros: scale 0, no NaN
+    return x
+
+
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(40, 576), (24, 1536), (13, 64)])
-def test_each_row_is_an_fp32_dot_product_whatever_the_other_rows(n, k):
-    q, packed, scale, minimum = _weights(n, k)
-    x = torch.randn(15, k, generator=torch.Generator().manual_seed(1))  # rows in an eight, a four, a pair, alone
+def test_each_row_is_the_formula_whatever_the_other_rows(n, k):
+    _, packed, scale, minimum = _weights(n, k)
+    x = _rows(15, k)  # rows in an eight and a seven, alone, in a pair, a four, or among an odd count
     y = cpu_int4.int4_matmul(x, packed, scale, minimum)
-    s, m = scale.double()[..., None], minimum.double()[..., None]
-    w = (q.double().view(n, -1, 32) * s + m).view(n, k)  # the fp16 scales and minima exactly, as the kernel widens them
-    parts = (q.double().view(n, -1, 32) * s + m.abs()).view(n, k)
-    exact, mass = x.double() @ w.t(), x.abs().double() @ parts.t()
-    # fp32 rounding only: each product and partial sum rounds by 2**-24 relative, over chains of at most
-    # 4 + k / 32 + 3 steps (a group's 4 FMAs, one scaled FMA per group, the 8-lane reduction); 2**-16 of the
-    # sum of absolute terms bounds that with room for k = 1536 (48 groups)
-    assert ((y.double() - exact).abs() <= 2**-16 * mass).all()
-    for i in range(15):  # a row alone (decode), in a pair, a four or an eight, or among an odd count: the same bits
+    ref = cpu_int4.reference(x, packed, scale, minimum)
+    a, d = quantize_activations(x)
+    # fp32 rounding only (the integer dot products are exact): each product and partial sum rounds by 2**-24
+    # relative over chains of at most k / 32 + 8 steps; 2**-16 of the sum of the absolute terms bounds that
+    mass = (torch.einsum("mg,ng->mn", d.double() * 32 * 127, 15 * scale.double())
+            + torch.einsum("mg,ng->mn", d.double() * a.abs().double().view(15, -1, 32).sum(2), minimum.double().abs()))
+    assert y.isfinite().all() and ((y.double() - ref.double()).abs() <= 2**-16 * mass).all()
+    for i in range(15):  # a row alone (decode) gives the bits it gets among others
         assert torch.equal(cpu_int4.int4_matmul(x[i : i + 1].clone(), packed, scale, minimum)[0], y[i])
-    for start, stop in ((2, 5), (3, 7), (0, 4), (1, 13)):
+    for start, stop in ((2, 5), (3, 7), (0, 4), (1, 13), (0, 9)):
         assert torch.equal(cpu_int4.int4_matmul(x[start:stop].clone(), packed, scale, minimum), y[start:stop])
+
+
+@pytest.mark.skipif(len(BUILDS) < 2, reason="one build runs on this CPU: nothing to compare it with")
+@needs_kernel
+def test_every_build_computes_the_same_bits():
+    _, packed, scale, minimum = _weights(40, 1024)
+    x = _rows(19, 1024)
+    ys = {v: cpu_int4.int4_matmul(x, packed, scale, minimum, variant=v) for v in BUILDS}
+    assert len({cpu_int4._library(v)._name for v in BUILDS}) == len(BUILDS)  # each its own library
+    for v, y in ys.items():
+        assert torch.equal(y, ys["avx2"]), v
+
+
+@needs_kernel
+def test_weights_and_activations_at_their_extremes_are_exact():
+    """q = 15 against a = -127 and 127 (the largest products, pairs of 2 x 15 x 127 in vpmaddubsw's int16) and
+    q = 0, with unit scales and no minimum: y is 32 x 15 x 127 x d per group, exactly."""
+    n, k = 16, 64
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    q[1::2] = 0
+    scale, minimum = torch.ones(n, 2).half(), torch.zeros(n, 2).half()
+    x = torch.full((2, k), -1.0)
+    x[1] = 1.0
+    y = cpu_int4.int4_matmul(x, cpu_int4.pack(q), scale, minimum)
+    d = 1.0 / 127  # each group: max|x| = 1, so a = -127 or 127 and d = 1/127
+    want = torch.tensor([[-15.0 * 127 * 64 * d, 0.0] * 8, [15.0 * 127 * 64 * d, 0.0] * 8])
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=0)
+
+
+@needs_kernel
+def test_a_group_too_small_to_scale_counts_as_zeros():
+    """A row whose largest value is below 127 x FLT_MIN (127 / max would overflow to inf) gives zeros, not NaN."""
+    _, packed, scale, minimum = _weights(16, 96)
+    x = _rows(3, 96)
+    tiny, zeros = x.clone(), x.clone()
+    tiny[1] = torch.linspace(-1e-37, 1e-37, 96)
+    zeros[1] = 0
+    y = cpu_int4.int4_matmul(tiny, packed, scale, minimum)
+    assert torch.equal(y, cpu_int4.int4_matmul(zeros, packed, scale, minimum)) and not y[1].any()
+
+
+@needs_kernel
+def test_int8_activations_stay_close_to_the_float_product():
+    """Against x times the dequantized weight in float64, on an int4-quantized trained-like weight: each
+    activation rounds to a step of max|x| / 127 (~2.5 sigma / 127 for 32 normal values), an error of
+    step / sqrt(12) ~ 0.006 sigma, so ~0.6% of the product's norm."""
+    w = torch.randn(128, 2048, generator=torch.Generator().manual_seed(3)) * 0.02
+    w[:, 5] += 0.3  # an outlier input column
+    packed, scale, minimum = quantize_int4_groups(w)
+    x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(2))
+    wq = (cpu_int4.unpack(packed).double().view(128, -1, 32) * scale.double()[..., None]
+          + minimum.double()[..., None]).view(128, 2048)
+    exact = x.double() @ wq.t()
+    y = cpu_int4.int4_matmul(x, packed, scale, minimum).double()
+    assert (y - exact).norm() / exact.norm() < 0.01
 
 
 @needs_kernel
 def test_threads_and_calling_thread_do_not_change_the_bits():
     _, packed, scale, minimum = _weights(1000, 576)
-    x = torch.randn(3, 576)
+    x = torch.randn(120, 576)  # 2,160 groups: past those the calling thread quantizes alone
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

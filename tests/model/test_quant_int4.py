@@ -1,19 +1,18 @@
-"""int4 weight-only linear layers (kvchat.model.quant, --weights int4): the quantizer's error bound, the layer
-against its dequantized weight on both paths, the tensors stored once beside the model, the compiled decode
-layers, and the format in the cache fingerprint."""
+"""int4 weight-only linear layers (kvchat.model.quant, --weights int4): the quantizer's error bound, the layer on
+int8 activations at every row count (its two kernels) and close to its dequantized weight, the tensors stored once beside the
+model, the compiled decode layers, and the format in the cache fingerprint."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from turn_helpers import prefill
 
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.cache_identity import CacheIdentity, fingerprint_variants, resolve_weight_format, weight_scheme
 from kvchat.engine.runner import Engine
-from kvchat.kernels import cpu_int4
+from kvchat.kernels import cpu_int4, cpu_int8_int8
 from kvchat.model import quant
 from kvchat.model.config import ModelConfig
 from kvchat.model.int4_scheme import INT4_SCHEME, int4_compute_scheme
@@ -63,8 +62,8 @@ def test_q4_1_blocks_come_back_exactly():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 15, quant.GROUPS_KERNEL_MAX_ROWS + 1])
-def test_int4_linear_matches_its_dequantized_weight(rows):
+@pytest.mark.parametrize("rows", [1, 15, quant.GROUPS_KERNEL_MAX_ROWS + 1, 512])
+def test_int4_linear_runs_int8_activations_at_every_row_count(rows):
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 192, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(192, rows, generator=gen).t()  # strided, as attention's output reaches o_proj
@@ -72,14 +71,18 @@ def test_int4_linear_matches_its_dequantized_weight(rows):
     layer = quant.Int4GroupLinear(packed, scale, minimum, b)
     assert layer.weight_bytes == 96 * 192 // 2 + 2 * 2 * 96 * 6  # 0.625 bytes per weight
     got = layer(x)
-    want = (x.double() @ _dequant(packed, scale, minimum).t() + b.double())
-    mass = x.abs().double() @ _dequant(packed, scale, minimum).abs().t() + b.abs().double()
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    # fp32 arithmetic either way (the compiled kernel up to GROUPS_KERNEL_MAX_ROWS rows, the fp32 GEMM above):
-    # 2**-16 of the absolute terms' sum bounds 192-term fp32 sums with room
-    assert ((got.double() - want).abs() <= 2**-16 * mass).all()
-    if rows > quant.GROUPS_KERNEL_MAX_ROWS:
-        torch.testing.assert_close(got, F.linear(x, layer._dequantized(), b))
+    # its kernel's bits, the bias added after: the int4 kernel for few rows, the int8 x int8 kernel on the
+    # unpacked nibbles with Q8_1's block sums for more; the same formula (the reference) either way
+    if rows <= quant.GROUPS_KERNEL_MAX_ROWS:
+        assert torch.equal(got, cpu_int4.int4_matmul(x, packed, scale, minimum) + b)
+    else:
+        nibbles = cpu_int4.unpack(packed).view(torch.int8)
+        assert torch.equal(got, cpu_int8_int8.int8_int8_matmul(x, nibbles, scale.float(), minimum.float(), block_sums=True) + b)
+    torch.testing.assert_close(got - b, cpu_int4.reference(x, packed, scale, minimum), rtol=1e-4, atol=1e-4)
+    want = x.double() @ _dequant(packed, scale, minimum).t()
+    # int8 activations cost ~0.6% of the product's norm (tests/kernels/test_cpu_int4.py says why)
+    assert (got.double() - b.double() - want).norm() / want.norm() < 0.01
 
 
 def _tiny() -> tuple[ModelConfig, dict]:
@@ -133,8 +136,8 @@ def test_int4_is_its_own_cache_identity():
     assert resolve_weight_format("int4", "cpu") == "int4"
     with pytest.raises(ValueError, match="int4 weights run on the CPU only"):
         resolve_weight_format("int4", "cuda")
-    assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-head8-v1-avx2f32x32"
-    assert weight_scheme("int4", compiled_layers=True) == "int4-affine-g32-f16-head8-v1-avx2f32x32-layer32v2"
+    assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-head8-v1-a8g32x32-i8i8v1"
+    assert weight_scheme("int4", compiled_layers=True) == "int4-affine-g32-f16-head8-v1-a8g32x32-i8i8v1-layer32v2"
     int4 = {CacheIdentity("m", "bf16", 16, "int4", compiled_layers=c).fingerprint for c in (False, True)}
     int8 = {CacheIdentity("m", "bf16", 16, "int8", int8_kernel=k, compiled_layers=c).fingerprint
             for k, c in (("avx2", False), ("avx2", True), ("int8mm", False))}
