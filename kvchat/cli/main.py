@@ -34,8 +34,14 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose usage errors are one line: ``kvchat: error: ... (see 'kvchat ask --help')``.
 
-    Sub-parsers inherit the class (argparse creates them with ``type(parent)``).
+    Sub-parsers inherit the class (argparse creates them with ``type(parent)``), so every parser of the
+    command refuses abbreviated options: ``--api-key`` must not be read as ``--api-key-env``.
     """
+
+    def __init__(self, *args, **kwargs):
+        """As argparse's, with ``allow_abbrev`` off unless the caller says otherwise."""
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         """Raise :class:`UsageError` (:func:`main` reports it and exits with 2); never returns."""
@@ -47,13 +53,31 @@ class _Parser(argparse.ArgumentParser):
         arguments it does not know itself, so the error names its own ``--help``."""
         namespace, extras = super().parse_known_args(args, namespace)
         if extras and self._subparsers is None and " " in self.prog:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(_unrecognized(extras))
         return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse, with what no parser recognized reported by :func:`_unrecognized`."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(_unrecognized(extras))
+        return namespace
 
     def add_subparsers(self, **kwargs):
         """Sub-command groups are named COMMAND in usage and errors (not their internal dest)."""
         kwargs.setdefault("metavar", "COMMAND")
         return super().add_subparsers(**kwargs)
+
+
+def _unrecognized(extras: list[str]) -> str:
+    """The usage error for arguments no parser took.
+
+    Where unknown options are among them, only the options are named, without ``=VALUE``: the word
+    after an unknown option may be its value (an API key given to a misspelt option), and no
+    secret is echoed to a terminal or a log.
+    """
+    options = [arg.split("=", 1)[0] for arg in extras if arg.startswith("-") and arg != "-"]
+    return f"unrecognized arguments: {' '.join(options or extras)}"
 
 
 def _gpu_fraction(text: str) -> str:
