@@ -1,5 +1,6 @@
 """F4 (edit the last message) over a half-typed message: the draft comes back to the input when the edit is
-cancelled (Esc), sent (Enter) or left for another chat; nothing typed is dropped, and typing goes on at the end of the text put in the input."""
+cancelled (Esc), sent (Enter) or left for another chat; nothing typed is dropped,
+and typing goes on at the end of the text put in the input."""
 
 from __future__ import annotations
 
