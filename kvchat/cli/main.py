@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the documents; documents = its documents alone")
     ask.add_argument("--max-tokens", type=int, default=512, help="most tokens to answer (default: %(default)s)")
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    ask.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
+    ask.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: %(default)s = off)")
     ask.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: %(default)s = off)")
     ask.add_argument("--seed", type=int, help="sampling seed (default: none, a new one each run)")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
