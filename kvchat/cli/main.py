@@ -51,10 +51,25 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         """As argparse, but a sub-command (a parser without sub-commands of its own) rejects
         arguments it does not know itself, so the error names its own ``--help``."""
+        if self._subparsers is not None:
+            self._refuse_options_unknown_before_command(sys.argv[1:] if args is None else args)
         namespace, extras = super().parse_known_args(args, namespace)
         if extras and self._subparsers is None and " " in self.prog:
             self.error(_unrecognized(extras))
         return namespace, extras
+
+    def _refuse_options_unknown_before_command(self, args: list[str]) -> None:
+        """Refuse an unknown option before the sub-command's name: argparse would take the word after it
+        (perhaps the option's value, an API key) for the sub-command and echo it as an invalid choice."""
+        words = iter(args)
+        for arg in words:
+            if arg in ("-", "--") or not arg.startswith("-"):
+                return
+            action = self._option_string_actions.get(arg.split("=", 1)[0])
+            if action is None:
+                self.error(_unrecognized([arg]))
+            if action.nargs != 0 and "=" not in arg:
+                next(words, None)  # the option's value
 
     def parse_args(self, args=None, namespace=None):
         """As argparse, with what no parser recognized reported by :func:`_unrecognized`."""

@@ -89,6 +89,9 @@ def test_ask_help_shows_every_sampling_default(capsys):
     (["ask", "--max", "3", "hi"], "--max", "3"),
     (["ask", "--temp", "0", "hi"], "--temp", "0"),
     (["--mod=SmolLM2", "ask", "hi"], "--mod", "SmolLM2"),
+    (["--api-key", "sekrit", "ask", "hi"], "--api-key", "sekrit"),
+    (["--model", "SmolLM2", "--threads", "2", "--api-key", "sekrit", "ask", "hi"], "--api-key", "sekrit"),
+    (["cache", "--api-key", "sekrit", "ls"], "--api-key", "sekrit"),
     (["bench", "resume", "--mod", "SmolLM2"], "--mod", "SmolLM2"),
 ])
 def test_abbreviated_options_are_unknown_and_their_value_is_not_echoed(argv, option, value, capsys):
