@@ -34,8 +34,14 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose usage errors are one line: ``kvchat: error: ... (see 'kvchat ask --help')``.
 
-    Sub-parsers inherit the class (argparse creates them with ``type(parent)``).
+    Sub-parsers inherit the class (argparse creates them with ``type(parent)``), so every parser of the
+    command refuses abbreviated options: ``--api-key`` must not be read as ``--api-key-env``.
     """
+
+    def __init__(self, *args, **kwargs):
+        """As argparse's, with ``allow_abbrev`` off unless the caller says otherwise."""
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         """Raise :class:`UsageError` (:func:`main` reports it and exits with 2); never returns."""
@@ -45,15 +51,48 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         """As argparse, but a sub-command (a parser without sub-commands of its own) rejects
         arguments it does not know itself, so the error names its own ``--help``."""
+        if self._subparsers is not None:
+            self._refuse_options_unknown_before_command(sys.argv[1:] if args is None else args)
         namespace, extras = super().parse_known_args(args, namespace)
         if extras and self._subparsers is None and " " in self.prog:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(_unrecognized(extras))
         return namespace, extras
+
+    def _refuse_options_unknown_before_command(self, args: list[str]) -> None:
+        """Refuse an unknown option before the sub-command's name: argparse would take the word after it
+        (perhaps the option's value, an API key) for the sub-command and echo it as an invalid choice."""
+        words = iter(args)
+        for arg in words:
+            if arg in ("-", "--") or not arg.startswith("-"):
+                return
+            action = self._option_string_actions.get(arg.split("=", 1)[0])
+            if action is None:
+                self.error(_unrecognized([arg]))
+            if action.nargs != 0 and "=" not in arg:
+                next(words, None)  # the option's value
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse, with what no parser recognized reported by :func:`_unrecognized`."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(_unrecognized(extras))
+        return namespace
 
     def add_subparsers(self, **kwargs):
         """Sub-command groups are named COMMAND in usage and errors (not their internal dest)."""
         kwargs.setdefault("metavar", "COMMAND")
         return super().add_subparsers(**kwargs)
+
+
+def _unrecognized(extras: list[str]) -> str:
+    """The usage error for arguments no parser took.
+
+    Where unknown options are among them, only the options are named, without ``=VALUE``: the word
+    after an unknown option may be its value (an API key given to a misspelt option), and no
+    secret is echoed to a terminal or a log.
+    """
+    options = [arg.split("=", 1)[0] for arg in extras if arg.startswith("-") and arg != "-"]
+    return f"unrecognized arguments: {' '.join(options or extras)}"
 
 
 def _gpu_fraction(text: str) -> str:
@@ -113,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the documents; documents = its documents alone")
     ask.add_argument("--max-tokens", type=int, default=512, help="most tokens to answer (default: %(default)s)")
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    ask.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
+    ask.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: %(default)s = off)")
     ask.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: %(default)s = off)")
     ask.add_argument("--seed", type=int, help="sampling seed (default: none, a new one each run)")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

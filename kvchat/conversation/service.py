@@ -29,6 +29,7 @@ from kvchat.conversation.views import (
     ChatView,
     ResumeInfo,
     Status,
+    answer_figures,
 )
 from kvchat.documents import Document, doc_id, read_document
 from kvchat.engine.cache_miss import shortfall_reason, why_not_restored
@@ -157,14 +158,14 @@ class ChatService:
     def status(self) -> Status:
         e = self.rt.engine
         chat, errors = self.chat, self.persist.errors
+        ttft_ms, tokens_per_s = answer_figures(chat.messages if chat else [])
         return Status(
             phase="ready", message=errors[-1] if errors else self._eviction_note() or "ready", model=self.rt.info.name,
             device=str(e.device),
             kv_dtype=e.spec.kv_dtype,
             pool_blocks_used=e.pool.num_blocks - e.blocks.num_free_blocks, pool_blocks_total=e.pool.num_blocks,
             pool_bytes=e.pool.nbytes, context_used=len(chat.session.token_ids) if chat else 0,
-            context_limit=e.max_context, last_ttft_ms=self.last.ttft_ms if self.last else None,
-            last_tokens_per_s=self.last.decode_tokens_per_s if self.last else None,
+            context_limit=e.max_context, last_ttft_ms=ttft_ms, last_tokens_per_s=tokens_per_s,
             resume=chat.resume if chat else None,
         )
 

@@ -8,6 +8,7 @@ fingerprint exist, ``"none"`` otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -127,6 +128,15 @@ class ChatMessage:
     ttft_ms: float | None = None
     tokens_per_s: float | None = None
     finish_reason: str = ""
+
+
+def answer_figures(messages: Sequence[ChatMessage]) -> tuple[float | None, float | None]:
+    """``(ttft_ms, tokens_per_s)`` of the last answer in ``messages`` (a chat's own last-turn figures for the
+    status bar); ``(None, None)`` when it has no answer or its answer has none."""
+    for message in reversed(messages):
+        if message.role == "assistant":
+            return message.ttft_ms, message.tokens_per_s
+    return None, None
 
 
 @dataclass(slots=True)

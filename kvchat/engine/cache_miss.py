@@ -25,29 +25,47 @@ INT8_KERNELS = {"avx2": ("the compiled int8 kernel", "KVCHAT_CPU_KERNEL=1 and a 
 def why_not_restored(db: Database, owner: str, identity: CacheIdentity) -> str:
     """One line saying why ``owner``'s stored KV (a chat or document id's chunk references) could not be
     restored by an engine of ``identity`` (its fingerprint, model, KV dtype, block size, weight format,
-    compute key and int8 kernel name the cause)."""
-    fingerprint, model_fingerprint, kv_dtype = identity.fingerprint, identity.model_fingerprint, identity.kv_dtype
-    block_size, weight_format, compute = identity.block_size, identity.weight_format, identity.compute
-    int8_kernel = identity.int8_kernel
+    compute key and int8 kernel name the cause).
+
+    Where part of the chain is stored under ``identity``'s fingerprint and the rest under another, the
+    chain stops where the turns stored under the other begin, and the line names what differs (the
+    weight format, KV dtype, compute dtype or int8 kernel) as it does for a chat stored wholly under it.
+    """
     stored = set(owner_fingerprints(db, owner))
     if not stored:
         return "no KV snapshot on disk (never saved, purged or evicted)"
-    if fingerprint in stored:
-        if len(stored) > 1:
-            return ("its snapshot chain stops early (chunks evicted or dropped as corrupt, or later turns stored "
-                    "under another KV dtype or scheme)")
-        return "its snapshot chain stops early (chunks evicted or dropped as corrupt)"
+    if identity.fingerprint not in stored:
+        return "its KV " + (_other_identity(stored, identity) or
+                            "was saved under another cache fingerprint (another model, scale scheme or kvchat version)")
+    others = stored - {identity.fingerprint}
+    cause = _other_identity(others, identity) if others else None
+    if cause is not None:
+        return f"its snapshot chain stops early: later turns' KV {cause}"
+    if others:
+        return ("its snapshot chain stops early (chunks evicted or dropped as corrupt, or later turns stored "
+                "under another model, scale scheme or kvchat version)")
+    return "its snapshot chain stops early (chunks evicted or dropped as corrupt)"
+
+
+def _other_identity(stored: set[str], identity: CacheIdentity) -> str | None:
+    """What of ``identity`` differs from the engine that stored ``stored`` (cache fingerprints, none of them
+    ``identity``'s), as the rest of a sentence whose subject is the stored KV ("was saved as bf16; this run
+    uses fp8 (…)"); None when no KV dtype, int8 kernel, prefill activation, weight format or compute
+    dtype of this model accounts for them."""
+    model_fingerprint, kv_dtype = identity.model_fingerprint, identity.kv_dtype
+    block_size, weight_format, compute = identity.block_size, identity.weight_format, identity.compute
+    int8_kernel = identity.int8_kernel
     for other in KV_DTYPE_NAMES:
         if other != kv_dtype and fingerprint_variants(model_fingerprint, other, block_size) & stored:
-            return f"its KV was saved as {other}; this run uses {kv_dtype} (caches never cross KV dtypes)"
+            return f"was saved as {other}; this run uses {kv_dtype} (caches never cross KV dtypes)"
     for kernel, (name, restore) in INT8_KERNELS.items():
         if weight_format == "int8" and int8_kernel not in (None, kernel) and fingerprint_variants(
                 model_fingerprint, kv_dtype, block_size, ("int8",), (compute,), (kernel,)) & stored:
-            return f"its KV was computed with {name}; this run uses {INT8_KERNELS[int8_kernel][0]} ({restore})"
+            return f"was computed with {name}; this run uses {INT8_KERNELS[int8_kernel][0]} ({restore})"
     if weight_format == "int8" and int8_kernel == "avx2" and fingerprint_variants(
             model_fingerprint, kv_dtype, block_size, ("int8",), (compute,), ("avx2",), (not identity.int8_prefill,)) & stored:
         was, now = ("float", "int8") if identity.int8_prefill else ("int8", "float")
-        return (f"its KV was computed with {was} activations in prefill; this run uses {now} "
+        return (f"was computed with {was} activations in prefill; this run uses {now} "
                 f"(KVCHAT_INT8_PREFILL={was} restores it)")
     for w, c in ((w, c) for w in WEIGHT_FORMATS for c in compute_keys(w)):
         if (w, c) == (weight_format, compute) or not (
@@ -55,12 +73,12 @@ def why_not_restored(db: Database, owner: str, identity: CacheIdentity) -> str:
             continue
         was, now = c or FORMAT_COMPUTE[w], compute or FORMAT_COMPUTE[weight_format]
         if w == weight_format:
-            return f"its KV was computed in {was}; this run computes in {now} (--dtype {was} restores it)"
+            return f"was computed in {was}; this run computes in {now} (--dtype {was} restores it)"
         if was == now and c == compute:
-            return f"its KV was saved with {w} weights; this run uses {weight_format} (--weights {w} restores it)"
-        return (f"its KV was saved with {w} weights computed in {was}; this run uses {weight_format} weights "
+            return f"was saved with {w} weights; this run uses {weight_format} (--weights {w} restores it)"
+        return (f"was saved with {w} weights computed in {was}; this run uses {weight_format} weights "
                 f"computed in {now} (--weights {w} --dtype {was} restores it)")
-    return "its KV was saved under another cache fingerprint (another model, scale scheme or kvchat version)"
+    return None
 
 
 def shortfall_reason(db: Database, owner: str, history_tokens: int, reused_tokens: int,

@@ -42,8 +42,9 @@ ACTIONS = (
 INPUT_KEYS = (
     ("enter", "Send the message"),
     ("ctrl+j", "New line (also shift/alt+enter if the terminal sends them)"),
-    ("tab, shift+tab", "Move focus: sidebar, messages, input"),
-    ("tab, ↑ ↓, enter", "Open a stored chat: Tab to the chat list, Enter (the first if none is picked)"),
+    ("tab, shift+tab", "Move focus: search, chat list, documents, messages, input"),
+    ("tab, ↑ ↓, enter", "Open a stored chat: Tab twice from the input to the chat list (the first stops in the "
+                          "search box), Enter (the first if none is picked)"),
     ("↑ ↓ pgup pgdn home end", "Scroll the messages (when focused)"),
     ("ctrl+p", "Command palette (every action above)"),
     ("ctrl+q", "Quit (finishes queued cache writes first)"),

@@ -38,6 +38,7 @@ from kvchat.conversation.views import (
     DocumentSummary,
     ResumeInfo,
     Status,
+    answer_figures,
 )
 from kvchat.documents import read_document
 from kvchat.engine.turn import SamplingParams, TurnStats
@@ -97,7 +98,6 @@ class FakeBackend:
         self.chat: _Chat | None = None
         self.loaded = False
         self.shutdown_called = False
-        self._last: TurnStats | None = None
         self._resume: ResumeInfo | None = None
         self._prefilled: set[tuple[str, ...]] = set()
         self._ids = itertools.count(1)
@@ -116,10 +116,10 @@ class FakeBackend:
         if not self.loaded:
             return Status(phase="loading", message="starting")
         used = self.chat.num_tokens if self.chat else 0
-        last = self._last
+        ttft_ms, tokens_per_s = answer_figures(self.chat.messages if self.chat else [])
         return Status("ready", "ready", self.model, "cpu", "fp8", -(-used // BLOCK_SIZE), POOL_BLOCKS,
-                      POOL_BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN, used, self.context_limit, last and last.ttft_ms,
-                      last and last.decode_tokens_per_s, self._resume if self.chat else None)
+                      POOL_BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN, used, self.context_limit, ttft_ms,
+                      tokens_per_s, self._resume if self.chat else None)
 
     def models(self) -> list[str]:
         return list(self.model_names) if self.loaded else []
@@ -253,16 +253,16 @@ class FakeBackend:
         reply = "".join(shown)
         prompt = chat.num_tokens + user
         new_tokens = len(shown) + (reason == "stop")  # a stop token is generated but not shown
-        self._last = TurnStats(prompt_tokens=prompt, reused_tokens=chat.num_tokens, from_memory=chat.num_tokens,
-                                 prefilled_tokens=user, new_tokens=new_tokens, ttft_ms=12.0, prefill_ms=8.0,
-                                 decode_tokens_per_s=100.0, finish_reason=reason)
+        stats = TurnStats(prompt_tokens=prompt, reused_tokens=chat.num_tokens, from_memory=chat.num_tokens,
+                          prefilled_tokens=user, new_tokens=new_tokens, ttft_ms=12.0, prefill_ms=8.0,
+                          decode_tokens_per_s=100.0, finish_reason=reason)
         chat.turn_tokens.append(user + len(shown) + TURN_OVERHEAD)
         chat.messages += [ChatMessage("user", text), ChatMessage("assistant", reply, 12.0, 100.0, reason)]
         if chat.id is None:
             chat.id, chat.title = f"c_{next(self._ids):06x}", text.strip().splitlines()[0][:60]
             self.chats[chat.id] = chat
         chat.order, chat.updated, chat.disk_tokens = next(self._clock), time.time(), chat.num_tokens
-        done = TurnDone(chat.id, reply, self._last, chat.num_tokens, self.context_limit)
+        done = TurnDone(chat.id, reply, stats, chat.num_tokens, self.context_limit)
         emit(done)
         return done
 

@@ -24,7 +24,15 @@ from urllib.parse import urlsplit
 
 from kvchat.conversation.continuation import CarryWay, Continuation
 from kvchat.conversation.events import AttachStep, Emit, LoadProgress, TurnDone
-from kvchat.conversation.views import AttachCancelled, CacheReport, ChatSummary, ChatView, DocumentSummary, Status
+from kvchat.conversation.views import (
+    AttachCancelled,
+    CacheReport,
+    ChatSummary,
+    ChatView,
+    DocumentSummary,
+    Status,
+    answer_figures,
+)
 from kvchat.engine.turn import SamplingParams
 from kvchat.tui.backend import BackendNotReadyError
 
@@ -203,13 +211,13 @@ class RemoteBackend:
         chats = self._chats
         if chats is None:
             return Status(phase=self._status.phase, message=self._status.message)
-        view, last, c = chats.view(), chats.last, self._counters
+        view, c = chats.view(), self._counters
+        ttft_ms, tokens_per_s = answer_figures(view.messages if view else [])
         device = f"server {urlsplit(self.url).netloc}"
         line = chats.last_line if self._connected and chats.last_line else self._status.message
         return Status("ready", line, chats.model or "(no model yet)", device,
                       c.kv_dtype if c else "", c.pool_blocks_used if c else 0, c.pool_blocks_total if c else 0, 0,
-                      view.num_tokens if view else 0, chats.context_limit, last and last.ttft_ms,
-                      last and last.decode_tokens_per_s)
+                      view.num_tokens if view else 0, chats.context_limit, ttft_ms, tokens_per_s)
 
     def current(self) -> ChatView | None:
         return self._chats.view() if self._chats is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -80,3 +81,34 @@ def test_ask_help_shows_every_sampling_default(capsys):
     for shown in ("--max-tokens MAX_TOKENS most tokens to answer (default: 512)", "(default: 1.0 = off)",
                   "(default: 0 = off)", "--seed SEED sampling seed (default: none", "(default: 0.0)"):
         assert shown in text, text
+
+
+@pytest.mark.parametrize("argv, option, value", [
+    (["ask", "--server", "http://127.0.0.1:8766", "--api-key", "sekrit", "hi"], "--api-key", "sekrit"),
+    (["ask", "hi", "--api-key=sekrit"], "--api-key", "sekrit"),
+    (["ask", "--max", "3", "hi"], "--max", "3"),
+    (["ask", "--temp", "0", "hi"], "--temp", "0"),
+    (["--mod=SmolLM2", "ask", "hi"], "--mod", "SmolLM2"),
+    (["--api-key", "sekrit", "ask", "hi"], "--api-key", "sekrit"),
+    (["--model", "SmolLM2", "--threads", "2", "--api-key", "sekrit", "ask", "hi"], "--api-key", "sekrit"),
+    (["cache", "--api-key", "sekrit", "ls"], "--api-key", "sekrit"),
+    (["bench", "resume", "--mod", "SmolLM2"], "--mod", "SmolLM2"),
+])
+def test_abbreviated_options_are_unknown_and_their_value_is_not_echoed(argv, option, value, capsys):
+    """No parser of the command completes a prefix to an option (``--api-key`` is not ``--api-key-env``);
+    the error names the unknown option alone, never the word after it, which may be a secret."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"kvchat: error: unrecognized arguments: {option} (see ")
+    assert value not in err
+
+
+def test_abbreviated_option_with_json_is_a_usage_error_object(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["ask", "--json", "--api-key", "sekrit", "hi"])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and err == ""
+    error = json.loads(out)["error"]
+    assert error["type"] == "usage_error" and "--api-key" in error["message"] and "sekrit" not in out

@@ -286,6 +286,27 @@ async def test_the_resume_line_lasts_until_the_next_turn_finishes(harness):
         assert h.backend.status().resume is not None, "the backend still knows how the chat was opened"
 
 
+async def test_the_last_turn_figures_are_the_open_chats_own(harness):
+    """TTFT and tok/s describe the open chat's last answer: none in a new chat, the stored chat's own when it
+    is opened again, never the figures of the chat left."""
+    h = harness
+    async with h.app.run_test(size=SIZE) as pilot:
+        await h.send(pilot, "hi there")
+        status = h.screen.query_one(StatusBar)
+        assert "TTFT 12 ms" in shown(status) and "100.0 tok/s" in shown(status)
+        chat_id = h.backend.current().id
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: h.backend.current().id is None and not h.screen.workers)
+        await until(pilot, lambda: "TTFT" not in shown(status) and "tok/s" not in shown(status))
+        chats = h.screen.query_one("#chats", ListView)
+        chats.focus()
+        await until(pilot, lambda: chats.has_focus and len(chats.children) == 1)
+        chats.index = 0
+        await pilot.press("enter")
+        await until(pilot, lambda: h.backend.current().id == chat_id and "TTFT 12 ms" in shown(status)
+                    and "100.0 tok/s" in shown(status))
+
+
 class SlowSearch(FakeBackend):
     """``list_chats(hold)`` waits for ``gate`` (a slow SQLite search); every query is recorded."""
 

@@ -119,6 +119,22 @@ def test_send_streams_batches_then_one_done(backend):
     assert st.context_used == done.context_used and st.last_ttft_ms == done.stats.ttft_ms > 0
 
 
+def test_the_last_turn_figures_follow_the_open_chat(backend):
+    """Status's TTFT and tokens/s are the open chat's last answer's: none in a new chat, a reopened chat's own."""
+    backend.new_chat(None, [], lambda e: None)
+    _, first = run(backend, "Name a fruit.")
+    backend.new_chat(None, [], lambda e: None)
+    st = backend.status()
+    assert (st.last_ttft_ms, st.last_tokens_per_s) == (None, None)
+    _, second = run(backend, "Name a tree.")
+    view = backend.open_chat(first.chat_id)
+    answer = view.messages[-1]
+    st = backend.status()
+    assert (st.last_ttft_ms, st.last_tokens_per_s) == (answer.ttft_ms, answer.tokens_per_s)
+    assert st.last_ttft_ms == first.stats.ttft_ms
+    assert backend.open_chat(second.chat_id).messages[-1].ttft_ms == backend.status().last_ttft_ms == second.stats.ttft_ms
+
+
 def test_turn_is_stored_and_listed(backend):
     backend.new_chat(None, [], lambda e: None)
     _, done = run(backend, "Name a colour.\nSecond line")

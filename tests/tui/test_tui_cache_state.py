@@ -75,6 +75,26 @@ def test_why_not_restored_names_the_other_int8_kernel():
     assert "chain stops early" in why_not_restored(db, "c_1", runs["avx2"])
 
 
+def test_a_chain_cut_by_turns_under_another_weight_format_names_the_format():
+    """A chat whose first turn was stored with int8 weights and its next with int4, resumed with int8: the
+    chain stops where the int4 turns begin, and the line says so rather than blaming eviction."""
+    db = get_db()
+    int8_run = CacheIdentity(MODEL_FP, "fp8", 16, "int8", int8_kernel="avx2")
+    add_chunk_row(db, "k1", int8_run.fingerprint, "c_1")
+    add_chunk_row(db, "k2", CacheIdentity(MODEL_FP, "fp8", 16, "int4").fingerprint, "c_1")
+    assert why_not_restored(db, "c_1", int8_run) == (
+        "its snapshot chain stops early: later turns' KV was saved with int4 weights; this run uses int8 "
+        "(--weights int4 restores it)")
+    add_chunk_row(db, "k3", int8_run.fingerprint, "c_2")
+    add_chunk_row(db, "k4", CacheIdentity(MODEL_FP, "bf16", 16, "int8", int8_kernel="avx2").fingerprint, "c_2")
+    assert why_not_restored(db, "c_2", int8_run) == (
+        "its snapshot chain stops early: later turns' KV was saved as bf16; this run uses fp8 "
+        "(caches never cross KV dtypes)")
+    add_chunk_row(db, "k5", int8_run.fingerprint, "c_3")
+    add_chunk_row(db, "k6", "f" * 32, "c_3")
+    assert "another model, scale scheme or kvchat version" in why_not_restored(db, "c_3", int8_run)
+
+
 def test_a_shared_system_prompt_block_does_not_make_a_chat_in_memory():
     assert not all_in_memory(16, 120, 16)  # only the first block (the system prompt) is cached
     assert all_in_memory(112, 120, 16) and all_in_memory(48, 51, 16)

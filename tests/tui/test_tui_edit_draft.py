@@ -1,5 +1,6 @@
 """F4 (edit the last message) over a half-typed message: the draft comes back to the input when the edit is
-cancelled (Esc), sent (Enter) or left for another chat; nothing typed is dropped."""
+cancelled (Esc), sent (Enter) or left for another chat; nothing typed is dropped,
+and typing goes on at the end of the text put in the input."""
 
 from __future__ import annotations
 
@@ -56,3 +57,23 @@ async def test_a_chat_opened_while_editing_gives_the_draft_back():
         await pilot.press("ctrl+n")
         await until(pilot, lambda: h.backend.current().id is None and h.screen.job is None)
         assert box.text == DRAFT and not h.screen.editing
+
+
+async def test_typing_after_f4_goes_on_from_the_end_of_the_message():
+    h = Harness(FakeBackend(answers=["First answer", "Edited answer"]))
+    async with h.app.run_test(size=SIZE) as pilot:
+        await ready(pilot, h)
+        await h.send(pilot, "question")
+        box = h.screen.query_one(ChatInput)
+        await pilot.press("f4")
+        await pilot.press("X", "Y")
+        assert box.text == "questionXY"
+
+
+async def test_the_draft_given_back_by_esc_is_typed_on_at_its_end():
+    h = harness()
+    async with h.app.run_test(size=SIZE) as pilot:
+        box = await start_editing(pilot, h)
+        await pilot.press("escape")
+        await pilot.press("X")
+        assert box.text == DRAFT + "X"

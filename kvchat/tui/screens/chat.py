@@ -249,7 +249,7 @@ class ChatScreen(ChatActions, Screen):
     def give_back(self, text: str) -> None:
         """Put an unsent message back into the input (before what is typed there now)."""
         chat_input = self.query_one(ChatInput)
-        chat_input.text = text if not chat_input.text.strip() else f"{text}\n{chat_input.text}"
+        chat_input.load(text if not chat_input.text.strip() else f"{text}\n{chat_input.text}")
 
     def hide_prefill(self) -> None:
         self.query_one(PrefillBar).done()
@@ -287,7 +287,7 @@ class ChatScreen(ChatActions, Screen):
             return  # the text stays in the input
         self.query_one(ChatInput).clear()
         if op == "edit":  # the edit is sent: what was typed before F4 comes back
-            self.query_one(ChatInput).text = self.take_draft()
+            self.query_one(ChatInput).load(self.take_draft())
         if decision.verdict is Verdict.QUEUE:
             self.queued = text
             self.app.notify("your message is sent to the document's chat once the document is ready")
@@ -393,7 +393,7 @@ class ChatScreen(ChatActions, Screen):
         await self.show_chat(view)
         if self.editing:  # the edit was of the chat left behind: what was typed before F4 comes back
             self.editing = False
-            self.query_one(ChatInput).text = self.take_draft()
+            self.query_one(ChatInput).load(self.take_draft())
         self.refresh_lists()
         self.query_one(ChatInput).focus()
 

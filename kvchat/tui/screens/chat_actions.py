@@ -88,7 +88,7 @@ class ChatActions:
             self.update_status()
         elif self.editing:
             self.editing = False
-            self.query_one("#input").text = self.take_draft()
+            self.query_one("#input").load(self.take_draft())
             self.app.notify("edit cancelled; the input holds what you had typed before it")
 
     def _chat_with_answer(self):
@@ -111,7 +111,7 @@ class ChatActions:
         chat_input = self.query_one("#input")
         if not self.editing:  # F4 again while editing: the draft is the one from before the first
             self.draft = chat_input.text
-        chat_input.text = view.messages[-2].text
+        chat_input.load(view.messages[-2].text)
         chat_input.focus()
         self.editing = True
         self.app.notify("editing the last message: Enter replaces it and its answer, Esc cancels")

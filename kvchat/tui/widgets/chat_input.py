@@ -27,6 +27,11 @@ class ChatInput(TextArea):
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False, highlight_cursor_line=False,
                          placeholder="Message — Enter sends, Ctrl+J new line, F1 help", **kwargs)
 
+    def load(self, text: str) -> None:
+        """Replace the whole input with ``text``, the cursor at its end (where typing goes on from it)."""
+        self.text = text
+        self.move_cursor(self.document.end)
+
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":
             event.stop()
