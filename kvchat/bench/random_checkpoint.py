@@ -25,8 +25,9 @@ SHAPES = {  # name -> LlamaConfig fields
     # ~66M parameters, 0.13 GB in bf16: the load-memory test
     "test": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
-    # ~125M parameters, 0.25 GB in bf16, 0.5 GB in fp32, most of it in the layers: the quantized load's peak-memory test
-    "peak-test": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+    # ~183M parameters, 0.37 GB in bf16, 0.73 GB in fp32, most of it in the layers: the quantized load's peak-memory
+    # test
+    "peak-test": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                       num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=False),
     # a few hundred KB: warms a process's imports before a measured load
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

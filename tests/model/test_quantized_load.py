@@ -142,7 +142,7 @@ print(json.dumps({"before": before, "peak": peak_rss_bytes(), "quantized": quant
 
 
 def test_peak_memory_of_a_quantized_load_stays_below_the_fp32_model(tmp_path):
-    """A fresh process loads a 125M-parameter random checkpoint with int8 weights (quantizing it: the stored file
+    """A fresh process loads a 183M-parameter random checkpoint with int8 weights (quantizing it: the stored file
     is written): its resident set grows by less than the fp32 model's bytes (which quantizing a model built whole
     in fp32 holds at least), and by no more than the quantized layers, the fp32 embedding and a few fp32 matrices
     in flight."""
@@ -160,6 +160,7 @@ def test_peak_memory_of_a_quantized_load_stays_below_the_fp32_model(tmp_path):
     embedding = 2 * 4 * vocab * h  # the fp32 embedding, kept, and the head's fp32 weight while it is quantized
     matrix = 4 * 2 * inter * h  # the largest fp32 matrix (gate/up fused)
     # the matrix, its bf16 -> fp32 staging and quantizing's temporaries (w - offset, / scale, round: one matrix
-    # each) in flight, and allocator slack
-    bound = m["quantized"] + embedding + 6 * matrix + (32 << 20)
+    # each) in flight, and the allocator's slack (freed pieces under glibc's 32 MiB mmap threshold stay in the heap;
+    # measured 325-430 MB of growth at 8 layers on a busy machine, so twice the in-flight count)
+    bound = m["quantized"] + embedding + 8 * matrix + (64 << 20)
     assert grown < bound < fp32_bytes, (grown, bound, fp32_bytes)
