@@ -402,11 +402,13 @@ def format_report(res: dict) -> str:
     gguf = res["gguf"]
     versus = (f"vs llama-cpp-python {res['llama_cpp_python']} on {Path(gguf['path']).name}" if gguf
               else "(llama.cpp skipped)")
-    head = (f"kvchat bench peers: {res['model']} {versus}, {res['threads']} threads, {res['context']}-token prompt, "
+    no_speed = "speed prefill" in res.get("skipped", [])
+    prompt = "" if no_speed else f"{res['context']}-token prompt, "
+    head = (f"kvchat bench peers: {res['model']} {versus}, {res['threads']} threads, {prompt}"
             f"{res['decode_tokens']} decode tokens, {res['repeats']} repeats; kvchat with "
             f"{res.get('kvchat_weights', 'fp32')} weights (its default format)"
             f"{', int8 prefill activations' if res.get('kvchat_int8_prefill') else ''}; median (min-max)")
-    if "speed prefill" in res.get("skipped", []):
+    if no_speed:
         head += "; speed from the resume chat (no separate speed prefill)"
     speed = [("backend", "prefill tok/s", "decode tok/s", "load s")]
     speed += [(r["backend"], f(r["prefill_tok_s"]), f(r["decode_tok_s"]), f"{r['load_s']:.1f}" if "load_s" in r else "-")
