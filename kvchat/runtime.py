@@ -81,8 +81,10 @@ def load_runtime(
     fp8 pool the model's K-centring calibration is loaded, or computed on this
     engine's weights and stored on first use (:func:`ensure_calibration`).
     ``weights``: ``auto|fp32|bf16|int8|int4`` (None: ``KVCHAT_WEIGHTS``), resolved for the device and the compute
-    dtype by :func:`kvchat.engine.cache_identity.resolve_weight_format`; int8 layers are quantized after the
-    calibration, from the loaded weights (:func:`kvchat.model.quant.quantize_linears`).
+    dtype by :func:`kvchat.engine.cache_identity.resolve_weight_format`; int8 and int4 models are loaded layer by
+    layer (:class:`kvchat.model.quantized_load.QuantizingLoad`: each linear layer read quantized from the model's
+    stored file, or read in fp32 and quantized, one at a time; a calibration computed here runs through each
+    layer's fp32 weights before it is quantized), so host memory peaks near the quantized model, not the fp32 one.
     ``preallocate``: allocate and touch the engine's dense K/V copy (the CPU read path) for the whole context
     now, not inside the first resumed chat's TTFT (:meth:`kvchat.engine.dense_kv.DenseKV.preallocate`); the
     server, which gives every request a copy of its own, passes False.
@@ -160,7 +162,8 @@ def ensure_calibration(info: ModelInfo, source, tokenizer, device=None,
 
     Args:
         info: the model.
-        source: the :class:`Engine` being built (its model is used, nothing is built), or
+        source: the :class:`Engine` being built (its unquantized layers are used, :meth:`Engine.unquantized_layers`;
+            nothing is built), or
             Hugging Face-named weights (benchmarks holding them: a temporary bf16-pool engine is built).
         tokenizer: its tokenizer (encodes the calibration text).
         device: where a temporary engine runs (``source`` weights only).

@@ -27,7 +27,8 @@ PEER_SHAPES = {  # --shape -> kvchat.bench.random_checkpoint.SHAPES name
     "8b": "llama-3.1-8b-smollm2-vocab",
 }
 QUANT_TYPE = "Q4_K_M"  # what --shape quantizes to (llama.cpp's LLAMA_FTYPE_MOSTLY_<this>)
-_DONE = "complete.json"  # written last into a shape's cache dir: its files are whole
+_DONE = "complete.json"  # written last into a shape's cache dir: its files (checkpoint and GGUF) are whole
+_CHECKPOINT_DONE = "checkpoint.json"  # written once the checkpoint alone is whole
 
 
 class GgufError(ValueError):
@@ -79,26 +80,31 @@ def rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(checkpoint: Path):
-    """``(hf name, safe_open handle)`` of every tensor in the checkpoint's safetensors files, in file order."""
-    from safetensors import safe_open
+def _tensors(checkpoint: Path) -> list:
+    """:class:`kvchat.model.fingerprint.TensorEntry` of every tensor in the checkpoint's safetensors files: the
+    files in name order, each file's tensors by name (the GGUF's tensor order)."""
+    from kvchat.model.fingerprint import read_tensor_entries
 
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f
+    return [e for file in sorted(checkpoint.glob("*.safetensors"))
+            for e in sorted(read_tensor_entries(file), key=lambda e: e.name)]
 
 
 def write_gguf(checkpoint: Path, out: Path, vocab_gguf: Path) -> int:
     """Write the Llama checkpoint at ``checkpoint`` (``config.json`` + safetensors) as an f16 GGUF at ``out``
-    (norm weights f32, as llama.cpp's converter writes them), tensor by tensor (never the whole model in
-    RAM), with the ``tokenizer.*`` keys of ``vocab_gguf``. Returns the bytes written.
+    (norm weights f32, as llama.cpp's converter writes them), tensor by tensor: each read with plain reads
+    (:class:`kvchat.model.weights.CheckpointReader`), converted and written before the next is read, so host
+    memory holds one tensor and its fp32 and f16 copies (~2 GB for an 8B shape's embedding), never the model;
+    with the ``tokenizer.*`` keys of ``vocab_gguf``. Returns the bytes written.
 
     Raises:
         GgufError: the config is not a Llama one, or its vocabulary size differs from ``vocab_gguf``'s.
     """
     import numpy as np
+    import torch
     from gguf import GGUFReader, GGUFWriter, LlamaFileType
+
+    from kvchat.model.weights import CheckpointReader
+    from kvchat.safetensors_file import SAFETENSORS_DTYPES
 
     cfg = json.loads((checkpoint / "config.json").read_text())
     if cfg.get("model_type") != "llama":
@@ -124,23 +130,25 @@ def write_gguf(checkpoint: Path, out: Path, vocab_gguf: Path) -> int:
     for key, field in vocab.fields.items():
         if key.startswith("tokenizer."):
             w.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
-    order = []
-    for name, f in _tensors(checkpoint):
-        sl = f.get_slice(name)
-        dtype = np.float32 if len(sl.get_shape()) == 1 else np.float16
-        shape = tuple(sl.get_shape())
-        w.add_tensor_info(_gguf_name(name), shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        order.append(name)
+    entries = _tensors(checkpoint)
+    for e in entries:
+        dtype = np.float32 if len(e.shape) == 1 else np.float16
+        w.add_tensor_info(_gguf_name(e.name), e.shape, np.dtype(dtype), int(np.prod(e.shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    wanted = iter(order)
-    for name, f in _tensors(checkpoint):
-        assert name == next(wanted)  # the same files in the same order as the pass above
-        t = f.get_tensor(name).float().numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            t = rope_permute(t, heads if "q_proj" in name else kv_heads)
-        w.write_tensor_data(t.astype(np.float32 if t.ndim == 1 else np.float16))
+    reader = CheckpointReader(checkpoint)  # plain reads: a memory map would keep every page read resident
+    try:
+        for e in entries:
+            t = torch.empty(e.shape, dtype=SAFETENSORS_DTYPES[e.dtype])
+            reader.read_into(e.name, t)
+            t = t.float().numpy()
+            if e.name.endswith(("q_proj.weight", "k_proj.weight")):
+                t = rope_permute(t, heads if "q_proj" in e.name else kv_heads)
+            w.write_tensor_data(t.astype(np.float32 if t.ndim == 1 else np.float16))
+            del t
+    finally:
+        reader.close()
     w.close()
     return out.stat().st_size
 
@@ -161,10 +169,15 @@ def quantize_gguf(src: Path, dst: Path, threads: int, kind: str = QUANT_TYPE) ->
         raise GgufError(f"llama_model_quantize {src} -> {kind} failed ({rc})")
 
 
-def shape_model(shape: str, cache: Path, vocab_gguf: Path, tokenizer_dir: Path, threads: int) -> tuple[Path, Path]:
+def shape_model(shape: str, cache: Path, vocab_gguf: Path | None, tokenizer_dir: Path,
+                threads: int) -> tuple[Path, Path | None]:
     """The random-weight model of ``--shape`` ``shape`` in ``cache/<shape>/`` (written once; a later call
-    reuses it): returns (kvchat checkpoint dir, quantized GGUF). ``vocab_gguf`` and ``tokenizer_dir``: the
-    default model's GGUF and model dir (vocabulary and tokenizer files).
+    reuses it): returns (kvchat checkpoint dir, quantized GGUF or None). ``vocab_gguf``: the default model's GGUF
+    (its vocabulary), None for the checkpoint alone (``bench peers --skip-llama``: no GGUF written, none
+    returned); ``tokenizer_dir``: the default model's dir (tokenizer files).
+
+    Disk: the checkpoint (2 bytes a weight), then the f16 GGUF beside it (2 bytes a weight) while llama.cpp
+    quantizes it (~0.6), the f16 file deleted at once: an 8B shape peaks at ~35 GB and keeps ~20 GB.
 
     Raises:
         GgufError: ``shape`` is not a :data:`PEER_SHAPES` name, or writing failed;
@@ -176,13 +189,20 @@ def shape_model(shape: str, cache: Path, vocab_gguf: Path, tokenizer_dir: Path, 
         raise GgufError(f"--shape {shape!r}: one of {', '.join(PEER_SHAPES)}")
     root = cache / shape
     model, f16, quant = root / PEER_SHAPES[shape], root / "f16.gguf", root / f"{QUANT_TYPE}.gguf"
-    if (root / _DONE).is_file():
-        return model, quant
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    write_checkpoint(model, PEER_SHAPES[shape], tokenizer_from=tokenizer_dir)
-    write_gguf(model, f16, vocab_gguf)
-    quantize_gguf(f16, quant, threads)
-    f16.unlink()  # only the quantized file runs; f16 is 2 bytes a weight
-    (root / _DONE).write_text(json.dumps({"shape": PEER_SHAPES[shape], "gguf": quant.name}))
+    if not (root / _DONE).is_file() and not (root / _CHECKPOINT_DONE).is_file():
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        write_checkpoint(model, PEER_SHAPES[shape], tokenizer_from=tokenizer_dir)
+        (root / _CHECKPOINT_DONE).write_text(json.dumps({"shape": PEER_SHAPES[shape]}))
+    if vocab_gguf is None:
+        return model, None
+    if not (root / _DONE).is_file():
+        for part in (f16, quant):
+            part.unlink(missing_ok=True)
+        try:
+            write_gguf(model, f16, vocab_gguf)
+            quantize_gguf(f16, quant, threads)
+        finally:
+            f16.unlink(missing_ok=True)  # only the quantized file runs; f16 is 2 bytes a weight
+        (root / _DONE).write_text(json.dumps({"shape": PEER_SHAPES[shape], "gguf": quant.name}))
     return model, quant

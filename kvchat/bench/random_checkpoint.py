@@ -12,6 +12,7 @@ which loading and memory figures do not care about.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,10 @@ SHAPES = {  # name -> LlamaConfig fields
     # ~66M parameters, 0.13 GB in bf16: the load-memory test
     "test": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
+    # ~183M parameters, 0.37 GB in bf16, 0.73 GB in fp32, most of it in the layers: the quantized load's peak-memory
+    # test
+    "peak-test": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=False),
     # a few hundred KB: warms a process's imports before a measured load
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False),
@@ -90,33 +95,43 @@ def write_checkpoint(out: Path, shape: str, *, dtype: torch.dtype = torch.bfloat
     ``tokenizer_from``: a model dir whose tokenizer files (those of :data:`TOKENIZER_FILES` it has) are
     copied (the shape's vocabulary must be its size), else the word-level tokenizer.
 
-    Norm weights are 1 (as a trained model's are near 1); every other tensor N(0, 0.02) in ``dtype``.
-    Shards of at most ``shard_bytes`` with a ``model.safetensors.index.json`` when there is more than one.
+    Norm weights are 1 (as a trained model's are near 1); every other tensor N(0, 0.02) in ``dtype``, drawn in
+    :func:`tensor_shapes`' order from one generator seeded with ``seed``. Shards of at most ``shard_bytes``
+    (tensors in that order, a new shard where the next would pass the limit) with a
+    ``model.safetensors.index.json`` when there is more than one. Each tensor is written to its place as it is
+    drawn (:class:`kvchat.safetensors_file.StreamingWriter`, the files ``save_file`` would write), so host
+    memory holds one tensor (in fp32 while drawn), whatever the model's size.
     """
-    from safetensors.torch import save_file
+    from kvchat.safetensors_file import StreamingWriter
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(shape, max_position)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    shapes = tensor_shapes(cfg)
+    shards = shard_plan(shapes, dtype.itemsize, shard_bytes)
+    files = ["model.safetensors"] if len(shards) == 1 else [f"shard-{i + 1:05d}.safetensors" for i in range(len(shards))]
+    writers = {}
+    for file, names in zip(files, shards):
+        w = StreamingWriter(out / file, {n: (dtype, shapes[n]) for n in names}, {"format": "pt"})
+        writers |= {n: w for n in names}
     gen = torch.Generator(device).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
     total = 0
-    for name, shp in tensor_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shp, dtype=dtype)
-        else:
-            t = (torch.randn(shp, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype).cpu()
-        nbytes = t.numel() * t.element_size()
-        if size and size + nbytes > shard_bytes:
-            _save_shard(out, shards, save_file)
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-        total += nbytes
-    _save_shard(out, shards, save_file, last=True)
+    try:
+        for name, shp in shapes.items():
+            if name.endswith("norm.weight"):
+                t = torch.ones(shp, dtype=dtype)
+            else:
+                t = (torch.randn(shp, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype).cpu()
+            writers[name].write(name, t)
+            total += t.numel() * t.element_size()
+            del t
+    finally:
+        for w in set(writers.values()):
+            w.close()
+    if len(shards) > 1:
+        weight_map = {name: file for file, names in zip(files, shards) for name in names}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     if tokenizer_from is None:
         _write_tokenizer(out)
     else:
@@ -126,18 +141,19 @@ def write_checkpoint(out: Path, shape: str, *, dtype: torch.dtype = torch.bfloat
     return total
 
 
-def _save_shard(out: Path, shards: list[dict], save_file, last: bool = False) -> None:
-    """Write ``shards[-1]`` (then drop its tensors); at the end, name the files and write the index."""
-    i = len(shards)
-    save_file(shards[-1], str(out / f"shard-{i:05d}.safetensors"), metadata={"format": "pt"})
-    shards[-1] = {name: None for name in shards[-1]}
-    if not last:
-        return
-    if len(shards) == 1:
-        (out / "shard-00001.safetensors").rename(out / "model.safetensors")
-        return
-    weight_map = {name: f"shard-{j + 1:05d}.safetensors" for j, shard in enumerate(shards) for name in shard}
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+def shard_plan(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int) -> list[list[str]]:
+    """The tensors of each shard, in ``shapes``' order: a new shard starts where the next tensor would take the
+    current one past ``shard_bytes`` (a tensor larger than that gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shp in shapes.items():
+        nbytes = math.prod(shp) * itemsize
+        if size and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
 
 
 def _write_tokenizer(out: Path) -> None:

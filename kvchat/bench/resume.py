@@ -153,8 +153,9 @@ def _session(rt, spec: dict, persist=None):
     return Session(rt.engine, rt.chat_format(spec["settings"]), list(spec["ids"]), segments, persist)
 
 
-def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
-    """Cold prefill of the whole chat; with ``save``, also snapshot it and time the question in memory."""
+def _child_build(rt, spec_path: Path, n_tokens: int, save: bool, decode_tokens: int = 0) -> dict:
+    """Cold prefill of the whole chat; with ``save``, also snapshot it and time the question in memory (its answer
+    ``1 + decode_tokens`` tokens long: :func:`_cold_and_in_memory`)."""
     from kvchat.engine.loop import EngineLoop
     from kvchat.texts import stdlib_text
 
@@ -169,13 +170,15 @@ def _child_build(rt, spec_path: Path, n_tokens: int, save: bool) -> dict:
     session = _session(rt, spec)
     loop = EngineLoop(rt.engine, thread=False, snapshots=False)  # the snapshot's store lives only for its save
     try:
-        return _cold_and_in_memory(rt, loop, session, spec, n_tokens, save)
+        return _cold_and_in_memory(rt, loop, session, spec, n_tokens, save, decode_tokens)
     finally:
         loop.close()
 
 
-def _cold_and_in_memory(rt, loop, session, spec: dict, n_tokens: int, save: bool) -> dict:
-    """The cold prefill of ``session`` on ``loop`` and, with ``save``, its snapshot and an in-memory question."""
+def _cold_and_in_memory(rt, loop, session, spec: dict, n_tokens: int, save: bool, decode_tokens: int = 0) -> dict:
+    """The cold prefill of ``session`` on ``loop`` and, with ``save``, its snapshot and an in-memory question,
+    answered with ``1 + decode_tokens`` greedy tokens (``decode_tok_s``: the tokens after the first ÷ their time,
+    at this chat's context; the snapshot is written before the question, so the answer never reaches it)."""
     import torch
 
     from kvchat.engine.kv_pool import KVCacheSpec
@@ -197,7 +200,7 @@ def _cold_and_in_memory(rt, loop, session, spec: dict, n_tokens: int, save: bool
         raise BenchResumeError(persist.errors[0])
     rows = find_chain(get_db(), persist.fingerprint, spec["ids"])
     session.persist = None
-    loop.run(session.turn(QUESTION, SamplingParams(max_tokens=1)))
+    loop.run(session.turn(QUESTION, SamplingParams(max_tokens=1 + decode_tokens)))
     kv = rt.engine.spec
     f16 = KVCacheSpec(kv.num_layers, kv.num_kv_heads, kv.head_dim, "fp16")
     out.update({
@@ -207,6 +210,8 @@ def _cold_and_in_memory(rt, loop, session, spec: dict, n_tokens: int, save: bool
         "f16_bytes": f16.bytes_per_token * n_tokens, "model": rt.info.name, "kv_dtype": rt.engine.spec.kv_dtype,
         "scale_scheme": rt.engine.scale_scheme, "device": str(rt.engine.device),
         "weights": rt.engine.weight_format, "threads": torch.get_num_threads(),
+        "decode_tokens": session.last_turn.stats.new_tokens - 1,
+        "decode_tok_s": session.last_turn.stats.decode_tokens_per_s or None,
     })
     return out
 
@@ -235,16 +240,25 @@ def _child_resume(rt, spec_path: Path, mode: str) -> dict:
 
 
 def child_main(argv: list[str]) -> int:
-    """Entry of a benchmark child: ``ROLE SPEC_PATH N MODE MODEL KV_DTYPE THREADS``; prints one JSON line."""
-    role, spec_path, n, mode, model, kv_dtype, threads = argv
+    """Entry of a benchmark child: ``ROLE SPEC_PATH N MODE MODEL KV_DTYPE THREADS DECODE_TOKENS``; prints one JSON
+    line, with ``load_ms`` (:func:`kvchat.runtime.load_runtime`, wall clock) and ``peak_rss_bytes`` (the
+    process's peak resident set: load, chat and all, :func:`kvchat.bench.run_info.peak_rss_bytes`)."""
+    import time
+
+    from kvchat.bench.run_info import peak_rss_bytes
+
+    role, spec_path, n, mode, model, kv_dtype, threads, decode_tokens = argv
     from kvchat.runtime import load_runtime, set_threads
 
     set_threads(int(threads) or None)
+    t0 = time.perf_counter()
     rt = load_runtime(model or None, kv_dtype)
+    load_ms = (time.perf_counter() - t0) * 1e3
     if role == "build":
-        out = _child_build(rt, Path(spec_path), int(n), mode == "save")
+        out = _child_build(rt, Path(spec_path), int(n), mode == "save", int(decode_tokens))
     else:
         out = _child_resume(rt, Path(spec_path), mode)
+    out |= {"load_ms": load_ms, "peak_rss_bytes": peak_rss_bytes()}
     print(json.dumps(out))
     return 0
 
@@ -252,7 +266,7 @@ def child_main(argv: list[str]) -> int:
 def _run_child(home: Path, role: str, spec: Path, n: int, mode: str, args: argparse.Namespace) -> dict:
     env = {**os.environ, "KVCHAT_HOME": str(home)}
     argv = [*PYTHON, "-m", "kvchat.bench.resume", role, str(spec), str(n), mode, args.model or "",
-            args.kv_dtype, str(args.threads or 0)]
+            args.kv_dtype, str(args.threads or 0), str(getattr(args, "decode_tokens", 0))]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
@@ -314,7 +328,11 @@ def summarise(run: dict, disk: dict) -> dict:
             "resident_before": [r["resident_before"] for r in rs],
         }
     nbytes = first["snapshot_bytes"]
+    children = [*run["builds"], *(r for rs in run["resumes"].values() for r in rs)]
     out.update({
+        "load_ms": Spread.of([c["load_ms"] for c in children]).as_dict(0),
+        "peak_rss_bytes": max(c["peak_rss_bytes"] for c in children),
+        "peak_rss_bytes_chat": first["peak_rss_bytes"], "decode_tok_s": first.get("decode_tok_s"),
         "snapshot_bytes": nbytes, "snapshot_files": first["snapshot_files"], "bytes_per_token": nbytes / n,
         "vs_f16": nbytes / first["f16_bytes"], "ttft_in_memory_ms": first["ttft_in_memory_ms"],
         "question_tokens": first["question_tokens"],
@@ -339,6 +357,18 @@ def _table(summaries: list[dict]) -> str:
             f"{s['page_cache_floor_ms']:.1f} / {s['disk_floor_ms']:.1f}",
         ))
     return format_table(rows)
+
+
+def process_line(summary: dict) -> str:
+    """One line of what a chat length's fresh processes took: model load (ms), peak resident set (the chat's
+    process and the largest of all), and the decode rate of the in-memory answer when it had more than a token."""
+    load = summary["load_ms"]
+    line = (f"{summary['tokens']} tokens: load {load['median']:.0f} ms ({load['min']:.0f}-{load['max']:.0f}), peak RSS "
+            f"{summary['peak_rss_bytes_chat'] / 2**30:.2f} GiB (chat process), {summary['peak_rss_bytes'] / 2**30:.2f} "
+            "GiB (largest process)")
+    if summary.get("decode_tok_s"):
+        line += f", decode {summary['decode_tok_s']:.2f} tok/s after the question"
+    return line
 
 
 def dropped_restore_verdicts(summaries: list[dict]) -> list[str]:
@@ -419,6 +449,7 @@ def format_report(result: dict) -> str:
     lines.append(f"disk: sequential read {disk['cold_bytes_per_s']['median'] / 1e9:.2f} GB/s cache dropped, "
                  f"{disk['hot_bytes_per_s']['median'] / 1e9:.2f} GB/s from the page cache ({BANDWIDTH_FILE_BYTES >> 20} MiB file)")
     lines.append(_table(summaries))
+    lines += [process_line(s) for s in summaries]
     ref = LLAMA_CPP_REFERENCE
     lines.append(f"llama.cpp reference (not this run): {ref['tokens']} tokens, {ref['state_bytes'] / 1e6:.0f} MB f16 state, "
                  f"{ref['resume_plus_question_ms']:.0f} ms resume + {ref['question_tokens']}-token question, "

@@ -72,6 +72,19 @@ def threads_in_use() -> int | None:
     return torch.get_num_threads() if torch is not None else None
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set since it started (or since ``/proc/self/clear_refs`` was given ``5``), in
+    bytes: ``VmHWM`` of ``/proc/self/status`` (Linux; None elsewhere). Not ``getrusage``'s ``ru_maxrss``, which
+    Linux carries over an ``exec``: a child spawned by a large process would report its parent's size."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def run_info(*, threads: int | None = None, quick: bool = False) -> dict:
     """The metadata block of a benchmark JSON.
 

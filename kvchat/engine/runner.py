@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -36,10 +36,10 @@ from kvchat.kernels.cpu_int8 import small_rows_kernel
 from kvchat.kernels.warmup import warm_up
 from kvchat.model.compiled_decode import compiled_decode
 from kvchat.model.config import ModelConfig
-from kvchat.model.int4_scheme import INT4_SCHEME
-from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, stored_scheme
-from kvchat.model.quant import Int8GroupLinear, quantize_linears, quantized_path
-from kvchat.model.transformer import AttnMetadata, build_model
+from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS
+from kvchat.model.quant import Int8GroupLinear, quantized_path, weight_scheme
+from kvchat.model.quantized_load import QuantizingLoad
+from kvchat.model.transformer import AttnMetadata, Block, build_model
 from kvchat.model.weights import weight_reader
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # KVCHAT_DTYPE / --dtype names
@@ -115,8 +115,9 @@ class Engine:
     ``weights``: a ``{name: tensor}`` mapping or a :mod:`kvchat.model.weights` reader (streamed into
     a model built on the meta device, :func:`kvchat.model.transformer.build_model`). ``dtype``: the
     compute dtype name (None: ``KVCHAT_DTYPE``). ``calibration``: a :class:`KVCalibration`, or a callable
-    given the engine once its model is loaded (before its pool exists) that returns one
-    (:func:`kvchat.runtime.ensure_calibration` computes it on this engine's weights).
+    given the engine while its model loads (before its pool exists) that returns one
+    (:func:`kvchat.runtime.ensure_calibration` computes it on this engine's unquantized weights,
+    :meth:`unquantized_layers`).
 
     Raises:
         kvchat.settings.SettingError: a bad ``KVCHAT_DEVICE`` (used when ``device`` is None),
@@ -144,8 +145,8 @@ class Engine:
         int8_prefill: str | None = None,
     ):
         """``weight_format``: ``fp32|bf16|int8|int4`` (:data:`kvchat.engine.cache_identity.WEIGHT_FORMATS`; int8
-        and int4: the loaded linear layers quantized by :func:`kvchat.model.quant.quantize_linears`, stored per
-        model);
+        and int4: the linear layers loaded one at a time and quantized, or read quantized from the model's stored
+        file, by :class:`kvchat.model.quantized_load.QuantizingLoad`, never the fp32 model whole);
         None: unquantized, bf16 where :func:`compute_dtype`'s ``auto`` or ``dtype`` says bf16, else fp32.
         ``progress``: the start's steps that take long, as ``(text, done, total)`` (on a GPU's first start:
         compiling the Triton kernels, :func:`kvchat.kernels.warmup.warm_up`).
@@ -176,18 +177,27 @@ class Engine:
             raise ValueError(f"{self.weight_format} weights compute in fp32 (int8: bf16 only at torch's int8 kernel's "
                              f"input, where it runs); drop --dtype {dtype_name}")
         timer = DeviceTimer(self.device).start()
-        self.model = model = build_model(cfg, weights, self.device, self.dtype)
-        weights.close()
         self.spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         fp8 = kv_dtype == "fp8"
-        if callable(calibration):  # on the weights as loaded, before any quantization: one calibration per model
-            calibration = calibration(self) if fp8 else None
         # the int8 kernel, chosen once: it decides the layers' scheme and the fingerprint's name alike
         self.int8_kernel = small_rows_kernel() if self.weight_format == "int8" else None
-        if self.int8_kernel is not None:
-            quantize_linears(model, quantized_path(model_fingerprint, stored_scheme(self.int8_kernel)), self.int8_kernel)
-        elif self.weight_format == "int4":
-            quantize_linears(model, quantized_path(model_fingerprint, INT4_SCHEME), bits=4)
+        self._unquantized: Iterator[Block] | None = None
+        if self.weight_format in ("int8", "int4"):  # layer by layer, never the fp32 model whole
+            bits = 4 if self.weight_format == "int4" else 8
+            _, scheme = weight_scheme(bits, self.int8_kernel)
+            load = QuantizingLoad(cfg, weights, self.device, bits, self.int8_kernel,
+                                  quantized_path(model_fingerprint, scheme))
+            self.model = load.model
+            if callable(calibration):  # on the unquantized weights, each layer quantized once it has run
+                self._unquantized = load.unquantized_layers()
+                calibration = calibration(self) if fp8 else None
+                self._unquantized = None
+            self.model = model = load.finish()
+        else:
+            self.model = model = build_model(cfg, weights, self.device, self.dtype)
+            if callable(calibration):  # one calibration per model, on its weights as loaded
+                calibration = calibration(self) if fp8 else None
+        weights.close()
         self.int8_prefill = self.device.type == "cpu" and int8_prefill_enabled(
             int8_prefill or settings.int8_prefill(), self.int8_kernel)
         if self.int8_prefill:
@@ -240,6 +250,13 @@ class Engine:
         self.decode_graphs = DecodeGraphs(self.paged_decode_step) if self.plan.cuda_graphs else None  # None: eager
         self.load_ms = timer.stop()
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
+
+    def unquantized_layers(self) -> Iterator[Block]:
+        """The decoder layers in order with their weights as loaded, before any quantization: what a calibration
+        runs through (:func:`kvchat.engine.scratch.calibrate_k_mean`). The model's own layers, except while an
+        int8 or int4 engine is loading, when each comes with its fp32 weights and is quantized once the caller
+        moves on to the next (:meth:`kvchat.model.quantized_load.QuantizingLoad.unquantized_layers`)."""
+        return self._unquantized if self._unquantized is not None else iter(self.model.layers)
 
     @property
     def decode_on_pool(self) -> bool:

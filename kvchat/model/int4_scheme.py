@@ -14,7 +14,7 @@ from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, COMPILED_LAYER_V
 
 INT4_VERSION = 1
 # how the weights are quantized: the stored file's metadata (its own file beside the model) and the fingerprint's;
-# head8: the LM head in the int8 groups scheme (kvchat.model.quant._kind says why)
+# head8: the LM head in the int8 groups scheme (kvchat.model.quant.layer_kind says why)
 INT4_SCHEME = f"int4-affine-g32-f16-head8-v{INT4_VERSION}"
 # how the int4 layers compute: int8 activations per group of 32 on integer dot products, the int4 kernel up to
 # GROUPS_KERNEL_MAX_ROWS rows, the int8 x int8 kernel above

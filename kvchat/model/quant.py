@@ -48,7 +48,7 @@ SmolLM2: int8mm 2.7 s, dequantize + fp32 2.1 s, fp32 weights 1.8 s at
 :mod:`kvchat.kernels.cpu_int4` builds): per output channel and 32 inputs an fp16 ``scale = (max - min) / 15``
 and an fp16 ``minimum = min``, ``q = round((w - minimum) / scale)`` in ``[0, 15]``, two per byte: GGUF's Q4_1
 block (20 bytes per 32 weights, 0.625 bytes per parameter against int8 groups' 1.25); the LM head stays int8
-groups (:func:`_kind` says why). Every row count quantizes the activations to int8 per group of 32 and
+groups (:func:`layer_kind` says why). Every row count quantizes the activations to int8 per group of 32 and
 multiplies on integer dot products: up to ``GROUPS_KERNEL_MAX_ROWS`` rows (decode, a question after a resume)
 the int4 kernel (:mod:`kvchat.kernels.cpu_int4`, llama.cpp's Q4_1 x Q8_1 dot product), more rows (512-token
 prefill chunks) the integer prefill kernel of int8 groups (:mod:`kvchat.kernels.cpu_int8_int8`) on the nibbles
@@ -57,7 +57,8 @@ unpacked to one byte each, with Q8_1's block sums (the int4 kernel's formula in 
 (docs/performance.md, "4-bit weights", where their cost in perplexity is measured too).
 
 The tensors live in ``models_dir()/.weights/<model fingerprint>.<scheme>.safetensors``
-(:func:`quantized_path`; written atomically on first use, read on every later load).
+(:func:`quantized_path`; written atomically on first use, read on every later load). A model is loaded with
+them layer by layer, never whole in fp32: :mod:`kvchat.model.quantized_load`.
 """
 
 from __future__ import annotations
@@ -70,11 +71,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat.kernels import cpu_int4, cpu_int8, cpu_int8_int8
-from kvchat.load_steps import step
 from kvchat.model.int4_scheme import INT4_SCHEME
 from kvchat.model.int8_scheme import GROUP_SIZES, GROUPS_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS, stored_scheme
 from kvchat.paths import models_dir
-from kvchat.safetensors_file import save_atomic
 
 WEIGHTS_DIR = ".weights"
 QMAX = 127
@@ -317,11 +316,12 @@ class Int4GroupLinear(_Int8Layer):
                                               self.minimum.float(), block_sums=True)
 
 
-QUANTIZED_LAYERS = (Int8Linear, Int8GroupLinear, Int4GroupLinear)  # the module types quantize_linears puts in
+QUANTIZED_LAYERS = (Int8Linear, Int8GroupLinear, Int4GroupLinear)  # the module types a quantized load puts in
 
 
-def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
-    """``(qualified name, parent, attribute, module)`` of every :class:`kvchat.model.transformer.Linear`, in module order."""
+def linear_modules(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """``(qualified name, parent, attribute, module)`` of every :class:`kvchat.model.transformer.Linear`, in module
+    order (on the ``meta`` device too)."""
     from kvchat.model.transformer import Linear
 
     out = []
@@ -332,44 +332,24 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     return out
 
 
-def load_stored(path: Path, scheme: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor] | None:
-    """The stored tensors at ``path`` (``{tensor name: tensor}``), or None when absent, unreadable, of another
-    ``scheme``, or not exactly ``shapes`` (``{tensor name: (shape, dtype)}``; floating tensors finite)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("scheme") != scheme or set(f.keys()) != set(shapes):
-                return None
-            # copies: a tensor read from the file can start at any byte (56 mod 64 seen here), and the int8
-            # kernel crashes (SIGSEGV) on a weight that is not aligned the way torch's allocator aligns it
-            out = {n: f.get_tensor(n).clone() for n in shapes}
-    except (OSError, SafetensorError):
-        return None
-    for n, t in out.items():
-        shape, dtype = shapes[n]
-        if t.dtype != dtype or tuple(t.shape) != shape or (t.is_floating_point() and not bool(t.isfinite().all())):
-            return None
-    return out
-
-
 # how a layer is stored: int8 groups of 32 (Int8GroupLinear), int8 per channel (Int8Linear), int4 groups of 32
 # (Int4GroupLinear); each kind's tensors' suffixes, in its constructor's order
 KINDS = {"groups": (".q", ".scale", ".offset"), "channel": (".q", ".scale"), "int4": (".packed", ".scale", ".minimum")}
 
 
-def _quantized(name: str, lin: nn.Module, kind: str) -> dict[str, torch.Tensor]:
-    """``lin``'s tensors under ``name`` in the :data:`KINDS` scheme ``kind``."""
+def quantize_weight(name: str, weight: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    """The stored tensors (``{name + suffix: tensor}``, :data:`KINDS`) of the layer ``name`` whose weight is
+    ``weight`` ``[out, in]`` (fp32 as loaded), quantized in the :data:`KINDS` scheme ``kind``."""
     if kind == "int4":
-        parts = quantize_int4_groups(lin.weight)
+        parts = quantize_int4_groups(weight)
     elif kind == "groups":
-        parts = quantize_int8_groups(lin.weight)
+        parts = quantize_int8_groups(weight)
     else:
-        parts = quantize_int8(lin.weight, group_size(name, lin.weight.shape[1]))
+        parts = quantize_int8(weight, group_size(name, weight.shape[1]))
     return {name + suffix: t for suffix, t in zip(KINDS[kind], parts)}
 
 
-def _shapes(name: str, out_features: int, in_features: int, kind: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def stored_shapes(name: str, out_features: int, in_features: int, kind: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The stored tensors of a layer of ``kind``: ``{tensor name: (shape, dtype)}``."""
     g = in_features // cpu_int8.GROUP
     if kind == "int4":
@@ -386,10 +366,16 @@ def _shapes(name: str, out_features: int, in_features: int, kind: str) -> dict[s
 LAYER_TYPES = {"groups": Int8GroupLinear, "channel": Int8Linear, "int4": Int4GroupLinear}
 
 
+def quantized_layer(name: str, kind: str, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None) -> nn.Module:
+    """The :data:`LAYER_TYPES` layer of ``kind`` over ``tensors`` (``{name + suffix: tensor}`` of
+    :func:`quantize_weight` or the stored file) and ``bias`` (float ``[out]`` or None)."""
+    return LAYER_TYPES[kind](*(tensors[name + suffix] for suffix in KINDS[kind]), bias)
+
+
 HEAD = "lm_head"  # the LM head's name among the model's linear layers
 
 
-def _kind(name: str, in_features: int, kernel: str, bits: int) -> str | None:
+def layer_kind(name: str, in_features: int, kernel: str, bits: int) -> str | None:
     """The :data:`KINDS` scheme of the layer ``name`` with ``in_features`` inputs (None: it keeps its fp32
     weight). With ``bits`` 4 the LM head is int8 groups, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits:
     SmolLM2's head is its tied embedding, which the imported GGUF holds finer than Q4_1 (~29 distinct values per
@@ -402,57 +388,27 @@ def _kind(name: str, in_features: int, kernel: str, bits: int) -> str | None:
     return "groups" if kernel == "avx2" and splits else "channel"
 
 
-def quantize_linears(model: nn.Module, path: Path | None, kernel: str | None = None, bits: int = 8) -> bool:
-    """Replace every :class:`kvchat.model.transformer.Linear` of ``model`` (loaded) by a quantized layer.
+def weight_scheme(bits: int, kernel: str | None = None) -> tuple[str, str]:
+    """``(kernel, stored scheme)`` of ``bits``-bit weights. ``bits`` 8: ``kernel``, a
+    :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name (None: :func:`kvchat.kernels.cpu_int8.small_rows_kernel`,
+    the one the engine's fingerprint names): ``avx2`` gives :class:`Int8GroupLinear` layers (a layer whose inputs
+    do not split into groups of 32 keeps the per-channel scheme), ``int8mm`` :class:`Int8Linear` ones. ``bits`` 4
+    (``kernel`` unused, returned as ``int4``): :class:`Int4GroupLinear` layers, the LM head an
+    :class:`Int8GroupLinear` (a layer whose inputs do not split into groups of 32 keeps its fp32 weight).
 
-    ``bits`` 8: ``kernel``, a :data:`kvchat.model.int8_scheme.SMALL_ROWS_KERNELS` name (None:
-    :func:`kvchat.kernels.cpu_int8.small_rows_kernel`, the one the engine's fingerprint names): ``avx2``
-    gives :class:`Int8GroupLinear` layers (a layer whose inputs do not split into groups of 32 keeps the
-    per-channel scheme), ``int8mm`` :class:`Int8Linear` ones. ``bits`` 4 (``kernel`` unused):
-    :class:`Int4GroupLinear` layers, the LM head an :class:`Int8GroupLinear` (a layer whose inputs do not split
-    into groups of 32 keeps its fp32 weight). The tensors are read from ``path`` when it holds this scheme for
-    exactly these layers; otherwise they are quantized and written there (atomically; with a read-only models
-    dir they are quantized again on the next load). ``path`` None: quantize, store nothing.
-
-    Returns:
-        True when the tensors came from ``path``.
     Raises:
         ValueError: ``bits`` is neither 8 nor 4; ``kernel`` is ``avx2`` (or ``bits`` is 4) where the compiled
-            kernel is not available; int4 weights beyond fp16's range (:func:`quantize_int4_groups`).
+            kernel is not available.
     """
     if bits == 4:
         # the head is int8 groups; prefill chunks run the int8 x int8 kernel
         if not (cpu_int4.available() and cpu_int8.available() and cpu_int8_int8.available()):
             raise ValueError("int4 weights need the compiled CPU int4 and int8 kernels, which are not available here "
                              "(a C compiler and AVX2; KVCHAT_CPU_KERNEL not 0)")
-        kernel, scheme = "int4", INT4_SCHEME
-    elif bits == 8:
+        return "int4", INT4_SCHEME
+    if bits == 8:
         kernel = kernel or cpu_int8.small_rows_kernel()
         if kernel == "avx2" and not cpu_int8.available():
             raise ValueError("the groups scheme needs the compiled CPU int8 kernel, which is not available here")
-        scheme = stored_scheme(kernel)
-    else:
-        raise ValueError(f"no {bits}-bit weight scheme; use 8 or 4")
-    found = [(name, parent, attr, m, _kind(name, m.weight.shape[1], kernel, bits)) for name, parent, attr, m in _linears(model)]
-    found = [f for f in found if f[4] is not None]
-    shapes = {}
-    for name, _, _, m, kind in found:
-        shapes.update(_shapes(name, *m.weight.shape, kind))
-    stored = load_stored(path, scheme, shapes) if path is not None else None
-    if stored is None:
-        step(f"quantizing {len(found)} weight matrices to int{bits}" + (" (once per model)" if path is not None else ""),
-             first_time=path is not None)
-    tensors = {}
-    for name, parent, attr, lin, kind in found:
-        t = stored if stored is not None else _quantized(name, lin, kind)
-        dev = lin.weight.device
-        bias = lin.bias.detach() if lin.bias is not None else None
-        parts = [t[name + suffix].to(dev) for suffix in KINDS[kind]]
-        setattr(parent, attr, LAYER_TYPES[kind](*parts, bias))
-        tensors.update({name + suffix: t[name + suffix].cpu() for suffix in KINDS[kind]})
-    if stored is None and path is not None:
-        try:
-            save_atomic(tensors, path, {"scheme": scheme})
-        except OSError:
-            pass  # a read-only models dir: quantized again on the next load (a second or so)
-    return stored is not None
+        return kernel, stored_scheme(kernel)
+    raise ValueError(f"no {bits}-bit weight scheme; use 8 or 4")

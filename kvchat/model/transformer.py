@@ -119,6 +119,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # known with a shared (tied) weight too
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
@@ -318,7 +319,7 @@ class Transformer(nn.Module):
         return head(hidden).float()
 
     def load_hf_state_dict(self, sd) -> None:
-        """Fill every parameter from Hugging Face-named weights, fusing q/k/v and gate/up.
+        """Fill every parameter from Hugging Face-named weights, fusing q/k/v and gate/up (:func:`hf_sources`).
 
         ``sd``: a ``{name: tensor}`` mapping or a :mod:`kvchat.model.weights` reader
         (tensors streamed one at a time into the parameters, each part of a fused
@@ -330,36 +331,53 @@ class Transformer(nn.Module):
         """
         from kvchat.model.weights import weight_reader
 
-        cfg, src = self.cfg, weight_reader(sd)
-
-        def fill(param: torch.Tensor, *names: str) -> None:
-            row = 0
-            for name in names:
-                rows = src.shape(name)[0]
-                src.read_into(name, param[row : row + rows])
-                row += rows
-
+        src = weight_reader(sd)
+        sources = hf_sources(self.cfg, has_lm_head(self.cfg, src))
         with torch.no_grad():
-            fill(self.embed_tokens, "model.embed_tokens.weight")
-            if "lm_head.weight" in src and not cfg.tie_word_embeddings:
-                fill(self.lm_head.weight, "lm_head.weight")
-            else:
+            for param, names in sources.items():
+                fill_rows(src, self.get_parameter(param), names)
+            if "lm_head.weight" not in sources:
                 self.lm_head.weight = self.embed_tokens
-            fill(self.norm.weight, "model.norm.weight")
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                att = layer.self_attn
-                fill(att.qkv.weight, *(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
-                if cfg.attention_bias:
-                    fill(att.qkv.bias, *(p + f"self_attn.{n}_proj.bias" for n in "qkv"))
-                fill(att.o_proj.weight, p + "self_attn.o_proj.weight")
-                if cfg.qk_norm:
-                    fill(att.q_norm.weight, p + "self_attn.q_norm.weight")
-                    fill(att.k_norm.weight, p + "self_attn.k_norm.weight")
-                fill(layer.mlp.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-                fill(layer.mlp.down_proj.weight, p + "mlp.down_proj.weight")
-                fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
-                fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+
+
+def has_lm_head(cfg: ModelConfig, src) -> bool:
+    """Whether the model reads an ``lm_head.weight`` of its own from ``src`` (a reader or mapping); else its head
+    shares the embedding (tied, or a checkpoint that stores no head)."""
+    return "lm_head.weight" in src and not cfg.tie_word_embeddings
+
+
+def hf_sources(cfg: ModelConfig, lm_head: bool) -> dict[str, tuple[str, ...]]:
+    """Every parameter of a :class:`Transformer` of ``cfg`` (its ``get_parameter`` name) -> the Hugging Face
+    tensors whose rows it holds, in order (q/k/v and gate/up fused), in reading order: the embedding, the head
+    (``lm_head``: it has its own, :func:`has_lm_head`), the final norm, then layer by layer."""
+    out = {"embed_tokens": ("model.embed_tokens.weight",)}
+    if lm_head:
+        out["lm_head.weight"] = ("lm_head.weight",)
+    out["norm.weight"] = ("model.norm.weight",)
+    for i in range(cfg.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        out[q + "self_attn.qkv.weight"] = tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv")
+        if cfg.attention_bias:
+            out[q + "self_attn.qkv.bias"] = tuple(p + f"self_attn.{n}_proj.bias" for n in "qkv")
+        out[q + "self_attn.o_proj.weight"] = (p + "self_attn.o_proj.weight",)
+        if cfg.qk_norm:
+            out[q + "self_attn.q_norm.weight"] = (p + "self_attn.q_norm.weight",)
+            out[q + "self_attn.k_norm.weight"] = (p + "self_attn.k_norm.weight",)
+        out[q + "mlp.gate_up.weight"] = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        out[q + "mlp.down_proj.weight"] = (p + "mlp.down_proj.weight",)
+        out[q + "input_layernorm.weight"] = (p + "input_layernorm.weight",)
+        out[q + "post_attention_layernorm.weight"] = (p + "post_attention_layernorm.weight",)
+    return out
+
+
+def fill_rows(src, param: torch.Tensor, names: tuple[str, ...]) -> None:
+    """Read the tensors ``names`` of ``src`` (a :mod:`kvchat.model.weights` reader) into consecutive row slices of
+    ``param`` (one tensor fills it whole). Raises KeyError for a missing name."""
+    row = 0
+    for name in names:
+        rows = src.shape(name)[0]
+        src.read_into(name, param[row : row + rows])
+        row += rows
 
 
 def build_model(cfg: ModelConfig, weights, device: torch.device, dtype: torch.dtype) -> Transformer:
@@ -379,7 +397,7 @@ def build_model(cfg: ModelConfig, weights, device: torch.device, dtype: torch.dt
     src = weight_reader(weights)
     with torch.device("meta"):
         model = Transformer(cfg)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in src:
+    if not has_lm_head(cfg, src):
         model.lm_head.weight = None  # shares the embedding (load_hf_state_dict): no storage of its own
     model = model.to(dtype).to_empty(device=device)
     model.load_hf_state_dict(src)

@@ -40,16 +40,11 @@ from typing import Callable, Mapping
 import torch
 
 from kvchat.device import release_pinned_cache
-from kvchat.model.fingerprint import TensorEntry, WeightFileError, tensor_entries
+from kvchat.model.fingerprint import TensorEntry, WeightFileError, read_tensor_entries, tensor_entries
+from kvchat.safetensors_file import SAFETENSORS_DTYPES
 
 STAGING_BYTES = 256 * 2**20  # a staging piece at most (a whole row more if one row is larger)
 
-# safetensors dtype names (format spec, "dtype" field) -> torch dtypes; the ones a Llama checkpoint uses
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class CheckpointReader:
@@ -60,12 +55,15 @@ class CheckpointReader:
     """
 
     def __init__(self, model_dir: Path):
-        """Parse every safetensors header of ``model_dir`` (no tensor data is read).
+        """Parse every safetensors header of ``model_dir`` (no tensor data is read); ``model_dir`` may also be one
+        safetensors file (a model's stored quantized weights, :mod:`kvchat.model.quantized_load`).
 
         Raises:
             WeightFileError: no weights, a malformed file, or a dtype this reader does not know.
         """
-        self.entries = {e.name: e for e in tensor_entries(model_dir)}
+        model_dir = Path(model_dir)
+        found = tensor_entries(model_dir) if model_dir.is_dir() else read_tensor_entries(model_dir)
+        self.entries = {e.name: e for e in found}
         for e in self.entries.values():
             if e.dtype not in SAFETENSORS_DTYPES:
                 raise WeightFileError(f"{e.file}: tensor {e.name!r} has dtype {e.dtype}, which kvchat cannot load")
@@ -99,6 +97,12 @@ class CheckpointReader:
         self._fill(e, stored, out)
         if self.on_read is not None:
             self.on_read(e.end - e.begin)
+
+    def skip(self, name: str) -> None:
+        """Count tensor ``name`` as read without reading it (its bytes go to :attr:`on_read`): a layer whose
+        quantized form comes from another file, so that the load's progress still ends at its total."""
+        if self.on_read is not None:
+            self.on_read(self.entries[name].end - self.entries[name].begin)
 
     def _fill(self, e: TensorEntry, stored: torch.dtype, out: torch.Tensor) -> None:
         """:meth:`read_into`'s copy: straight into ``out`` where it is a contiguous CPU tensor of the stored
@@ -184,6 +188,9 @@ class DictReader:
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Copy tensor ``name`` into ``out`` (casting to its dtype). Raises KeyError if absent."""
         out.copy_(self.tensors[name].view(out.shape))
+
+    def skip(self, name: str) -> None:
+        """Nothing to count (:meth:`CheckpointReader.skip`)."""
 
     def close(self) -> None:
         """Nothing to close."""

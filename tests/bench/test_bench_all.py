@@ -99,9 +99,10 @@ def test_resume_curve_plot_from_the_resume_summariser(tmp_path):
     summaries = []
     for n, cold, restore in ((512, 3900.0, 8.0), (2048, 18500.0, 60.0)):
         resumes = {mode: [{"restore_ms": restore * k, "ttft_ms": restore * k + 200, "bytes_read": 12242 * n,
-                           "resident_before": None} for k in (1.0, 1.2)] for mode in ("warm", "dropped")}
+                           "resident_before": None, "load_ms": 900.0, "peak_rss_bytes": 700 << 20}
+                          for k in (1.0, 1.2)] for mode in ("warm", "dropped")}
         build = {"cold_prefill_ms": cold, "snapshot_bytes": 12242 * n, "snapshot_files": 2, "f16_bytes": 23040 * n,
-                 "ttft_in_memory_ms": 150.0, "question_tokens": 15}
+                 "ttft_in_memory_ms": 150.0, "question_tokens": 15, "load_ms": 1500.0, "peak_rss_bytes": 900 << 20}
         summaries.append(summarise({"tokens": n, "builds": [build], "resumes": resumes}, disk))
     res = {"benchmark": "resume", "summary": summaries, "run": {"quick": True}}
     written = write_plots({"resume": res, "startup": {"summary": {}}}, tmp_path)

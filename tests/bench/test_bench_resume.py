@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.bench.page_cache import drop_file_cache, kept_pages_warning, read_file, resident_fraction, write_random_file
-from kvchat.bench.resume import build_conversation, dropped_restore_verdicts, summarise
+from kvchat.bench.resume import build_conversation, dropped_restore_verdicts, process_line, summarise
 from kvchat.model.chat_format import ChatFormat
 from kvchat.texts import stdlib_text
 
@@ -89,11 +89,23 @@ def test_kept_pages_warning_only_when_a_drop_left_pages():
 
 
 def _summary(n: int, dropped_ms: float, disk: dict) -> dict:
-    resumes = {mode: [{"restore_ms": ms, "ttft_ms": ms + 200, "bytes_read": 12242 * n, "resident_before": 0.0}]
+    resumes = {mode: [{"restore_ms": ms, "ttft_ms": ms + 200, "bytes_read": 12242 * n, "resident_before": 0.0,
+                       "load_ms": 900.0, "peak_rss_bytes": 700 << 20}]
                for mode, ms in (("warm", 40.0), ("dropped", dropped_ms))}
     build = {"cold_prefill_ms": 14000.0, "snapshot_bytes": 12242 * n, "snapshot_files": 2, "f16_bytes": 23040 * n,
-             "ttft_in_memory_ms": 150.0, "question_tokens": 15}
+             "ttft_in_memory_ms": 150.0, "question_tokens": 15, "load_ms": 1500.0, "peak_rss_bytes": 900 << 20,
+             "decode_tok_s": 12.5}
     return summarise({"tokens": n, "builds": [build], "resumes": resumes}, disk)
+
+
+def test_summary_carries_every_child_process_load_time_and_the_peak_resident_set():
+    disk = {"cold_bytes_per_s": {"median": 1e9}, "hot_bytes_per_s": {"median": 3e9}}
+    s = _summary(4096, 50.0, disk)
+    assert s["load_ms"]["samples"] == [1500.0, 900.0, 900.0] and s["load_ms"]["max"] == 1500.0
+    assert s["peak_rss_bytes"] == s["peak_rss_bytes_chat"] == 900 << 20  # the chat's process, the largest here
+    assert s["decode_tok_s"] == 12.5
+    assert process_line(s) == ("4096 tokens: load 900 ms (900-1500), peak RSS 0.88 GiB (chat process), 0.88 GiB "
+                               "(largest process), decode 12.50 tok/s after the question")
 
 
 def test_dropped_restore_verdict_uses_the_floor_measured_in_the_run():

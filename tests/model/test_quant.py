@@ -16,6 +16,7 @@ from kvchat.kernels import cpu_int8
 from kvchat.model import quant
 from kvchat.model.config import ModelConfig
 from kvchat.model.int8_scheme import stored_scheme
+from kvchat.model.quantized_load import QuantizingLoad, open_stored
 from kvchat.model.transformer import Linear
 
 
@@ -120,20 +121,20 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     else:
         assert isinstance(down, quant.Int8Linear) and down.groups == 512 // quant.GROUP_SIZES["down_proj"]
     stamp = path.stat().st_mtime_ns
-    assert quant.quantize_linears(Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu",
-                                         dense_kv=False).model, path)  # read, not quantized again
-    assert path.stat().st_mtime_ns == stamp
+    assert QuantizingLoad(cfg, weights, torch.device("cpu"), 8, kernel, path).from_stored  # read, not quantized again
     reread = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu", weight_format="int8")
+    assert path.stat().st_mtime_ns == stamp
     ids = list(range(1, 20))
     assert torch.equal(prefill(reread, SeqBlocks(), ids).logits, prefill(first, SeqBlocks(), ids).logits)
     # a file of another scheme (or for other layers) is not used: quantized again and replaced
     from safetensors.torch import save_file
 
     save_file({"x.q": torch.zeros(1, dtype=torch.int8)}, str(path), metadata={"scheme": "other"})
-    model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
-    assert not quant.quantize_linears(model, path)
-    assert torch.equal(model.layers[0].mlp.down_proj.q, down.q)
-    assert quant.load_stored(path, "other", {"x.q": ((1,), torch.int8)}) is None and path.stat().st_mtime_ns != stamp
+    assert open_stored(path, "other", {"x.q": ((1,), torch.int8)}) is not None
+    load = QuantizingLoad(cfg, weights, torch.device("cpu"), 8, kernel, path)
+    model = load.finish()
+    assert not load.from_stored and torch.equal(model.layers[0].mlp.down_proj.q, down.q)
+    assert open_stored(path, "other", {"x.q": ((1,), torch.int8)}) is None and path.stat().st_mtime_ns != stamp
     # the engine's layers and its fingerprint name the same kernel (chosen once, Engine.int8_kernel)
     assert first.int8_kernel == kernel
     layers = first.compiled_decode is not None  # short chunks on the compiled decoder layers: named too
@@ -143,15 +144,15 @@ def test_quantized_once_then_read_from_beside_the_model(tmp_path, monkeypatch):
     assert first.cache_fingerprint != CacheIdentity("tiny", "bf16", 16, "int8",
                                                     int8_kernel="int8mm" if kernel == "avx2" else "avx2").fingerprint
     if kernel == "avx2":  # the per-channel scheme has a file of its own: the groups file is left alone
-        model = Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu").model
         stamp = path.stat().st_mtime_ns
         per_channel = quant.quantized_path("tiny", stored_scheme("int8mm"))
-        assert not quant.quantize_linears(model, per_channel, "int8mm") and per_channel.is_file()
+        load = QuantizingLoad(cfg, weights, torch.device("cpu"), 8, "int8mm", per_channel)
+        model = load.finish()
+        assert not load.from_stored and per_channel.is_file()
         assert isinstance(model.layers[0].mlp.down_proj, quant.Int8Linear) and path.stat().st_mtime_ns == stamp
     else:  # the groups scheme is refused where its kernel is not built
         with pytest.raises(ValueError, match="compiled CPU int8 kernel"):
-            quant.quantize_linears(Engine(cfg, weights, "tiny", kv_dtype="bf16", pool_bytes=2**20,
-                                          device="cpu").model, None, "avx2")
+            QuantizingLoad(cfg, weights, torch.device("cpu"), 8, "avx2")
 
 
 def test_weight_format_is_in_the_cache_fingerprint_and_fp32_is_unchanged():

@@ -102,7 +102,7 @@ def test_int4_engine_quantizes_once_then_reads_the_file_and_runs_the_compiled_la
     assert path.is_file() and path.parent.parent == tmp_path
     layers = [m for m in first.model.modules() if isinstance(m, quant.QUANTIZED_LAYERS)]
     assert len(layers) == 2 * 4 + 1 and all(type(m) is quant.Int4GroupLinear for m in layers if m is not first.model.lm_head)
-    assert type(first.model.lm_head) is quant.Int8GroupLinear  # the head stays int8 (quant._kind says why)
+    assert type(first.model.lm_head) is quant.Int8GroupLinear  # the head stays int8 (quant.layer_kind says why)
     assert first.compiled_decode is not None and first.plan.line().startswith("cpu, int4 weights, float32")
     assert first.identity == CacheIdentity("tiny", "bf16", 16, "int4", compiled_layers=True)
     stamp = path.stat().st_mtime_ns
