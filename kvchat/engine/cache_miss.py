@@ -28,7 +28,7 @@ def why_not_restored(db: Database, owner: str, identity: CacheIdentity) -> str:
     compute key and int8 kernel name the cause).
 
     Where part of the chain is stored under ``identity``'s fingerprint and the rest under another, the
-    chain stops where the turns stored under the other begin, and the line names what differs (the
+    chain stops where it meets turns stored under the other (earlier or later), and the line names what differs (the
     weight format, KV dtype, compute dtype or int8 kernel) as it does for a chat stored wholly under it.
     """
     stored = set(owner_fingerprints(db, owner))
@@ -40,7 +40,7 @@ def why_not_restored(db: Database, owner: str, identity: CacheIdentity) -> str:
     others = stored - {identity.fingerprint}
     cause = _other_identity(others, identity) if others else None
     if cause is not None:
-        return f"its snapshot chain stops early: later turns' KV {cause}"
+        return f"its snapshot chain stops early: other turns' KV {cause}"
     if others:
         return ("its snapshot chain stops early (chunks evicted or dropped as corrupt, or later turns stored "
                 "under another model, scale scheme or kvchat version)")

@@ -10,15 +10,20 @@ nibbles above (:class:`kvchat.model.quant.Int4GroupLinear`). A change to the qua
 fingerprint alone): either changes the K/V an int4 engine computes.
 """
 
-from kvchat.model.int8_scheme import COMPILED_LAYER_MAX_TOKENS, COMPILED_LAYER_VERSION, GROUPS_KERNEL_MAX_ROWS
+from kvchat.model.int8_scheme import (
+    COMPILED_LAYER_MAX_TOKENS,
+    COMPILED_LAYER_VERSION,
+    GROUPS_KERNEL_MAX_ROWS,
+    INT8_PREFILL_VERSION,
+)
 
 INT4_VERSION = 1
 # how the weights are quantized: the stored file's metadata (its own file beside the model) and the fingerprint's;
 # head8: the LM head in the int8 groups scheme (kvchat.model.quant.layer_kind says why)
 INT4_SCHEME = f"int4-affine-g32-f16-head8-v{INT4_VERSION}"
 # how the int4 layers compute: int8 activations per group of 32 on integer dot products, the int4 kernel up to
-# GROUPS_KERNEL_MAX_ROWS rows, the int8 x int8 kernel above
-INT4_COMPUTE = f"a8g32x{GROUPS_KERNEL_MAX_ROWS}-i8i8v1"
+# GROUPS_KERNEL_MAX_ROWS rows, the int8 x int8 kernel above (its rounding's version is int8 prefill's)
+INT4_COMPUTE = f"a8g32x{GROUPS_KERNEL_MAX_ROWS}-i8i8v{INT8_PREFILL_VERSION}"
 
 
 def int4_compute_scheme(layers: bool = False) -> str:

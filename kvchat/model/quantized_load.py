@@ -26,6 +26,7 @@ when it is absent.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,7 +49,7 @@ def open_stored(path: Path, scheme: str, shapes: dict[str, tuple[tuple[int, ...]
     """A reader of the stored quantized tensors at ``path``, or None when the file is absent, unreadable, of
     another ``scheme`` (its ``scheme`` metadata), or does not hold exactly ``shapes`` (``{tensor name: (shape,
     dtype)}``). Only the header is read here; each tensor's data is checked as it is read
-    (:meth:`QuantizingLoad._read_stored`)."""
+    (:meth:`QuantizingLoad._read_stored`); offsets that do not span exactly a tensor's bytes refuse the file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -61,6 +62,9 @@ def open_stored(path: Path, scheme: str, shapes: dict[str, tuple[tuple[int, ...]
         for name, entry in header.items():
             shape, dtype = shapes[name]
             if tuple(entry["shape"]) != shape or SAFETENSORS_DTYPES.get(entry["dtype"]) != dtype:
+                return None
+            begin, end = entry["data_offsets"]  # a tensor is read from its begin for its shape's bytes
+            if end - begin != math.prod(shape) * dtype.itemsize:
                 return None
         return CheckpointReader(path)
     except (OSError, HeaderError, WeightFileError, KeyError, TypeError):

@@ -50,7 +50,7 @@ def test_a_chat_stored_with_float_prefill_is_not_restored_with_int8_prefill(tmp_
     same = _ask(kvchat_home, models, "float", "For how long?", "--chat", first["chat_id"])
     # the first turn's K/V come back; the second turn's were stored under the int8 prefill's fingerprint
     assert first["prompt_tokens"] - 16 <= same["from_disk"] < other["context_tokens"]
-    assert same["miss_reason"] == ("its snapshot chain stops early: later turns' KV was computed with int8 "
+    assert same["miss_reason"] == ("its snapshot chain stops early: other turns' KV was computed with int8 "
                                    "activations in prefill; this run uses float (KVCHAT_INT8_PREFILL=int8 restores it)")
 
 

@@ -16,6 +16,7 @@ from kvchat.kernels import cpu_int4, cpu_int8_int8
 from kvchat.model import quant
 from kvchat.model.config import ModelConfig
 from kvchat.model.int4_scheme import INT4_SCHEME, int4_compute_scheme
+from kvchat.model.int8_scheme import INT8_PREFILL_VERSION
 
 needs_kernel = pytest.mark.skipif(not cpu_int4.available(), reason="the compiled CPU int4 kernel does not build here")
 
@@ -138,6 +139,8 @@ def test_int4_is_its_own_cache_identity():
         resolve_weight_format("int4", "cuda")
     assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-head8-v1-a8g32x32-i8i8v1"
     assert weight_scheme("int4", compiled_layers=True) == "int4-affine-g32-f16-head8-v1-a8g32x32-i8i8v1-layer32v2"
+    # int4's prefill chunks run the int8 x int8 kernel: its rounding's version is the one int8 prefill names
+    assert int4_compute_scheme().endswith(f"-i8i8v{INT8_PREFILL_VERSION}")
     int4 = {CacheIdentity("m", "bf16", 16, "int4", compiled_layers=c).fingerprint for c in (False, True)}
     int8 = {CacheIdentity("m", "bf16", 16, "int8", int8_kernel=k, compiled_layers=c).fingerprint
             for k, c in (("avx2", False), ("avx2", True), ("int8mm", False))}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -17,17 +18,18 @@ from kvchat.bench.random_checkpoint import SHAPES, hf_config, write_checkpoint
 from kvchat.engine.calibration import CALIBRATION_TOKENS, make_calibration
 from kvchat.engine.runner import Engine
 from kvchat.engine.scratch import CALIBRATION_CHUNK_TOKENS, calibrate_k_mean, scratch_prefill
-from kvchat.kernels import cpu_int4, cpu_int8
-from kvchat.model import quant
+from kvchat.kernels import cpu_int4, cpu_int8, cpu_int8_int8
+from kvchat.model import quant, quantized_load
 from kvchat.model.config import ModelConfig
 from kvchat.model.transformer import build_model
 from kvchat.model.weights import CheckpointReader
-from kvchat.safetensors_file import save_atomic
+from kvchat.safetensors_file import SAFETENSORS_DTYPES, save_atomic
 
 CPU = torch.device("cpu")
 FORMATS = [pytest.param("int8", id="int8"),
            pytest.param("int4", id="int4", marks=pytest.mark.skipif(
-               not (cpu_int4.available() and cpu_int8.available()), reason="int4 needs the compiled CPU kernels"))]
+               not (cpu_int4.available() and cpu_int8.available() and cpu_int8_int8.available()),
+               reason="int4 needs the compiled CPU kernels"))]
 
 
 def _reference(cfg: ModelConfig, model_dir: Path, weight_format: str, ids: list[int] | None):
@@ -104,6 +106,32 @@ def test_a_stored_file_damaged_part_way_is_quantized_again_whole(tmp_path, monke
         if isinstance(a, quant.QUANTIZED_LAYERS):
             assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert load_file(str(path))[last].isfinite().all()  # rewritten whole
+
+
+def test_a_stored_file_whose_offsets_do_not_span_its_tensors_is_quantized_again(tmp_path, monkeypatch):
+    """A header naming a tensor one byte short (its data would be read from the neighbour's bytes) refuses the
+    file before anything is read, and the next load writes it again whole."""
+    model_dir = tmp_path / "tiny"
+    write_checkpoint(model_dir, "tiny")
+    cfg = ModelConfig.from_hf(hf_config("tiny"))
+    first = _check_same_as_reference(tmp_path, monkeypatch, cfg, model_dir, "tiny", "int8", None)
+    scheme = quant.weight_scheme(8)[1]
+    path = quant.quantized_path("tiny", scheme)
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    shapes = {k: (tuple(v["shape"]), SAFETENSORS_DTYPES[v["dtype"]]) for k, v in header.items() if k != "__metadata__"}
+    assert quantized_load.open_stored(path, scheme, shapes) is not None
+    name = sorted(k for k in shapes if k.endswith(".scale"))[0]
+    header[name]["data_offsets"][1] -= 1
+    path.write_bytes(raw[:8] + json.dumps(header).encode().ljust(n) + raw[8 + n:])  # same length: only offsets differ
+    assert quantized_load.open_stored(path, scheme, shapes) is None
+    again = Engine(cfg, CheckpointReader(model_dir), "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu",
+                   weight_format="int8")
+    for a, b in zip(first.model.modules(), again.model.modules()):
+        if isinstance(a, quant.QUANTIZED_LAYERS):
+            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert quantized_load.open_stored(path, scheme, shapes) is not None  # rewritten
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)

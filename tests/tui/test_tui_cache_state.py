@@ -83,12 +83,12 @@ def test_a_chain_cut_by_turns_under_another_weight_format_names_the_format():
     add_chunk_row(db, "k1", int8_run.fingerprint, "c_1")
     add_chunk_row(db, "k2", CacheIdentity(MODEL_FP, "fp8", 16, "int4").fingerprint, "c_1")
     assert why_not_restored(db, "c_1", int8_run) == (
-        "its snapshot chain stops early: later turns' KV was saved with int4 weights; this run uses int8 "
+        "its snapshot chain stops early: other turns' KV was saved with int4 weights; this run uses int8 "
         "(--weights int4 restores it)")
     add_chunk_row(db, "k3", int8_run.fingerprint, "c_2")
     add_chunk_row(db, "k4", CacheIdentity(MODEL_FP, "bf16", 16, "int8", int8_kernel="avx2").fingerprint, "c_2")
     assert why_not_restored(db, "c_2", int8_run) == (
-        "its snapshot chain stops early: later turns' KV was saved as bf16; this run uses fp8 "
+        "its snapshot chain stops early: other turns' KV was saved as bf16; this run uses fp8 "
         "(caches never cross KV dtypes)")
     add_chunk_row(db, "k5", int8_run.fingerprint, "c_3")
     add_chunk_row(db, "k6", "f" * 32, "c_3")
