@@ -84,7 +84,7 @@ static int64_t carve(const DecodeStep *s, int64_t lmax, float *base, Scratch *b)
   const int64_t widest = max64(max64(s->hidden, H * D), I);
   const int64_t sizes[14] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
                              R * Hkv * D,         R * H * D,             R * s->hidden, R * 2 * I,
-                             R * I,               R * (widest / GROUP),  R * widest / 4, R * (widest / GROUP),
+                             R * I,               R * (widest / GROUP),  (R * widest + 3) / 4, R * (widest / GROUP),
                              kvchat_attention_tile_floats(Hkv, TG, D, s->threads),
                              kvchat_attention_work_floats(R / s->tokens, Hkv, TG, D, lmax)};
   float **slot[14] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
@@ -113,8 +113,14 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t R, int64_
   }
 }
 
-static void linear(const Weight *w, const float *x, float *y, int64_t R, const Scratch *b, int threads) {
-  if (w->bits == 4)
+/* y = x W^T (+ bias) for R rows of chunks of T tokens each (T = 1: a decode step). int4: a chunk of at least
+   INT4_LANE_MIN_TOKENS tokens on the channel-lanes kernel (where it takes N), else the group kernel; the choice
+   follows T alone, so a chunk's bits are the same cold or resumed. */
+static void linear(const Weight *w, const float *x, float *y, int64_t R, int64_t T, const Scratch *b, int threads) {
+  if (w->bits == 4 && T >= INT4_LANE_MIN_TOKENS && w->n % 16 == 0)
+    kvchat_int4_matmul_lanes(x, w->q, w->scale, w->offset, (int8_t *)b->xq, b->xd, b->xsum, y, R, w->n,
+                             w->k / GROUP, threads);
+  else if (w->bits == 4)
     kvchat_int4_matmul(x, w->q, w->scale, w->offset, (int8_t *)b->xq, b->xd, b->xsum, y, R, w->n, w->k / GROUP,
                        threads);
   else
@@ -166,7 +172,7 @@ void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
   carve(s, lmax, (float *)(((uintptr_t)s->scratch + 63) & ~(uintptr_t)63), &b);
 
   rms_norm(x, w->attn_norm, b.h, R, Hd, s->eps);
-  linear(&w->qkv, b.h, b.qkv, R, &b, th);
+  linear(&w->qkv, b.h, b.qkv, R, T, &b, th);
   for (int64_t r = 0; r < R; ++r) {
     const float *row = b.qkv + r * width, *c = s->cos + r * D, *sn = s->sin + r * D;
     for (int64_t h = 0; h < Hkv; ++h) /* q as [S, Hkv, T, G, D]: a KV head's T * G queries together */
@@ -189,12 +195,12 @@ void kvchat_decode_layer(float *x, const DecodeLayer *w, const DecodeStep *s) {
           b.q[r * H * D + h * G * D + i] = b.attn[(((r / T * Hkv + h) * T + r % T) * G) * D + i];
     attn = b.q;
   }
-  linear(&w->o, attn, b.proj, R, &b, th);
+  linear(&w->o, attn, b.proj, R, T, &b, th);
   add_rows(x, b.proj, R * Hd);
 
   rms_norm(x, w->mlp_norm, b.h, R, Hd, s->eps);
-  linear(&w->gate_up, b.h, b.gu, R, &b, th);
+  linear(&w->gate_up, b.h, b.gu, R, T, &b, th);
   silu_mul(b.gu, b.act, R, I);
-  linear(&w->down, b.act, b.proj, R, &b, th);
+  linear(&w->down, b.act, b.proj, R, T, &b, th);
   add_rows(x, b.proj, R * Hd);
 }

@@ -44,6 +44,8 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 
@@ -100,6 +102,8 @@ static inline __attribute__((always_inline)) void channel(const int8_t *xq, cons
   for (int i = 0; i < ROWS; ++i) even[i] = odd[i] = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 2 <= G; g += 2) {
+    if (g % 4 == 0) /* the next channel's line of these 4 groups: its short stream starts warm */
+      _mm_prefetch((const char *)(w + K / 2 + g * (GROUP / 2)), _MM_HINT_T0);
     const __m256i w0 = nibbles(w + g * (GROUP / 2)), w1 = nibbles(w + (g + 1) * (GROUP / 2));
     for (int i = 0; i < ROWS; ++i) {
       const int8_t *a = xq + ((m + i) * G + g) * GROUP;
@@ -148,5 +152,205 @@ void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *s
       }
       m += rows;
     }
+  }
+}
+
+/* ---- Chunk rows: the channel-lanes kernel ----
+
+   For the rows of a prefill chunk (kvchat_int4_matmul_lanes), the same product in another float order, with
+   output channels in the lanes instead of inputs: per block of 16 channels, each group's nibbles are first
+   transposed into 8 steps, step s (inputs 32 g + 4 s .. + 3) one 16-lane register whose lane j holds channel
+   n0 + j's 4 values as bytes, so per row a group is 8 dot-product instructions against the row's 4 activations
+   broadcast, leaving I[m, n0 .. n0 + 15, g] in the lanes with no horizontal sum, and the float work is per group
+   and 16 channels, not per group and channel. Per row, lane and group, in group order (every build):
+
+     acc = fma(float(I), scale * d, acc);  acc = fma(minimum, xs, acc)        (acc from 0; y = acc)
+
+   with scale * d one fp32 product: a row's bits depend on neither M nor the thread count, and the avx2, avx512
+   and avx512vnni builds compute the same bits (exact integers, the same lane-wise float steps). They differ from
+   kvchat_int4_matmul's order, so which kernel ran is part of the cache fingerprint (kvchat.model.int4_scheme).
+
+   The transpose: four 128-bit loads of channels c, c + 4, c + 8, c + 12 (one group's 16 bytes each) make a
+   register A_c (A 256-bit one holds c and c + 4); 32-bit and 64-bit unpacks of A_0 .. A_3 give T_t, whose
+   dword p of 128-bit lane l is dword t of channel p + 4 l, i.e. lane p + 4 l = channel p + 4 l (no
+   permutation); step t is T_t's low nibbles, step 4 + t its high ones (the packed order: cpu_int4.py's pack). */
+
+#define LANE_CHANNELS 16
+#define LANE_STEPS (GROUP / 4)
+#ifdef KVCHAT_AVX512
+#define LANE_ROWS 4 /* rows per pass over a block's steps: 8 steps + 2 per row of the 32 registers */
+#else
+#define LANE_ROWS 2 /* in AVX2's 16: 8 steps of one half + 2 per row */
+#endif
+
+static inline __m128i load16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+
+/* Block n0's steps for every group into st (G x 8 x 16 int32) and its scales and minima as floats into sc, mn
+   (G x 16). */
+static void transpose_block(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t n0,
+                            int64_t G, int32_t *st, float *sc, float *mn, int prefetch_next) {
+  const int64_t stride = G * (GROUP / 2); /* bytes per channel */
+  const uint8_t *base = packed + n0 * stride;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t *b = base + g * (GROUP / 2);
+    int32_t *out = st + g * LANE_STEPS * LANE_CHANNELS;
+    if (g % 4 == 0 && prefetch_next) /* the next block's line of these 4 groups, to L2 while this block's rows run */
+      for (int j = 0; j < LANE_CHANNELS; ++j) _mm_prefetch((const char *)(b + (LANE_CHANNELS + j) * stride), _MM_HINT_T1);
+#ifdef KVCHAT_AVX512
+    __m512i A[4];
+    for (int c = 0; c < 4; ++c) {
+      __m512i a = _mm512_castsi128_si512(load16(b + c * stride));
+      a = _mm512_inserti32x4(a, load16(b + (c + 4) * stride), 1);
+      a = _mm512_inserti32x4(a, load16(b + (c + 8) * stride), 2);
+      A[c] = _mm512_inserti32x4(a, load16(b + (c + 12) * stride), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
+    const __m512i T[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+      _mm512_storeu_si512(out + t * LANE_CHANNELS, _mm512_and_si512(T[t], low));
+      _mm512_storeu_si512(out + (t + 4) * LANE_CHANNELS, _mm512_and_si512(_mm512_srli_epi32(T[t], 4), low));
+    }
+#else
+    for (int h = 0; h < 2; ++h) { /* channels 8 h .. 8 h + 7 into lanes 8 h .. */
+      const uint8_t *bh = b + 8 * h * stride;
+      __m256i A[4];
+      for (int c = 0; c < 4; ++c)
+        A[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(bh + c * stride)), load16(bh + (c + 4) * stride), 1);
+      const __m256i t0 = _mm256_unpacklo_epi32(A[0], A[1]), t1 = _mm256_unpackhi_epi32(A[0], A[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(A[2], A[3]), t3 = _mm256_unpackhi_epi32(A[2], A[3]);
+      const __m256i T[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                            _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+      const __m256i low = _mm256_set1_epi8(0x0F);
+      for (int t = 0; t < 4; ++t) {
+        _mm256_storeu_si256((__m256i *)(out + t * LANE_CHANNELS + 8 * h), _mm256_and_si256(T[t], low));
+        _mm256_storeu_si256((__m256i *)(out + (t + 4) * LANE_CHANNELS + 8 * h),
+                            _mm256_and_si256(_mm256_srli_epi32(T[t], 4), low));
+      }
+    }
+#endif
+    for (int j = 0; j < LANE_CHANNELS; ++j) {
+      sc[g * LANE_CHANNELS + j] = _cvtsh_ss(scale[(n0 + j) * G + g]);
+      mn[g * LANE_CHANNELS + j] = _cvtsh_ss(minimum[(n0 + j) * G + g]);
+    }
+  }
+}
+
+/* The 4 activations at a as one int32 (to broadcast). */
+static inline int32_t four(const int8_t *a) {
+  int32_t v;
+  memcpy(&v, a, 4);
+  return v;
+}
+
+#ifdef KVCHAT_AVX512
+/* lane-wise: the exact sum of the 4 products of w's unsigned bytes (0 .. 15) and a's signed ones, added to acc */
+static inline __m512i dot4_16(__m512i acc, __m512i w, __m512i a) {
+#ifdef KVCHAT_VNNI
+  return _mm512_dpbusd_epi32(acc, w, a);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* Rows m .. m + ROWS - 1 of block n0 (16 channels) from its steps. */
+static inline __attribute__((always_inline)) void lane_rows(const int8_t *xq, const float *xd, const float *xs,
+                                                           const int32_t *st, const float *sc, const float *mn,
+                                                           float *y, int64_t N, int64_t G, int64_t n0, int64_t m,
+                                                           const int ROWS) {
+  __m512 acc[LANE_ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int32_t *sg = st + g * LANE_STEPS * LANE_CHANNELS;
+    __m512i I[LANE_ROWS];
+    for (int r = 0; r < ROWS; ++r) I[r] = _mm512_setzero_si512();
+    for (int s = 0; s < LANE_STEPS; ++s) {
+      const __m512i w = _mm512_loadu_si512(sg + s * LANE_CHANNELS);
+      for (int r = 0; r < ROWS; ++r)
+        I[r] = dot4_16(I[r], w, _mm512_set1_epi32(four(xq + ((m + r) * G + g) * GROUP + 4 * s)));
+    }
+    const __m512 scv = _mm512_loadu_ps(sc + g * LANE_CHANNELS), mnv = _mm512_loadu_ps(mn + g * LANE_CHANNELS);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r]), _mm512_mul_ps(scv, _mm512_set1_ps(xd[(m + r) * G + g])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mnv, _mm512_set1_ps(xs[(m + r) * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + (m + r) * N + n0, acc[r]);
+}
+#else
+static inline __m256i dot4_8(__m256i acc, __m256i w, __m256i a) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+}
+
+/* Rows m .. m + ROWS - 1 of block n0's half h (channels n0 + 8 h ..) from its steps. */
+static inline __attribute__((always_inline)) void lane_rows_half(const int8_t *xq, const float *xd, const float *xs,
+                                                                const int32_t *st, const float *sc, const float *mn,
+                                                                float *y, int64_t N, int64_t G, int64_t n0, int h,
+                                                                int64_t m, const int ROWS) {
+  __m256 acc[LANE_ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int32_t *sg = st + g * LANE_STEPS * LANE_CHANNELS + 8 * h;
+    __m256i I[LANE_ROWS];
+    for (int r = 0; r < ROWS; ++r) I[r] = _mm256_setzero_si256();
+    for (int s = 0; s < LANE_STEPS; ++s) {
+      const __m256i w = _mm256_loadu_si256((const __m256i *)(sg + s * LANE_CHANNELS));
+      for (int r = 0; r < ROWS; ++r)
+        I[r] = dot4_8(I[r], w, _mm256_set1_epi32(four(xq + ((m + r) * G + g) * GROUP + 4 * s)));
+    }
+    const __m256 scv = _mm256_loadu_ps(sc + g * LANE_CHANNELS + 8 * h), mnv = _mm256_loadu_ps(mn + g * LANE_CHANNELS + 8 * h);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_mul_ps(scv, _mm256_set1_ps(xd[(m + r) * G + g])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mnv, _mm256_set1_ps(xs[(m + r) * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(y + (m + r) * N + n0 + 8 * h, acc[r]);
+}
+#endif
+
+int64_t kvchat_int4_lane_min_tokens(void) { return INT4_LANE_MIN_TOKENS; }
+
+/* kvchat_int4_matmul's arguments and result with the channel-lanes order (above); N a multiple of 16. */
+void kvchat_int4_matmul_lanes(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
+                              int8_t *xq, float *xd, float *xs, float *y, int64_t M, int64_t N, int64_t G,
+                              int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M * G >= TEAM_QUANTIZE_GROUPS)
+  for (int64_t mg = 0; mg < M * G; ++mg) quantize_row_group(x, xq, xd, xs, mg);
+  const int64_t blocks = N / LANE_CHANNELS;
+#pragma omp parallel num_threads(threads)
+  {
+    /* this thread's block: its steps (G x 512 bytes) and scales and minima (G x 128) */
+    int32_t *st = aligned_alloc(64, (size_t)G * LANE_STEPS * LANE_CHANNELS * 4 + (size_t)G * LANE_CHANNELS * 8);
+    float *sc = (float *)(st + G * LANE_STEPS * LANE_CHANNELS), *mn = sc + G * LANE_CHANNELS;
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t n0 = blk * LANE_CHANNELS;
+      transpose_block(packed, scale, minimum, n0, G, st, sc, mn, n0 + 2 * LANE_CHANNELS <= N);
+#ifdef KVCHAT_AVX512
+      for (int64_t m = 0; m < M;) {
+        const int rows = M - m >= LANE_ROWS ? LANE_ROWS : (int)(M - m);
+        switch (rows) {
+          case 4: lane_rows(xq, xd, xs, st, sc, mn, y, N, G, n0, m, 4); break;
+          case 3: lane_rows(xq, xd, xs, st, sc, mn, y, N, G, n0, m, 3); break;
+          case 2: lane_rows(xq, xd, xs, st, sc, mn, y, N, G, n0, m, 2); break;
+          default: lane_rows(xq, xd, xs, st, sc, mn, y, N, G, n0, m, 1);
+        }
+        m += rows;
+      }
+#else
+      for (int h = 0; h < 2; ++h)
+        for (int64_t m = 0; m < M;) {
+          const int rows = M - m >= LANE_ROWS ? LANE_ROWS : (int)(M - m);
+          if (rows == 2)
+            lane_rows_half(xq, xd, xs, st, sc, mn, y, N, G, n0, h, m, 2);
+          else
+            lane_rows_half(xq, xd, xs, st, sc, mn, y, N, G, n0, h, m, 1);
+          m += rows;
+        }
+#endif
+    }
+    free(st);
   }
 }

@@ -27,6 +27,7 @@ import torch
 from .cpu_build import integer_variant
 from .cpu_build import load as load_library
 from .cpu_int8 import GROUP
+from .cpu_int8_int8 import reference as int8_int8_reference
 
 SOURCE = Path(__file__).with_name("cpu_int4.c")
 
@@ -35,11 +36,13 @@ SOURCE = Path(__file__).with_name("cpu_int4.c")
 def _library(variant: str | None = None) -> ctypes.CDLL | None:
     lib = load_library(SOURCE, variant=variant or integer_variant())
     if lib is not None:
-        fn = lib.kvchat_int4_matmul
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        for fn in (lib.kvchat_int4_matmul, lib.kvchat_int4_matmul_lanes):
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.kvchat_int4_max_groups.restype = ctypes.c_int64
         lib.kvchat_int4_max_groups.argtypes = []
+        lib.kvchat_int4_lane_min_tokens.restype = ctypes.c_int64
+        lib.kvchat_int4_lane_min_tokens.argtypes = []
     return lib
 
 
@@ -68,8 +71,17 @@ def takes(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> b
             and all(t.is_contiguous() and t.device.type == "cpu" for t in (packed, scale, minimum)))
 
 
+LANE_CHANNELS = 16  # output channels per block of the channel-lanes kernel (cpu_int4.c's LANE_CHANNELS)
+
+
+def takes_lanes(packed: torch.Tensor) -> bool:
+    """Whether the channel-lanes kernel takes a weight of ``packed``'s rows (output channels): a multiple of
+    :data:`LANE_CHANNELS`."""
+    return packed.shape[0] % LANE_CHANNELS == 0
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                variant: str | None = None) -> torch.Tensor:
+                variant: str | None = None, lanes: bool = False) -> torch.Tensor:
     """``y = quantize(x) W^T`` with ``W[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + minimum[n, g]``, ``q`` the
     4-bit values of ``packed`` (``cpu_int4.c`` gives the nibble order), each 32 inputs of a row of ``x`` quantized
     to int8 (symmetric, ``max|x| / 127``; the minima's term takes the quantized values' sum): the C source gives
@@ -79,6 +91,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
         x: float32 ``[M, K]`` on the CPU (any strides), ``K = 32 G``.
         packed: uint8 ``[N, K / 2]``; scale, minimum: float16 ``[N, G]``; all contiguous (:func:`takes`).
         variant: a :data:`kvchat.kernels.cpu_build.VARIANTS` build (None: this process's); the bits are equal.
+        lanes: the channel-lanes kernel of a prefill chunk's rows (``N`` a multiple of :data:`LANE_CHANNELS`;
+            :func:`takes_lanes`): the same product in another float order, so other bits (``cpu_int4.c``).
     Returns:
         float32 ``[M, N]``. A row's bits depend neither on ``M``, nor on the thread count, nor on the build.
     Raises:
@@ -89,7 +103,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
     if lib is None:
         raise RuntimeError("the compiled CPU int4 kernel is not available")
     if not (takes(packed, scale, minimum) and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[1] == 2 * packed.shape[1] and x.device.type == "cpu"):
+            and x.shape[1] == 2 * packed.shape[1] and x.device.type == "cpu" and (not lanes or takes_lanes(packed))):
         raise ValueError(f"int4_matmul: x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} {packed.dtype}, "
                          f"scale {tuple(scale.shape)} {scale.dtype}, minimum {tuple(minimum.shape)} {minimum.dtype}: "
                          "not a layout the kernel takes")
@@ -99,24 +113,17 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
     y = torch.empty(m, n, dtype=torch.float32)
     xq = torch.empty(m, x.shape[1], dtype=torch.int8)
     xd, xs = torch.empty(m, groups, dtype=torch.float32), torch.empty(m, groups, dtype=torch.float32)
-    lib.kvchat_int4_matmul(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), xq.data_ptr(),
-                           xd.data_ptr(), xs.data_ptr(), y.data_ptr(), m, n, groups, torch.get_num_threads())
+    fn = lib.kvchat_int4_matmul_lanes if lanes else lib.kvchat_int4_matmul
+    fn(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), xq.data_ptr(), xd.data_ptr(),
+       xs.data_ptr(), y.data_ptr(), m, n, groups, torch.get_num_threads())
     return y
 
 
 def reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The kernel's formula in float64 torch (tests): the activations quantized as the C source does
-    (:func:`kvchat.kernels.cpu_int8_int8.quantize_activations`), the integer dot products exact, the rest in
-    float64, so it differs from the kernel only by float32 rounding. Shapes as :func:`int4_matmul`'s."""
-    from .cpu_int8_int8 import quantize_activations
-
-    m, k = x.shape
-    n = packed.shape[0]
-    a, d = quantize_activations(x)
-    dots = torch.einsum("mgk,ngk->mng", a.double().view(m, -1, GROUP), unpack(packed).double().view(n, -1, GROUP))
-    xs = d.double() * a.double().view(m, -1, GROUP).sum(dim=2)
-    return (torch.einsum("mng,ng,mg->mn", dots, scale.double(), d.double())
-            + torch.einsum("ng,mg->mn", minimum.double(), xs)).float()
+    """The kernel's formula in float64 torch (tests): the int8 x int8 kernel's reference
+    (:func:`kvchat.kernels.cpu_int8_int8.reference`) on the unpacked nibbles with Q8_1's block sums, so it differs
+    from the kernel only by float32 rounding. Shapes as :func:`int4_matmul`'s."""
+    return int8_int8_reference(x, unpack(packed), scale, minimum, block_sums=True)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ Sink = tuple[torch.Tensor, torch.Tensor]
 """Position 0's exact float32 K and V per sequence (see the module doc)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # tensors: compared by identity, never elementwise
 class KVLayer:
     """One layer's paged pools: what a cache write fills and attention reads (shapes in the module doc).
 

@@ -80,11 +80,12 @@ def load_runtime(
     no whole copy of them exists in host RAM besides the model itself. For an
     fp8 pool the model's K-centring calibration is loaded, or computed on this
     engine's weights and stored on first use (:func:`ensure_calibration`).
-    ``weights``: ``auto|fp32|bf16|int8|int4`` (None: ``KVCHAT_WEIGHTS``), resolved for the device and the compute
-    dtype by :func:`kvchat.engine.cache_identity.resolve_weight_format`; int8 and int4 models are loaded layer by
-    layer (:class:`kvchat.model.quantized_load.QuantizingLoad`: each linear layer read quantized from the model's
-    stored file, or read in fp32 and quantized, one at a time; a calibration computed here runs through each
-    layer's fp32 weights before it is quantized), so host memory peaks near the quantized model, not the fp32 one.
+    ``weights``: ``auto|fp32|bf16|int8|int4`` (None: ``KVCHAT_WEIGHTS``), resolved for the device, the compute
+    dtype and the model's stored parameters by :func:`kvchat.engine.cache_identity.resolve_weight_format`; int8
+    and int4 models are loaded layer by layer (:class:`kvchat.model.quantized_load.QuantizingLoad`: each linear
+    layer read quantized from the model's stored file, or read in fp32 and quantized, one at a time; a calibration
+    computed here runs through each layer's fp32 weights before it is quantized), so host memory peaks near the
+    quantized model, not the fp32 one.
     ``preallocate``: allocate and touch the engine's dense K/V copy (the CPU read path) for the whole context
     now, not inside the first resumed chat's TTFT (:meth:`kvchat.engine.dense_kv.DenseKV.preallocate`); the
     server, which gives every request a copy of its own, passes False.
@@ -108,12 +109,14 @@ def load_runtime(
     kv_torch_dtype(kv_dtype)
     dev = check_device(device if device is not None else env_device())
     dispatch.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
-    weight_format = resolve_weight_format(weights or env_weights(), dev.type, compute_dtype())
+    weights = weights or env_weights()
+    resolve_weight_format(weights, dev.type, compute_dtype())  # a bad name or int8 on a GPU: before any work
     info = resolve_model(model)
     step(f"loading {info.name}: tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
-    step(f"loading {info.name}: weights ({weight_format})")
     reader = CheckpointReader(info.path)
+    weight_format = resolve_weight_format(weights, dev.type, compute_dtype(), reader.num_params())
+    step(f"loading {info.name}: weights ({weight_format})")
     if progress is not None:
         reader.on_read = _weight_progress(reader, info.config.tie_word_embeddings, progress)
     free, total = torch.cuda.mem_get_info(dev) if dev.type == "cuda" else (0, 0)

@@ -293,8 +293,8 @@ def weights() -> str:
     compiled kernel; case-insensitive);
     the ``--weights`` option of every command that runs the model sets it for the process and its children.
 
-    Default ``auto``: int8 weight-only matmuls on a CPU (:mod:`kvchat.model.quant`), bf16 on CUDA
-    (:func:`kvchat.engine.cache_identity.resolve_weight_format`).
+    Default ``auto``: on a CPU int4 for a model of 0.5B parameters or more, int8 below (:mod:`kvchat.model.quant`),
+    bf16 on CUDA (:func:`kvchat.engine.cache_identity.resolve_weight_format`).
 
     Raises:
         SettingError: any other value.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -75,6 +76,24 @@ def _check_tensors(path: Path, fd: int, header: dict, start: int, layout: ChunkL
     if size != start + offset:
         raise CorruptChunkError(path, "truncated", f"file has {size} bytes, layout needs {start + offset}")
     return want
+
+
+def advise_will_read(paths: Iterable[Path]) -> None:
+    """Ask the kernel to start reading each file whole now (``POSIX_FADV_WILLNEED``), so a restore's chunk files
+    come off the disk with its queue full rather than at the pace of the readers' own requests (measured: 37 MB of
+    chunk files with the page cache dropped, two readers, 33.5-37.2 ms, advised first 28.5-34.5 ms). Files that
+    are missing or cannot be opened, and systems without the call, are skipped: :func:`read_chunk` reports them."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # AttributeError: no posix_fadvise on this system
+            pass
+        finally:
+            os.close(fd)
 
 
 def read_chunk(

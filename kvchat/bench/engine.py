@@ -169,10 +169,15 @@ def measure_load(model: str | None, repeats: int) -> dict[str, Spread]:
     return {k: Spread.of(v) for k, v in samples.items()}
 
 
-def weight_formats(asked: str) -> list[str]:
-    """The weight formats measured: fp32 (the baseline's) and int8, plus ``asked`` (``KVCHAT_WEIGHTS`` /
-    ``--weights``) when it is bf16 (slow on CPUs without bf16 units, so only on request) or int4."""
-    return ["fp32", "int8"] + ([asked] if asked in ("bf16", "int4") else [])
+def weight_formats(asked: str, num_params: int) -> list[str]:
+    """The weight formats measured: fp32 (the baseline's) and int8, plus what ``asked`` (``KVCHAT_WEIGHTS`` /
+    ``--weights``) gives a model of ``num_params`` stored parameters on the CPU
+    (:func:`kvchat.engine.cache_identity.resolve_weight_format`) when that is bf16 (slow on CPUs without bf16
+    units, so only on request) or int4 (``auto`` for a large model)."""
+    from kvchat.engine.cache_identity import resolve_weight_format
+
+    fmt = resolve_weight_format(asked, "cpu", num_params=num_params)
+    return ["fp32", "int8"] + ([fmt] if fmt in ("bf16", "int4") else [])
 
 
 def backend_name(kv_dtype: str, weight_format: str) -> str:
@@ -204,6 +209,7 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
     from kvchat.engine.kv_pool import KVCacheSpec
     from kvchat.engine.runner import Engine
     from kvchat.model.registry import load_weights, resolve_model
+    from kvchat.model.weights import CheckpointReader
     from kvchat.runtime import ensure_calibration, set_threads
 
     lengths = sorted(set(args.lengths))
@@ -229,7 +235,7 @@ def run_benchmark(args: argparse.Namespace, *, quick: bool = False) -> dict:
     runners: dict[str, RunFn] = {}
     specs = {kv: KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv) for kv in pools}
     ceilings = {}
-    for fmt in weight_formats(settings.weights()):
+    for fmt in weight_formats(settings.weights(), CheckpointReader(info.path).num_params()):
         for kv, spec in specs.items():
             pool_bytes = spec.bytes_per_block * (longest // spec.block_size + 3)  # + the sink's one-token forward
             engine = Engine(cfg, weights, info.fingerprint, kv_dtype=kv, pool_bytes=pool_bytes, name=info.name,

@@ -160,23 +160,25 @@ class LlamaCpp:
         return ids
 
 
-def default_weight_format() -> str:
-    """The weight format every kvchat backend here runs with: what ``kvchat ask`` would use on the CPU
-    (``KVCHAT_WEIGHTS`` / ``--weights``, else auto)."""
+def default_weight_format(info) -> str:
+    """The weight format every kvchat backend here runs the model ``info`` (a
+    :class:`kvchat.model.registry.ModelInfo`) with: what ``kvchat ask`` would use on the CPU (``KVCHAT_WEIGHTS`` /
+    ``--weights``, else auto, by the model's size)."""
     from kvchat import settings
     from kvchat.engine.cache_identity import resolve_weight_format
+    from kvchat.model.weights import CheckpointReader
 
-    return resolve_weight_format(settings.weights(), "cpu")
+    return resolve_weight_format(settings.weights(), "cpu", num_params=CheckpointReader(info.path).num_params())
 
 
-def default_int8_prefill() -> bool:
+def default_int8_prefill(info) -> bool:
     """Whether kvchat's int8 engines here run prefill chunks with int8 activations (``KVCHAT_INT8_PREFILL``,
     :func:`kvchat.engine.cache_identity.int8_prefill_enabled`), as ``kvchat ask`` would."""
     from kvchat import settings
     from kvchat.engine.cache_identity import int8_prefill_enabled
     from kvchat.kernels.cpu_int8 import small_rows_kernel
 
-    return default_weight_format() == "int8" and int8_prefill_enabled(settings.int8_prefill(), small_rows_kernel())
+    return default_weight_format(info) == "int8" and int8_prefill_enabled(settings.int8_prefill(), small_rows_kernel())
 
 
 def _speed(args, info, gguf: Path | None, label: str | None, ids: list[int],
@@ -195,7 +197,7 @@ def _speed(args, info, gguf: Path | None, label: str | None, ids: list[int],
 
     cfg = info.config
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
-    weight_format = default_weight_format()
+    weight_format = default_weight_format(info)
     runners, loads = {}, {}
     for kv in args.kvchat_pools:  # each engine streams the checkpoint itself: no copy of the weights is held
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)
@@ -280,7 +282,7 @@ def _resume(args, info, gguf: Path | None, tokenizer, threads: int) -> dict:
     result = run_resume(ns)
     kv, build = result["summary"][0], result["runs"][0]["builds"][0]
     out = {"tokens": n, "question": QUESTION, "question_tokens": len(question),
-           "kvchat_model": build["model"], "kvchat_weights": build.get("weights", "fp32"),
+           "kvchat_model": build["model"], "kvchat_weights": build["weights"],
            "kvchat_load_ms": kv["load_ms"], "kvchat_peak_rss_bytes": kv["peak_rss_bytes"],
            "kvchat_peak_rss_bytes_chat": kv["peak_rss_bytes_chat"], "kvchat_cold_prefill_ms": kv["cold_prefill_ms"],
            "kvchat_decode_tok_s": kv["decode_tok_s"], "snapshot_bytes": kv["snapshot_bytes"]}
@@ -388,7 +390,7 @@ def run_peers(args: argparse.Namespace, *, quick: bool = False) -> dict:
         "gguf": None if gguf is None else {"path": str(gguf), "sha256": _sha256(gguf), "bytes": gguf.stat().st_size,
                                            "weight_type": weight_type},
         "llama_cpp_python": llama_cpp.__version__ if llama_cpp else None, "threads": threads,
-        "kvchat_weights": default_weight_format(), "kvchat_int8_prefill": default_int8_prefill(),
+        "kvchat_weights": default_weight_format(info), "kvchat_int8_prefill": default_int8_prefill(info),
         "kvchat_pools": list(args.kvchat_pools) if not skip_speed else ["fp8"],
         "context": args.context, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
         "prompt": {"name": text.name, "sha256": text.sha256}, "speed": speed, "ratios": rat,

@@ -11,8 +11,10 @@ chunks of ``GROUPS_KERNEL_MAX_ROWS`` rows run the compiled fp32 kernel where
 it builds, else chunks of ``INT8MM_MAX_ROWS`` rows
 ``torch._weight_int8pack_mm`` with bf16 activations (the path of decode and
 of a question after a resume), 512-token chunks the dequantized fp32 GEMM
-(the path of prefill). int4 runs the same two chunk sizes, both on int8 activations: the int4 kernel, and the
-int8 x int8 kernel on the unpacked nibbles (:class:`kvchat.model.quant.Int4GroupLinear`).
+(the path of prefill). int4 runs on int8 activations at three chunk sizes: under
+:data:`kvchat.model.int4_scheme.INT4_LANE_MIN_TOKENS` tokens its group kernel (that of decode), at
+``GROUPS_KERNEL_MAX_ROWS`` the channel-lanes kernel in the compiled decoder layers (a question after a resume), at
+512 the channel-lanes kernel (:class:`kvchat.model.quant.Int4GroupLinear`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvchat.bench.teacher_forced import SCORE_CHUNK_TOKENS, FidelityResult, compare_to_reference
+from kvchat.model.int4_scheme import INT4_LANE_MIN_TOKENS
 from kvchat.model.int8_scheme import GROUPS_KERNEL_MAX_ROWS, INT8MM_MAX_ROWS
 
 POOLS = ("fp8", "bf16")
@@ -35,9 +38,10 @@ def kernel_chunks(weight_format: str = "int8") -> dict[str, int]:
     ``int4``, :mod:`kvchat.model.quant`)."""
     from kvchat.kernels import cpu_int8
 
-    if weight_format == "int4":
-        return {"compiled int4 x int8 activations": GROUPS_KERNEL_MAX_ROWS,
-                "int8 x int8 on the unpacked nibbles": SCORE_CHUNK_TOKENS}
+    if weight_format == "int4":  # the group kernel of decode rows runs chunks under INT4_LANE_MIN_TOKENS tokens
+        return {"group kernel (decode rows)": INT4_LANE_MIN_TOKENS - 1,
+                "channel-lanes kernel, compiled layers": GROUPS_KERNEL_MAX_ROWS,
+                "channel-lanes kernel": SCORE_CHUNK_TOKENS}
     if cpu_int8.available():
         few = {COMPILED_LABEL: GROUPS_KERNEL_MAX_ROWS}
     else:

@@ -123,7 +123,7 @@ def explain_chain(chat_id: str, kv_dtype: str) -> ChainReport:
     """
     db = get_reader()
     conv = get_conversation(db, chat_id)
-    fp = expected_identity(conv.model_fingerprint or "", kv_dtype).fingerprint
+    fp = expected_identity(conv.model_fingerprint or "", kv_dtype, num_params=_stored_params(conv.model_name)).fingerprint
     links, start = [], 0
     for row in find_chain(db, fp, conv.token_ids):
         links.append(ChainLink(start, start + row.token_count, row.token_count < CHUNK_TOKENS, row.key, row.bytes))
@@ -132,6 +132,20 @@ def explain_chain(chat_id: str, kv_dtype: str) -> ChainReport:
     return ChainReport(conv.id, len(conv.token_ids), fp, kv_dtype, links,
                        restorable_tokens(db, conv.id, conv.token_ids, fp), None if complete else start,
                        count_other_fingerprints(db, fp))
+
+
+def _stored_params(model_name: str | None) -> int:
+    """The parameters the imported model ``model_name`` stores (what ``--weights auto`` is resolved by), 0 where it
+    is not imported here or its weights cannot be read (headers only; nothing is imported)."""
+    from kvchat.model.registry import resolve_model
+    from kvchat.model.weights import CheckpointReader
+
+    if model_name is None:
+        return 0
+    try:
+        return CheckpointReader(resolve_model(model_name, auto_pull=False).path).num_params()
+    except (ValueError, OSError):  # not found, unsupported, damaged (every registry error is a ValueError)
+        return 0
 
 
 def remove_document(spec: str) -> list[RemovedDocument]:

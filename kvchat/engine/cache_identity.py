@@ -34,21 +34,30 @@ LAYOUT_VERSION = 1
 NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomputed as prefill chunks
 
 
-def resolve_weight_format(name: str, device_type: str, compute: str = "auto") -> str:
+# from this many parameters (as stored: kvchat.model.weights.CheckpointReader.num_params) ``auto`` on a CPU is
+# int4, below it int8 (the measurements and why: resolve_weight_format)
+INT4_AUTO_PARAMS = 500_000_000
+
+
+def resolve_weight_format(name: str, device_type: str, compute: str = "auto", num_params: int = 0) -> str:
     """``auto|fp32|bf16|int8|int4`` -> a :data:`WEIGHT_FORMATS` name for a device of type ``device_type``.
 
-    ``auto`` is what measured fastest: on a CPU int8 (int8 weights read ~4x fewer bytes per decode
-    step than fp32: one SmolLM2 decode step's matmuls 20 vs 39 ms here with ``torch._weight_int8pack_mm``,
-    2 threads, ~10 ms on the compiled kernel, :mod:`kvchat.model.quant`), on CUDA bf16.
-    Unless ``compute`` (the ``KVCHAT_DTYPE``/``--dtype`` name) asks for a 16-bit compute dtype: then
-    ``auto`` is the unquantized format of that computation (bf16 -> bf16; fp16 -> fp32 weights computed
-    in fp16), so one computation has one cache fingerprint however it was asked for.
+    ``auto`` is what measured fastest where its fidelity holds: on CUDA bf16; on a CPU, by the model's
+    ``num_params`` (stored parameters), int4 from :data:`INT4_AUTO_PARAMS`, int8 below. A CPU decode step is
+    bound by the weight bytes it reads (int8 groups 1.25 bytes per parameter, int4 0.625: decode of the 0.8B
+    shape about 2x int8's, its integer prefill about 2.5x; docs/performance.md, "4-bit weights" and "The weight
+    format by model size"), while a small model loses the most to 4 bits and gains the least (SmolLM2-135M: int4
+    up to +0.81% perplexity against fp32 weights, its LM head a fifth of its bytes and kept int8). ``compute``
+    (the ``KVCHAT_DTYPE``/``--dtype`` name) asking for a 16-bit computation makes ``auto`` that computation's
+    unquantized format (bf16 -> bf16; fp16 -> fp32 weights computed in fp16), so one computation has one cache
+    fingerprint however it was asked for.
 
     Raises:
         ValueError: an unknown name, or int8 or int4 on a device other than the CPU.
     """
     if name == "auto":
-        fmt = {"bf16": "bf16", "fp16": "fp32"}.get(compute, "int8" if device_type == "cpu" else "bf16")
+        cpu = "int4" if num_params >= INT4_AUTO_PARAMS else "int8"
+        fmt = {"bf16": "bf16", "fp16": "fp32"}.get(compute, cpu if device_type == "cpu" else "bf16")
     else:
         fmt = name
     if fmt not in WEIGHT_FORMATS:
@@ -225,11 +234,13 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
             for kc in ({False, True} if digest else {False}) for sink in (False, True) for w, c in pairs}
 
 
-def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None) -> CacheIdentity:
+def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None,
+                      num_params: int = 0) -> CacheIdentity:
     """The :class:`CacheIdentity` :func:`kvchat.runtime.load_runtime`'s engine gets, without loading the model.
 
     ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8|int4``
-    (None: ``KVCHAT_WEIGHTS``); the compute dtype is ``KVCHAT_DTYPE``'s (which ``--dtype`` sets). For fp8: K centring when the model's
+    (None: ``KVCHAT_WEIGHTS``), ``auto`` resolved for the model's ``num_params`` (0 where the model is not at
+    hand: then as for a small model); the compute dtype is ``KVCHAT_DTYPE``'s (which ``--dtype`` sets). For fp8: K centring when the model's
     calibration is stored, and the exact sink, which every attention backend reads (PyTorch and Triton,
     CPU and GPU alike). int8 or int4 on a CPU: the compiled decoder layers where they build and ``KVCHAT_ATTENTION``
     is unset (as the engine's :func:`kvchat.model.compiled_decode.compiled_decode`; a model they refuse, with
@@ -247,7 +258,7 @@ def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weight
 
     dev = torch.device(device) if device is not None else settings.device()
     dtype = settings.compute_dtype()
-    fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype)
+    fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype, num_params)
     layers = prefill = False
     if fmt in CPU_ONLY_FORMATS and dev.type == "cpu" and not settings.attention():
         from kvchat.kernels import cpu_decode

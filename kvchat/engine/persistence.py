@@ -51,6 +51,7 @@ from kvchat.store.chunk_index import (
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout
+from kvchat.store.snapshot_read import advise_will_read
 
 CHUNK_TOKENS = 256
 # pinned host bytes a CUDA save's queued chunks hold at most (a 32K-token 8B chat is ~2.2 GB of chunks: pinned
@@ -303,6 +304,7 @@ class KVPersist:
             # thread: the readers already fill the cores, and a pool of OpenMP workers per reader would oversubscribe
             # them (kvchat.cpu_threads.on_own_thread); measured, 4,096 tokens warm: 58-64 ms median vs 67-77 ms
             readers = _reader_count()
+            advise_will_read(row.path for _, _, row in todo)
             with ThreadPoolExecutor(readers, initializer=torch.set_num_threads, initargs=(1,)) as ex:
                 futures = [ex.submit(load, *item) for item in todo]
                 for k, ((_, b, row), fut) in enumerate(zip(todo, futures)):

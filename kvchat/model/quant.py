@@ -49,12 +49,12 @@ SmolLM2: int8mm 2.7 s, dequantize + fp32 2.1 s, fp32 weights 1.8 s at
 and an fp16 ``minimum = min``, ``q = round((w - minimum) / scale)`` in ``[0, 15]``, two per byte: GGUF's Q4_1
 block (20 bytes per 32 weights, 0.625 bytes per parameter against int8 groups' 1.25); the LM head stays int8
 groups (:func:`layer_kind` says why). Every row count quantizes the activations to int8 per group of 32 and
-multiplies on integer dot products: up to ``GROUPS_KERNEL_MAX_ROWS`` rows (decode, a question after a resume)
-the int4 kernel (:mod:`kvchat.kernels.cpu_int4`, llama.cpp's Q4_1 x Q8_1 dot product), more rows (512-token
-prefill chunks) the integer prefill kernel of int8 groups (:mod:`kvchat.kernels.cpu_int8_int8`) on the nibbles
-unpacked to one byte each, with Q8_1's block sums (the int4 kernel's formula in another float order), which holds
-16 channels per register: 2.5x the int4 kernel and 3.6x the dequantized fp32 GEMM at 512 rows
-(docs/performance.md, "4-bit weights", where their cost in perplexity is measured too).
+multiplies on integer dot products (:mod:`kvchat.kernels.cpu_int4`, llama.cpp's Q4_1 x Q8_1 dot product): up to
+``GROUPS_KERNEL_MAX_ROWS`` rows (decode) its group kernel, more rows (512-token prefill chunks) its channel-lanes
+kernel, the same formula in another float order with 16 output channels per register, 3.1x the group kernel at
+512 rows; the compiled decoder layers run chunks of ``INT4_LANE_MIN_TOKENS`` tokens or more (a question after a
+resume) on the channel-lanes kernel too (docs/performance.md, "4-bit weights", where the cost in perplexity is
+measured too).
 
 The tensors live in ``models_dir()/.weights/<model fingerprint>.<scheme>.safetensors``
 (:func:`quantized_path`; written atomically on first use, read on every later load). A model is loaded with
@@ -281,8 +281,8 @@ def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 class Int4GroupLinear(_Int8Layer):
     """``y = quantize(x) W^T (+ b)`` with ``W`` as 4-bit values, two per byte, and an fp16 scale and minimum per
     32 inputs of each output channel, and ``x`` quantized to int8 per group of 32 (the module doc's int4 scheme;
-    the compiled kernels: :mod:`kvchat.kernels.cpu_int4` up to :attr:`max_rows` rows, the integer prefill kernel
-    :mod:`kvchat.kernels.cpu_int8_int8` on the nibbles above, where it takes the shape).
+    the compiled kernel :mod:`kvchat.kernels.cpu_int4`: its group kernel up to :attr:`max_rows` rows, its
+    channel-lanes kernel above, where it takes the shape).
 
     Attributes:
         packed: uint8 ``[out_features, in_features // 2]`` (:func:`kvchat.kernels.cpu_int4.pack`'s order).
@@ -309,11 +309,8 @@ class Int4GroupLinear(_Int8Layer):
         return cpu_int4.int4_matmul(rows, self.packed, self.scale, self.minimum)
 
     def _many_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        if not cpu_int8_int8.takes(self.out_features, self.in_features):
-            return self._few_rows(rows)
-        # the int8 x int8 kernel on the nibbles, one byte each; the minima meet Q8_1's block sums, as in cpu_int4.c
-        return cpu_int8_int8.int8_int8_matmul(rows, cpu_int4.unpack(self.packed).view(torch.int8), self.scale.float(),
-                                              self.minimum.float(), block_sums=True)
+        # the channel-lanes kernel (where it takes the shape): the same product, per group and 16 channels
+        return cpu_int4.int4_matmul(rows, self.packed, self.scale, self.minimum, lanes=cpu_int4.takes_lanes(self.packed))
 
 
 QUANTIZED_LAYERS = (Int8Linear, Int8GroupLinear, Int4GroupLinear)  # the module types a quantized load puts in
@@ -401,8 +398,8 @@ def weight_scheme(bits: int, kernel: str | None = None) -> tuple[str, str]:
             kernel is not available.
     """
     if bits == 4:
-        # the head is int8 groups; prefill chunks run the int8 x int8 kernel
-        if not (cpu_int4.available() and cpu_int8.available() and cpu_int8_int8.available()):
+        # the head is int8 groups
+        if not (cpu_int4.available() and cpu_int8.available()):
             raise ValueError("int4 weights need the compiled CPU int4 and int8 kernels, which are not available here "
                              "(a C compiler and AVX2; KVCHAT_CPU_KERNEL not 0)")
         return "int4", INT4_SCHEME

@@ -1,7 +1,7 @@
 """Run the compiled CPU kernels on fixed random inputs and save every output (``torch.save``), for
 test_cpu_variants.py to compare one build's bits with another's: ``python kernel_outputs.py OUT.pt``.
 
-Covers the int8 and int4 matmuls (row counts 1-17, channel counts with odd tails), the paged decode attention
+Covers the int8 and int4 matmuls (int4: both kernels; row counts 1-17, channel counts with odd tails), the paged decode attention
 (fp8, bf16, fp16 pools; head dims 16, 32, 64, 128; odd and even query heads per KV head; lengths around the
 128-token ranges; with and without the exact sink) and a random-weight engine's compiled chunk and decode
 step (fp8 and bf16 pools, int8 and int4 weights, 3 query heads per KV head): their hidden states, logits and every
@@ -46,6 +46,11 @@ def _int4(out: dict) -> None:
             packed = torch.randint(0, 256, (n, 16 * groups), dtype=torch.uint8, generator=gen)
             scale, minimum = torch.rand(n, groups, generator=gen).half(), torch.randn(n, groups, generator=gen).half()
             out[f"int4 {m}x{n}x{groups}"] = cpu_int4.int4_matmul(x, packed, scale, minimum)
+        for n, groups in ((16, 3), (48, 18)):  # the channel-lanes kernel: blocks of 16 output channels
+            x = torch.randn(m, 32 * groups, generator=gen)
+            packed = torch.randint(0, 256, (n, 16 * groups), dtype=torch.uint8, generator=gen)
+            scale, minimum = torch.rand(n, groups, generator=gen).half(), torch.randn(n, groups, generator=gen).half()
+            out[f"int4 lanes {m}x{n}x{groups}"] = cpu_int4.int4_matmul(x, packed, scale, minimum, lanes=True)
 
 
 def _attention(out: dict) -> None:

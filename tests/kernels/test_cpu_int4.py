@@ -1,6 +1,6 @@
-"""The compiled CPU int4 matmul (kvchat.kernels.cpu_int4): its nibble layout, its formula (int8 activations on
-integer dot products), its bits whatever the row count, threads or build, what the int8 activations cost against
-the float product, and the layouts it refuses."""
+"""The compiled CPU int4 matmul (kvchat.kernels.cpu_int4), its group kernel and its channel-lanes kernel: the
+nibble layout, the formula (int8 activations on integer dot products), the bits whatever the row count, threads or
+build, what the int8 activations cost against the float product, and the layouts each refuses."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from kvchat.kernels import cpu_build, cpu_int4
 from kvchat.kernels.cpu_int8_int8 import quantize_activations
+from kvchat.model.int4_scheme import INT4_LANE_MIN_TOKENS
 from kvchat.model.quant import quantize_int4_groups
 
 needs_kernel = pytest.mark.skipif(not cpu_int4.available(), reason="the compiled CPU int4 kernel does not build here")
@@ -48,11 +49,12 @@ def _rows(m: int, k: int, seed: int = 1) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(40, 576), (24, 1536), (13, 64)])
-def test_each_row_is_the_formula_whatever_the_other_rows(n, k):
+@pytest.mark.parametrize("n,k,lanes", [(40, 576, False), (24, 1536, False), (13, 64, False), (48, 576, True),
+                                       (32, 1536, True), (16, 64, True)])
+def test_each_row_is_the_formula_whatever_the_other_rows(n, k, lanes):
     _, packed, scale, minimum = _weights(n, k)
-    x = _rows(15, k)  # rows in an eight and a seven, alone, in a pair, a four, or among an odd count
-    y = cpu_int4.int4_matmul(x, packed, scale, minimum)
+    x = _rows(15, k)  # rows in an eight and a seven (fours and a three), alone, in a pair, or among an odd count
+    y = cpu_int4.int4_matmul(x, packed, scale, minimum, lanes=lanes)
     ref = cpu_int4.reference(x, packed, scale, minimum)
     a, d = quantize_activations(x)
     # fp32 rounding only (the integer dot products are exact): each product and partial sum rounds by 2**-24
@@ -61,17 +63,21 @@ def test_each_row_is_the_formula_whatever_the_other_rows(n, k):
             + torch.einsum("mg,ng->mn", d.double() * a.abs().double().view(15, -1, 32).sum(2), minimum.double().abs()))
     assert y.isfinite().all() and ((y.double() - ref.double()).abs() <= 2**-16 * mass).all()
     for i in range(15):  # a row alone (decode) gives the bits it gets among others
-        assert torch.equal(cpu_int4.int4_matmul(x[i : i + 1].clone(), packed, scale, minimum)[0], y[i])
+        assert torch.equal(cpu_int4.int4_matmul(x[i : i + 1].clone(), packed, scale, minimum, lanes=lanes)[0], y[i])
     for start, stop in ((2, 5), (3, 7), (0, 4), (1, 13), (0, 9)):
-        assert torch.equal(cpu_int4.int4_matmul(x[start:stop].clone(), packed, scale, minimum), y[start:stop])
+        assert torch.equal(cpu_int4.int4_matmul(x[start:stop].clone(), packed, scale, minimum, lanes=lanes),
+                           y[start:stop])
+    if lanes:  # the same formula in another float order: other bits, the same product
+        assert not torch.equal(y, cpu_int4.int4_matmul(x, packed, scale, minimum))
 
 
 @pytest.mark.skipif(len(BUILDS) < 2, reason="one build runs on this CPU: nothing to compare it with")
 @needs_kernel
-def test_every_build_computes_the_same_bits():
-    _, packed, scale, minimum = _weights(40, 1024)
+@pytest.mark.parametrize("lanes", [False, True])
+def test_every_build_computes_the_same_bits(lanes):
+    _, packed, scale, minimum = _weights(48, 1024)
     x = _rows(19, 1024)
-    ys = {v: cpu_int4.int4_matmul(x, packed, scale, minimum, variant=v) for v in BUILDS}
+    ys = {v: cpu_int4.int4_matmul(x, packed, scale, minimum, variant=v, lanes=lanes) for v in BUILDS}
     assert len({cpu_int4._library(v)._name for v in BUILDS}) == len(BUILDS)  # each its own library
     for v, y in ys.items():
         assert torch.equal(y, ys["avx2"]), v
@@ -122,22 +128,26 @@ def test_int8_activations_stay_close_to_the_float_product():
 
 
 @needs_kernel
-def test_threads_and_calling_thread_do_not_change_the_bits():
-    _, packed, scale, minimum = _weights(1000, 576)
-    x = torch.randn(120, 576)  # 2,160 groups: past those the calling thread quantizes alone
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_int4.int4_matmul(x, packed, scale, minimum)
-        torch.set_num_threads(2)
-        two = cpu_int4.int4_matmul(x, packed, scale, minimum)
-    finally:
-        torch.set_num_threads(before)
-    out = {}
-    worker = threading.Thread(target=lambda: out.setdefault("y", cpu_int4.int4_matmul(x, packed, scale, minimum)))
-    worker.start()
-    worker.join()
-    assert torch.equal(one, two) and torch.equal(one, out["y"])
+@pytest.mark.parametrize("lanes", [False, True])
+def test_threads_and_calling_thread_do_not_change_the_bits(lanes):
+    _, packed, scale, minimum = _weights(1008, 576)
+    # 120 rows are 2,160 groups of 32: from 2,048 the team quantizes the activations; 8 rows' 144 the calling thread
+    for x in (torch.randn(120, 576), torch.randn(8, 576)):
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = cpu_int4.int4_matmul(x, packed, scale, minimum, lanes=lanes)
+            torch.set_num_threads(2)
+            two = cpu_int4.int4_matmul(x, packed, scale, minimum, lanes=lanes)
+        finally:
+            torch.set_num_threads(before)
+        out = {}
+        worker = threading.Thread(target=lambda x=x: out.setdefault("y", cpu_int4.int4_matmul(x, packed, scale, minimum,
+                                                                                              lanes=lanes)))
+        worker.start()
+        worker.join()
+        assert torch.equal(one, two) and torch.equal(one, out["y"])
+        assert torch.equal(one[:4], cpu_int4.int4_matmul(x[:4], packed, scale, minimum, lanes=lanes))
 
 
 @needs_kernel
@@ -157,6 +167,10 @@ def test_layouts_it_does_not_take_are_refused():
     for args in bad:
         with pytest.raises(ValueError, match="not a layout"):
             cpu_int4.int4_matmul(*args)
+    with pytest.raises(ValueError, match="not a layout"):  # 8 output channels: not a block of 16 lanes
+        cpu_int4.int4_matmul(x, packed, scale, minimum, lanes=True)
+    # the compiled decoder layers' threshold (cpu_kernels.h) is the one the cache fingerprint names
+    assert cpu_int4._library().kvchat_int4_lane_min_tokens() == INT4_LANE_MIN_TOKENS
     wide = cpu_int4.max_inputs() + 32  # past the per-channel scales the kernel keeps on its stack
     assert not cpu_int4.takes(torch.zeros(1, wide // 2, dtype=torch.uint8), torch.zeros(1, wide // 32, dtype=torch.float16),
                               torch.zeros(1, wide // 32, dtype=torch.float16))

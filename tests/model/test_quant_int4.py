@@ -12,11 +12,10 @@ from turn_helpers import prefill
 from kvchat.engine.block_manager import SeqBlocks
 from kvchat.engine.cache_identity import CacheIdentity, fingerprint_variants, resolve_weight_format, weight_scheme
 from kvchat.engine.runner import Engine
-from kvchat.kernels import cpu_int4, cpu_int8_int8
+from kvchat.kernels import cpu_int4
 from kvchat.model import quant
 from kvchat.model.config import ModelConfig
 from kvchat.model.int4_scheme import INT4_SCHEME, int4_compute_scheme
-from kvchat.model.int8_scheme import INT8_PREFILL_VERSION
 
 needs_kernel = pytest.mark.skipif(not cpu_int4.available(), reason="the compiled CPU int4 kernel does not build here")
 
@@ -73,13 +72,10 @@ def test_int4_linear_runs_int8_activations_at_every_row_count(rows):
     assert layer.weight_bytes == 96 * 192 // 2 + 2 * 2 * 96 * 6  # 0.625 bytes per weight
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    # its kernel's bits, the bias added after: the int4 kernel for few rows, the int8 x int8 kernel on the
-    # unpacked nibbles with Q8_1's block sums for more; the same formula (the reference) either way
-    if rows <= quant.GROUPS_KERNEL_MAX_ROWS:
-        assert torch.equal(got, cpu_int4.int4_matmul(x, packed, scale, minimum) + b)
-    else:
-        nibbles = cpu_int4.unpack(packed).view(torch.int8)
-        assert torch.equal(got, cpu_int8_int8.int8_int8_matmul(x, nibbles, scale.float(), minimum.float(), block_sums=True) + b)
+    # its kernel's bits, the bias added after: the group kernel for few rows, the channel-lanes kernel for more;
+    # the same formula (the reference) either way
+    lanes = rows > quant.GROUPS_KERNEL_MAX_ROWS
+    assert torch.equal(got, cpu_int4.int4_matmul(x, packed, scale, minimum, lanes=lanes) + b)
     torch.testing.assert_close(got - b, cpu_int4.reference(x, packed, scale, minimum), rtol=1e-4, atol=1e-4)
     want = x.double() @ _dequant(packed, scale, minimum).t()
     # int8 activations cost ~0.6% of the product's norm (tests/kernels/test_cpu_int4.py says why)
@@ -137,10 +133,9 @@ def test_int4_is_its_own_cache_identity():
     assert resolve_weight_format("int4", "cpu") == "int4"
     with pytest.raises(ValueError, match="int4 weights run on the CPU only"):
         resolve_weight_format("int4", "cuda")
-    assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-head8-v1-a8g32x32-i8i8v1"
-    assert weight_scheme("int4", compiled_layers=True) == "int4-affine-g32-f16-head8-v1-a8g32x32-i8i8v1-layer32v2"
-    # int4's prefill chunks run the int8 x int8 kernel: its rounding's version is the one int8 prefill names
-    assert int4_compute_scheme().endswith(f"-i8i8v{INT8_PREFILL_VERSION}")
+    assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-head8-v1-a8g32x32-lanes1"
+    assert (weight_scheme("int4", compiled_layers=True)
+            == "int4-affine-g32-f16-head8-v1-a8g32x32-lanes1-layer32v2-lanes5")
     int4 = {CacheIdentity("m", "bf16", 16, "int4", compiled_layers=c).fingerprint for c in (False, True)}
     int8 = {CacheIdentity("m", "bf16", 16, "int8", int8_kernel=k, compiled_layers=c).fingerprint
             for k, c in (("avx2", False), ("avx2", True), ("int8mm", False))}

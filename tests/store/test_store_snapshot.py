@@ -8,6 +8,7 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -15,11 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from kvchat.bench.page_cache import drop_file_cache, resident_fraction
 from kvchat.index import kv_dir
 from kvchat.store.errors import CorruptChunkError
 from kvchat.store.keys import chunk_key
 from kvchat.store.snapshot import ChunkData, ChunkLayout, publish_chunk, stage_chunk
-from kvchat.store.snapshot_read import MAX_HEADER_BYTES, read_chunk, verify_chunk_file
+from kvchat.store.snapshot_read import MAX_HEADER_BYTES, advise_will_read, read_chunk, verify_chunk_file
 
 torch.set_num_threads(1)
 FP8 = torch.float8_e4m3fn
@@ -227,3 +229,16 @@ def test_crash_while_writing_leaves_no_final_file(home, point):
     assert proc.returncode == -9
     names = os.listdir(kv_dir() / "ab")
     assert len(names) == 1 and names[0].startswith(".") and names[0].endswith(".tmp")
+
+
+def test_files_advised_before_a_restore_are_read_ahead(tmp_path):
+    """advise_will_read starts the kernel reading a file whose pages were dropped; a missing file is skipped."""
+    path = tmp_path / "chunk.safetensors"
+    path.write_bytes(os.urandom(4 << 20))
+    if drop_file_cache(path) != 0.0:
+        pytest.skip("this file system keeps the pages of a dropped file (or cannot say)")
+    advise_will_read([tmp_path / "missing.safetensors", path])
+    deadline = time.monotonic() + 5
+    while resident_fraction(path) < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert resident_fraction(path) == 1.0

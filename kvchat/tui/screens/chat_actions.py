@@ -268,5 +268,5 @@ class ChatActions:
         if message:  # this runs inside the continuation's own job, so nothing else can have started
             chat_input = self.query_one("#input")
             if chat_input.text.startswith(message):  # given back before what was typed since: keep the rest
-                chat_input.text = chat_input.text[len(message):].removeprefix("\n")
+                chat_input.load(chat_input.text[len(message):].removeprefix("\n"))
             await self.start_turn("send", message)

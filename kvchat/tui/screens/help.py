@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.containers import Vertical
 from textual.screen import ModalScreen
@@ -38,7 +39,7 @@ class HelpScreen(ModalScreen[None]):
         cell, the last one the rest (each cell has ``cell_padding`` on both sides; 2 more for the scrollbar)."""
         table = self.query_one("#help-table", DataTable)
         rows = help_rows()
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS[:2])]
+        widths = [max(cell_len(h), *(cell_len(r[i]) for r in rows)) for i, h in enumerate(HEADERS[:2])]  # terminal cells, not characters
         rest = table.size.width - sum(widths) - 2 * table.cell_padding * len(HEADERS) - 2
         table.clear(columns=True)
         for header, width in zip(HEADERS, [*widths, max(MIN_TEXT_WIDTH, rest)]):
