@@ -21,7 +21,7 @@ writable cache dir, no platformdirs) or ``KVCHAT_CPU_KERNEL=0``, :func:`load`
 returns None after one logged notice per library and the callers keep their
 torch code (an ``avx512`` build that fails falls back to ``avx2`` first, with one notice per library; a
 failed build is tried again by the next process). A build removes the libraries of
-earlier versions of its source.
+other versions of its source unused for a week (each load touches its own).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,12 +170,18 @@ def _build(sources: tuple[Path, ...], variant: str) -> Path:
     finally:
         Path(tmp).unlink(missing_ok=True)
     current = {library_path(*sources, variant=v) for v in VARIANTS}
-    for old in target.parent.glob(f"{stem}-*.so"):  # earlier sources' builds: never loaded again
-        if old not in current:
-            old.unlink(missing_ok=True)
+    for old in target.parent.glob(f"{stem}-*.so"):  # other sources' builds, unused for STALE_S (loads touch them)
+        try:
+            if old not in current and time.time() - old.stat().st_mtime > STALE_S:
+                old.unlink(missing_ok=True)
+        except OSError:  # removed meanwhile by another process's build
+            pass
     return target
 
 
+# another sources' version's library is removed by a build once unused this long, s: two kvchat versions sharing
+# one cache (two checkouts, an upgrade beside a running process) each keep theirs instead of rebuilding by turns
+STALE_S = 7 * 86400
 _build_lock = threading.Lock()  # one build per source even when two threads ask first
 
 
@@ -214,4 +221,9 @@ def _load_variant(source: Path, also: tuple[Path, ...], variant: str) -> ctypes.
     target = library_path(source, *also, variant=variant)
     if not target.exists():
         _build((source, *also), variant)
-    return ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(target))
+    try:
+        os.utime(target)  # in use: another version's build leaves it (STALE_S)
+    except OSError:
+        pass
+    return lib

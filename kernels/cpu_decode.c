@@ -67,8 +67,9 @@ typedef struct DecodeStep {
 } DecodeStep;
 
 typedef struct {
-  float *h, *qkv, *q, *k, *v, *attn, *proj, *gu, *act, *xsum, *xq, *xd, *tile, *work;
-} Scratch; /* xq: int4 matmuls' int8 activations (R * widest bytes); xd: their scales */
+  float *h, *qkv, *q, *k, *v, *attn, *proj, *gu, *act, *xsum, *xq, *xd, *tile, *work, *lanes;
+} Scratch; /* xq: int4 matmuls' int8 activations (R * widest bytes); xd: their scales; lanes: the int4
+             channel-lanes kernel's work (kvchat_int4_lanes_work_bytes) */
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -82,15 +83,16 @@ static int64_t longest(const DecodeStep *s) {
 static int64_t carve(const DecodeStep *s, int64_t lmax, float *base, Scratch *b) {
   const int64_t R = s->rows, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->inter, TG = s->tokens * H / Hkv;
   const int64_t widest = max64(max64(s->hidden, H * D), I);
-  const int64_t sizes[14] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
+  const int64_t sizes[15] = {R * s->hidden,       R * (H + 2 * Hkv) * D, R * H * D,  R * Hkv * D,
                              R * Hkv * D,         R * H * D,             R * s->hidden, R * 2 * I,
                              R * I,               R * (widest / GROUP),  (R * widest + 3) / 4, R * (widest / GROUP),
                              kvchat_attention_tile_floats(Hkv, TG, D, s->threads),
-                             kvchat_attention_work_floats(R / s->tokens, Hkv, TG, D, lmax)};
-  float **slot[14] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
-                      &b->xq, &b->xd, &b->tile, &b->work};
+                             kvchat_attention_work_floats(R / s->tokens, Hkv, TG, D, lmax),
+                             (kvchat_int4_lanes_work_bytes(widest / GROUP, s->threads) + 3) / 4};
+  float **slot[15] = {&b->h, &b->qkv, &b->q, &b->k, &b->v, &b->attn, &b->proj, &b->gu, &b->act, &b->xsum,
+                      &b->xq, &b->xd, &b->tile, &b->work, &b->lanes};
   int64_t used = 0;
-  for (int i = 0; i < 14; ++i) {
+  for (int i = 0; i < 15; ++i) {
     if (base != NULL) *slot[i] = base + used;
     used += (sizes[i] + 15) / 16 * 16; /* each part on a 64-byte boundary of the base */
   }
@@ -114,12 +116,12 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t R, int64_
 }
 
 /* y = x W^T (+ bias) for R rows of chunks of T tokens each (T = 1: a decode step). int4: a chunk of at least
-   INT4_LANE_MIN_TOKENS tokens on the channel-lanes kernel (where it takes N), else the group kernel; the choice
-   follows T alone, so a chunk's bits are the same cold or resumed. */
+   INT4_LANE_MIN_TOKENS tokens on the channel-lanes kernel, else the group kernel; the choice follows T alone, so
+   a chunk's bits are the same cold or resumed. */
 static void linear(const Weight *w, const float *x, float *y, int64_t R, int64_t T, const Scratch *b, int threads) {
-  if (w->bits == 4 && T >= INT4_LANE_MIN_TOKENS && w->n % 16 == 0)
-    kvchat_int4_matmul_lanes(x, w->q, w->scale, w->offset, (int8_t *)b->xq, b->xd, b->xsum, y, R, w->n,
-                             w->k / GROUP, threads);
+  if (w->bits == 4 && T >= INT4_LANE_MIN_TOKENS)
+    kvchat_int4_matmul_lanes(x, w->q, w->scale, w->offset, (int8_t *)b->xq, b->xd, b->xsum, y, (char *)b->lanes, R,
+                             w->n, w->k / GROUP, threads);
   else if (w->bits == 4)
     kvchat_int4_matmul(x, w->q, w->scale, w->offset, (int8_t *)b->xq, b->xd, b->xsum, y, R, w->n, w->k / GROUP,
                        threads);

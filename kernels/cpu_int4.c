@@ -43,8 +43,8 @@
    The activations are quantized by the calling thread for a few rows, by the team for many. */
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void channel(const int8_t *xq, cons
   for (int i = 0; i < ROWS; ++i) even[i] = odd[i] = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 2 <= G; g += 2) {
-    if (g % 4 == 0) /* the next channel's line of these 4 groups: its short stream starts warm */
+    if (g % 4 == 0 && n + 1 < N) /* the next channel's line of these 4 groups: its short stream starts warm */
       _mm_prefetch((const char *)(w + K / 2 + g * (GROUP / 2)), _MM_HINT_T0);
     const __m256i w0 = nibbles(w + g * (GROUP / 2)), w1 = nibbles(w + (g + 1) * (GROUP / 2));
     for (int i = 0; i < ROWS; ++i) {
@@ -177,6 +177,7 @@ void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *s
 
 #define LANE_CHANNELS 16
 #define LANE_STEPS (GROUP / 4)
+#define LANE_WORK_PER_GROUP (LANE_STEPS * LANE_CHANNELS * 4 + LANE_CHANNELS * 8) /* 640 bytes: 64-byte aligned */
 #ifdef KVCHAT_AVX512
 #define LANE_ROWS 4 /* rows per pass over a block's steps: 8 steps + 2 per row of the 32 registers */
 #else
@@ -186,23 +187,27 @@ void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *s
 static inline __m128i load16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
 
 /* Block n0's steps for every group into st (G x 8 x 16 int32) and its scales and minima as floats into sc, mn
-   (G x 16). */
+   (G x 16); a block past the last of the N channels (N not a multiple of 16) reads the last channel in its place
+   and its scales and minima are 0, so its lanes hold finite values the caller does not store. With prefetch_next,
+   the next block's lines are prefetched to L2 as this one is read (the block after is that thread's next under
+   a static schedule). */
 static void transpose_block(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t n0,
-                            int64_t G, int32_t *st, float *sc, float *mn, int prefetch_next) {
+                            int64_t N, int64_t G, int32_t *st, float *sc, float *mn, int prefetch_next) {
   const int64_t stride = G * (GROUP / 2); /* bytes per channel */
-  const uint8_t *base = packed + n0 * stride;
+  const uint8_t *ch[LANE_CHANNELS];          /* each lane's channel (the last one past N) */
+  for (int j = 0; j < LANE_CHANNELS; ++j) ch[j] = packed + (n0 + j < N ? n0 + j : N - 1) * stride;
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t *b = base + g * (GROUP / 2);
+    const int64_t at = g * (GROUP / 2);
     int32_t *out = st + g * LANE_STEPS * LANE_CHANNELS;
     if (g % 4 == 0 && prefetch_next) /* the next block's line of these 4 groups, to L2 while this block's rows run */
-      for (int j = 0; j < LANE_CHANNELS; ++j) _mm_prefetch((const char *)(b + (LANE_CHANNELS + j) * stride), _MM_HINT_T1);
+      for (int j = 0; j < LANE_CHANNELS; ++j) _mm_prefetch((const char *)(ch[j] + LANE_CHANNELS * stride + at), _MM_HINT_T1);
 #ifdef KVCHAT_AVX512
     __m512i A[4];
     for (int c = 0; c < 4; ++c) {
-      __m512i a = _mm512_castsi128_si512(load16(b + c * stride));
-      a = _mm512_inserti32x4(a, load16(b + (c + 4) * stride), 1);
-      a = _mm512_inserti32x4(a, load16(b + (c + 8) * stride), 2);
-      A[c] = _mm512_inserti32x4(a, load16(b + (c + 12) * stride), 3);
+      __m512i a = _mm512_castsi128_si512(load16(ch[c] + at));
+      a = _mm512_inserti32x4(a, load16(ch[c + 4] + at), 1);
+      a = _mm512_inserti32x4(a, load16(ch[c + 8] + at), 2);
+      A[c] = _mm512_inserti32x4(a, load16(ch[c + 12] + at), 3);
     }
     const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
     const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
@@ -215,10 +220,10 @@ static void transpose_block(const uint8_t *packed, const uint16_t *scale, const 
     }
 #else
     for (int h = 0; h < 2; ++h) { /* channels 8 h .. 8 h + 7 into lanes 8 h .. */
-      const uint8_t *bh = b + 8 * h * stride;
+      const uint8_t *const *chh = ch + 8 * h;
       __m256i A[4];
       for (int c = 0; c < 4; ++c)
-        A[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(bh + c * stride)), load16(bh + (c + 4) * stride), 1);
+        A[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(chh[c] + at)), load16(chh[c + 4] + at), 1);
       const __m256i t0 = _mm256_unpacklo_epi32(A[0], A[1]), t1 = _mm256_unpackhi_epi32(A[0], A[1]);
       const __m256i t2 = _mm256_unpacklo_epi32(A[2], A[3]), t3 = _mm256_unpackhi_epi32(A[2], A[3]);
       const __m256i T[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
@@ -232,8 +237,8 @@ static void transpose_block(const uint8_t *packed, const uint16_t *scale, const 
     }
 #endif
     for (int j = 0; j < LANE_CHANNELS; ++j) {
-      sc[g * LANE_CHANNELS + j] = _cvtsh_ss(scale[(n0 + j) * G + g]);
-      mn[g * LANE_CHANNELS + j] = _cvtsh_ss(minimum[(n0 + j) * G + g]);
+      sc[g * LANE_CHANNELS + j] = n0 + j < N ? _cvtsh_ss(scale[(n0 + j) * G + g]) : 0.0f;
+      mn[g * LANE_CHANNELS + j] = n0 + j < N ? _cvtsh_ss(minimum[(n0 + j) * G + g]) : 0.0f;
     }
   }
 }
@@ -277,7 +282,9 @@ static inline __attribute__((always_inline)) void lane_rows(const int8_t *xq, co
       acc[r] = _mm512_fmadd_ps(mnv, _mm512_set1_ps(xs[(m + r) * G + g]), acc[r]);
     }
   }
-  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + (m + r) * N + n0, acc[r]);
+  /* a block past N stores its first N - n0 lanes */
+  const __mmask16 keep = n0 + LANE_CHANNELS <= N ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+  for (int r = 0; r < ROWS; ++r) _mm512_mask_storeu_ps(y + (m + r) * N + n0, keep, acc[r]);
 }
 #else
 static inline __m256i dot4_8(__m256i acc, __m256i w, __m256i a) {
@@ -306,28 +313,42 @@ static inline __attribute__((always_inline)) void lane_rows_half(const int8_t *x
       acc[r] = _mm256_fmadd_ps(mnv, _mm256_set1_ps(xs[(m + r) * G + g]), acc[r]);
     }
   }
-  for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(y + (m + r) * N + n0 + 8 * h, acc[r]);
+  const int64_t n = n0 + 8 * h; /* a half past N stores its first N - n lanes (the caller skips one wholly past) */
+  for (int r = 0; r < ROWS; ++r) {
+    if (n + 8 <= N) {
+      _mm256_storeu_ps(y + (m + r) * N + n, acc[r]);
+    } else {
+      float t[8];
+      _mm256_storeu_ps(t, acc[r]);
+      memcpy(y + (m + r) * N + n, t, (size_t)(N - n) * sizeof(float));
+    }
+  }
 }
 #endif
 
 int64_t kvchat_int4_lane_min_tokens(void) { return INT4_LANE_MIN_TOKENS; }
 
-/* kvchat_int4_matmul's arguments and result with the channel-lanes order (above); N a multiple of 16. */
+/* Bytes of kvchat_int4_matmul_lanes' work buffer for G groups and `threads` threads: each thread's block of steps
+   (G x 512 bytes) and scales and minima (G x 128), on 64-byte boundaries, and 64 for aligning the base. */
+int64_t kvchat_int4_lanes_work_bytes(int64_t G, int threads) { return (int64_t)threads * G * LANE_WORK_PER_GROUP + 64; }
+
+/* kvchat_int4_matmul's arguments and result with the channel-lanes order (above), any N; work: the caller's
+   buffer of kvchat_int4_lanes_work_bytes(G, threads) bytes (any alignment). */
 void kvchat_int4_matmul_lanes(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
-                              int8_t *xq, float *xd, float *xs, float *y, int64_t M, int64_t N, int64_t G,
-                              int threads) {
+                              int8_t *xq, float *xd, float *xs, float *y, char *work, int64_t M, int64_t N,
+                              int64_t G, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (M * G >= TEAM_QUANTIZE_GROUPS)
   for (int64_t mg = 0; mg < M * G; ++mg) quantize_row_group(x, xq, xd, xs, mg);
-  const int64_t blocks = N / LANE_CHANNELS;
+  const int64_t blocks = (N + LANE_CHANNELS - 1) / LANE_CHANNELS;
+  char *base = (char *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
 #pragma omp parallel num_threads(threads)
   {
-    /* this thread's block: its steps (G x 512 bytes) and scales and minima (G x 128) */
-    int32_t *st = aligned_alloc(64, (size_t)G * LANE_STEPS * LANE_CHANNELS * 4 + (size_t)G * LANE_CHANNELS * 8);
+    int32_t *st = (int32_t *)(base + (int64_t)omp_get_thread_num() * G * LANE_WORK_PER_GROUP);
     float *sc = (float *)(st + G * LANE_STEPS * LANE_CHANNELS), *mn = sc + G * LANE_CHANNELS;
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t n0 = blk * LANE_CHANNELS;
-      transpose_block(packed, scale, minimum, n0, G, st, sc, mn, n0 + 2 * LANE_CHANNELS <= N);
+      transpose_block(packed, scale, minimum, n0, N, G, st, sc, mn, n0 + 2 * LANE_CHANNELS <= N);
 #ifdef KVCHAT_AVX512
       for (int64_t m = 0; m < M;) {
         const int rows = M - m >= LANE_ROWS ? LANE_ROWS : (int)(M - m);
@@ -340,7 +361,7 @@ void kvchat_int4_matmul_lanes(const float *x, const uint8_t *packed, const uint1
         m += rows;
       }
 #else
-      for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2 && n0 + 8 * h < N; ++h)
         for (int64_t m = 0; m < M;) {
           const int rows = M - m >= LANE_ROWS ? LANE_ROWS : (int)(M - m);
           if (rows == 2)
@@ -351,6 +372,5 @@ void kvchat_int4_matmul_lanes(const float *x, const uint8_t *packed, const uint1
         }
 #endif
     }
-    free(st);
   }
 }

@@ -6,7 +6,10 @@ Why: a decode step reads every weight once, and on a CPU it is bound by those by
 fp32 scale and offset read 1.25 bytes per parameter; these read 0.625 (16 bytes of nibbles and 4 of fp16 scale
 and minimum per 32). With float activations each nibble had to be widened to a float and multiplied on its own
 FMA lane, which left a one-row matmul partly compute bound; on integer dot products a group of 32 is one
-``vpdpbusd`` (or two instructions on AVX2) and one float FMA. The C source gives the formula and why a row's bits
+``vpdpbusd`` (or two instructions on AVX2) and one float FMA. Two kernels: the group kernel (decode rows, inputs
+in the lanes) and the channel-lanes kernel (a prefill chunk's rows, ``lanes=True``: 16 output channels in the
+lanes, each group's nibbles transposed once per call, the float work per group and 16 channels; 2x the group
+kernel from ~6 rows). The C source gives the formula of each and why a row's bits
 depend neither on the row count, nor the threads, nor the build (``avx2``, ``avx512``, ``avx512vnni``:
 :func:`kvchat.kernels.cpu_build.integer_variant`). The quantizer is
 :func:`kvchat.model.quant.quantize_int4_groups`; the layer :class:`kvchat.model.quant.Int4GroupLinear`.
@@ -36,9 +39,11 @@ SOURCE = Path(__file__).with_name("cpu_int4.c")
 def _library(variant: str | None = None) -> ctypes.CDLL | None:
     lib = load_library(SOURCE, variant=variant or integer_variant())
     if lib is not None:
-        for fn in (lib.kvchat_int4_matmul, lib.kvchat_int4_matmul_lanes):
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.kvchat_int4_matmul.restype = lib.kvchat_int4_matmul_lanes.restype = None
+        lib.kvchat_int4_matmul.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.kvchat_int4_matmul_lanes.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.kvchat_int4_lanes_work_bytes.restype = ctypes.c_int64
+        lib.kvchat_int4_lanes_work_bytes.argtypes = [ctypes.c_int64, ctypes.c_int]
         lib.kvchat_int4_max_groups.restype = ctypes.c_int64
         lib.kvchat_int4_max_groups.argtypes = []
         lib.kvchat_int4_lane_min_tokens.restype = ctypes.c_int64
@@ -71,15 +76,6 @@ def takes(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> b
             and all(t.is_contiguous() and t.device.type == "cpu" for t in (packed, scale, minimum)))
 
 
-LANE_CHANNELS = 16  # output channels per block of the channel-lanes kernel (cpu_int4.c's LANE_CHANNELS)
-
-
-def takes_lanes(packed: torch.Tensor) -> bool:
-    """Whether the channel-lanes kernel takes a weight of ``packed``'s rows (output channels): a multiple of
-    :data:`LANE_CHANNELS`."""
-    return packed.shape[0] % LANE_CHANNELS == 0
-
-
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                 variant: str | None = None, lanes: bool = False) -> torch.Tensor:
     """``y = quantize(x) W^T`` with ``W[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + minimum[n, g]``, ``q`` the
@@ -91,8 +87,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
         x: float32 ``[M, K]`` on the CPU (any strides), ``K = 32 G``.
         packed: uint8 ``[N, K / 2]``; scale, minimum: float16 ``[N, G]``; all contiguous (:func:`takes`).
         variant: a :data:`kvchat.kernels.cpu_build.VARIANTS` build (None: this process's); the bits are equal.
-        lanes: the channel-lanes kernel of a prefill chunk's rows (``N`` a multiple of :data:`LANE_CHANNELS`;
-            :func:`takes_lanes`): the same product in another float order, so other bits (``cpu_int4.c``).
+        lanes: the channel-lanes kernel of a prefill chunk's rows: the same product in another float order, so
+            other bits (``cpu_int4.c``).
     Returns:
         float32 ``[M, N]``. A row's bits depend neither on ``M``, nor on the thread count, nor on the build.
     Raises:
@@ -103,7 +99,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
     if lib is None:
         raise RuntimeError("the compiled CPU int4 kernel is not available")
     if not (takes(packed, scale, minimum) and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[1] == 2 * packed.shape[1] and x.device.type == "cpu" and (not lanes or takes_lanes(packed))):
+            and x.shape[1] == 2 * packed.shape[1] and x.device.type == "cpu"):
         raise ValueError(f"int4_matmul: x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} {packed.dtype}, "
                          f"scale {tuple(scale.shape)} {scale.dtype}, minimum {tuple(minimum.shape)} {minimum.dtype}: "
                          "not a layout the kernel takes")
@@ -113,9 +109,14 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
     y = torch.empty(m, n, dtype=torch.float32)
     xq = torch.empty(m, x.shape[1], dtype=torch.int8)
     xd, xs = torch.empty(m, groups, dtype=torch.float32), torch.empty(m, groups, dtype=torch.float32)
-    fn = lib.kvchat_int4_matmul_lanes if lanes else lib.kvchat_int4_matmul
-    fn(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), xq.data_ptr(), xd.data_ptr(),
-       xs.data_ptr(), y.data_ptr(), m, n, groups, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    args = (x.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), xq.data_ptr(), xd.data_ptr(),
+            xs.data_ptr(), y.data_ptr())
+    if lanes:
+        work = torch.empty(lib.kvchat_int4_lanes_work_bytes(groups, threads), dtype=torch.uint8)
+        lib.kvchat_int4_matmul_lanes(*args, work.data_ptr(), m, n, groups, threads)
+    else:
+        lib.kvchat_int4_matmul(*args, m, n, groups, threads)
     return y
 
 

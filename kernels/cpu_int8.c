@@ -55,8 +55,6 @@ static inline __attribute__((always_inline)) void channel(const float *x, const 
   for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k = g * GROUP;
-    if (g % 2 == 0) /* the next channel's line of these 2 groups: its short stream starts warm (cpu_int4.c) */
-      _mm_prefetch((const char *)(w + K + k), _MM_HINT_T0);
     const __m256 w0 = widen(w + k), w1 = widen(w + k + 8), w2 = widen(w + k + 16), w3 = widen(w + k + 24);
     const __m256 s = _mm256_broadcast_ss(sc + g);
     for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + i * K + k), s, acc[i]);

@@ -1,5 +1,5 @@
-/* int8 weights times int8-quantized activations on integer dot products, for prefill chunks on the CPU (int8
-   weights, and int4 weights unpacked to one byte each: kvchat.model.quant.Int4GroupLinear).
+/* int8 weights times int8-quantized activations on integer dot products, for int8 weights' prefill chunks on the
+   CPU (kvchat.model.quant.Int8GroupLinear; int4 weights have their own channel-lanes kernel, cpu_int4.c).
 
    The weights are cpu_int8.c's: int8 q[N, K] with a float32 scale and offset per 32 inputs of each output
    channel, w[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + offset[n, g]. Each activation row is quantized per
@@ -10,10 +10,7 @@
      y[m, n] = sum_g ( scale[n, g] * d[m, g] * I[m, n, g] + offset[n, g] * xsum[m, g] ),
      I[m, n, g] = sum_{k < 32} a[m, 32 g + k] * q[n, 32 g + k]   (exact, in int32)
 
-   with xsum the float sum of the group's 32 activations as they are (the same pairwise sum as cpu_int8.c), or
-   with block_sums Q8_1's block sum d[m, g] * sum_k a[m, 32 g + k] (cpu_kernels.h's block_sum): int4 weights'
-   prefill (q the nibbles 0 .. 15, offset the minimum), whose offset term must meet the quantized activations,
-   as cpu_int4.c says why, and which then computes cpu_int4.c's formula (in another float order).
+   with xsum the float sum of the group's 32 activations as they are (the same pairwise sum as cpu_int8.c).
 
    Layout: each thread repacks 16 output channels at a time into a small buffer (16 x K bytes, in L2): for every 4
    inputs, the 4 bytes of each of the 16 channels side by side, so one 16-lane int32 register holds 16 channels'
@@ -49,16 +46,12 @@
 int64_t kvchat_int8_int8_work_bytes(int64_t G);
 void kvchat_int8_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, int8_t *xq,
                              float *xd, float *xsum, float *y, char *work, int64_t M, int64_t N, int64_t G,
-                             int threads, int block_sums);
+                             int threads);
 
-/* Group mg (row m, group g) of x: its sum (the float one, or with block_sums Q8_1's d x the int8 values' sum),
-   its scale d and its 32 int8 values (VNNI build: + 128, u8). */
-static inline void quantize_group(const float *v, int8_t *out, float *d, float *sum, int block_sums) {
+/* Group mg (row m, group g) of x: its float sum, its scale d and its 32 int8 values (VNNI build: + 128, u8). */
+static inline void quantize_group(const float *v, int8_t *out, float *d, float *sum) {
   __m256i b = quantize32(v, d);
-  if (block_sums)
-    *sum = block_sum(b, *d);
-  else
-    group_sums(v, sum, 1, 1);
+  group_sums(v, sum, 1, 1);
 #ifdef KVCHAT_VNNI
   b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80));
 #endif
@@ -181,10 +174,10 @@ int64_t kvchat_int8_int8_work_bytes(int64_t G) {
 
 void kvchat_int8_int8_matmul(const float *x, const int8_t *q, const float *scale, const float *offset, int8_t *xq,
                              float *xd, float *xsum, float *y, char *work, int64_t M, int64_t N, int64_t G,
-                             int threads, int block_sums) {
+                             int threads) {
   const int64_t K = G * GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t mg = 0; mg < M * G; ++mg) quantize_group(x + mg * GROUP, xq + mg * GROUP, xd + mg, xsum + mg, block_sums);
+  for (int64_t mg = 0; mg < M * G; ++mg) quantize_group(x + mg * GROUP, xq + mg * GROUP, xd + mg, xsum + mg);
   const int64_t blocks = N / LANES;
 #pragma omp parallel num_threads(threads)
   {

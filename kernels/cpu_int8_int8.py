@@ -36,7 +36,7 @@ def _library(variant: str | None = None) -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.kvchat_int8_int8_matmul
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+        fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.kvchat_int8_int8_work_bytes.restype = ctypes.c_int64
         lib.kvchat_int8_int8_work_bytes.argtypes = [ctypes.c_int64]
     return lib
@@ -53,11 +53,10 @@ def takes(out_features: int, in_features: int) -> bool:
 
 
 def int8_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                     variant: str | None = None, block_sums: bool = False) -> torch.Tensor:
+                     variant: str | None = None) -> torch.Tensor:
     """``y = quantize(x) W^T`` with ``W[n, 32 g + k] = scale[n, g] * q[n, 32 g + k] + offset[n, g]`` and each
     32 inputs of a row of ``x`` quantized to int8 (symmetric, ``max|x| / 127``); the offsets' term uses the
-    float sums of ``x``, or with ``block_sums`` the quantized ones (llama.cpp's Q8_1 ``d * sum(a)``: int4 weights,
-    :class:`kvchat.model.quant.Int4GroupLinear`). The C source gives the exact formula and order.
+    float sums of ``x``. The C source gives the exact formula and order.
 
     Args:
         x: float32 ``[M, K]`` on the CPU (any strides), ``K = 32 G``.
@@ -92,7 +91,7 @@ def int8_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs
     work = torch.empty(threads * lib.kvchat_int8_int8_work_bytes(groups) + 63, dtype=torch.uint8)
     lib.kvchat_int8_int8_matmul(x.data_ptr(), q.data_ptr(), scale.data_ptr(), offset.data_ptr(), xq.data_ptr(),
                                 xd.data_ptr(), xsum.data_ptr(), y.data_ptr(), -(-work.data_ptr() // 64) * 64, m, n,
-                                groups, threads, int(block_sums))
+                                groups, threads)
     return y
 
 

@@ -151,13 +151,15 @@ void kvchat_int8_matmul(const float *x, const int8_t *q, const float *scale, con
 void kvchat_int4_matmul(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
                         int8_t *xq, float *xd, float *xs, float *y, int64_t M, int64_t N, int64_t G, int threads);
 int64_t kvchat_int4_max_groups(void);
-/* The same product in the channel-lanes order (cpu_int4.c), N a multiple of 16: the compiled decoder layers run a
-   chunk of at least INT4_LANE_MIN_TOKENS tokens on it (kvchat.model.int4_scheme.INT4_LANE_MIN_TOKENS), their
-   decode steps and shorter chunks on kvchat_int4_matmul. */
+/* The same product in the channel-lanes order (cpu_int4.c), with a work buffer of kvchat_int4_lanes_work_bytes:
+   the compiled decoder layers run a chunk of at least INT4_LANE_MIN_TOKENS tokens on it
+   (kvchat.model.int4_scheme.INT4_LANE_MIN_TOKENS, the same number), their decode steps and shorter chunks on
+   kvchat_int4_matmul. */
 #define INT4_LANE_MIN_TOKENS 5
 void kvchat_int4_matmul_lanes(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
-                              int8_t *xq, float *xd, float *xs, float *y, int64_t M, int64_t N, int64_t G,
-                              int threads);
+                              int8_t *xq, float *xd, float *xs, float *y, char *work, int64_t M, int64_t N,
+                              int64_t G, int threads);
+int64_t kvchat_int4_lanes_work_bytes(int64_t G, int threads);
 int64_t kvchat_int4_lane_min_tokens(void);
 
 void kvchat_paged_attention(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const float *k_scale,

@@ -110,12 +110,12 @@ def load_runtime(
     dev = check_device(device if device is not None else env_device())
     dispatch.backend_for(torch.empty(0, device=dev))  # KVCHAT_ATTENTION=triton where Triton cannot run fails here
     weights = weights or env_weights()
-    resolve_weight_format(weights, dev.type, compute_dtype())  # a bad name or int8 on a GPU: before any work
+    resolve_weight_format(weights, dev.type, compute_dtype(), num_params=0)  # a bad name or int8 on a GPU: first
     info = resolve_model(model)
     step(f"loading {info.name}: tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     reader = CheckpointReader(info.path)
-    weight_format = resolve_weight_format(weights, dev.type, compute_dtype(), reader.num_params())
+    weight_format = resolve_weight_format(weights, dev.type, compute_dtype(), num_params=reader.num_params())
     step(f"loading {info.name}: weights ({weight_format})")
     if progress is not None:
         reader.on_read = _weight_progress(reader, info.config.tie_word_embeddings, progress)

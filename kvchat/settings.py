@@ -293,7 +293,7 @@ def weights() -> str:
     compiled kernel; case-insensitive);
     the ``--weights`` option of every command that runs the model sets it for the process and its children.
 
-    Default ``auto``: on a CPU int4 for a model of 0.5B parameters or more, int8 below (:mod:`kvchat.model.quant`),
+    Default ``auto``: on a CPU int4 for a model storing 500M parameters or more, int8 below (:mod:`kvchat.model.quant`),
     bf16 on CUDA (:func:`kvchat.engine.cache_identity.resolve_weight_format`).
 
     Raises:

@@ -43,10 +43,14 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvchat.bench.gguf_shape import PEER_SHAPES, GgufError, gguf_weight_type, llama_label, shape_model
 from kvchat.bench.page_cache import drop_file_cache, kept_pages_warning, read_file
 from kvchat.bench.stats import Spread, format_table, ratios
+
+if TYPE_CHECKING:
+    from kvchat.model.registry import ModelInfo
 
 
 class PeersUnavailableError(LookupError):
@@ -160,7 +164,7 @@ class LlamaCpp:
         return ids
 
 
-def default_weight_format(info) -> str:
+def default_weight_format(info: ModelInfo) -> str:
     """The weight format every kvchat backend here runs the model ``info`` (a
     :class:`kvchat.model.registry.ModelInfo`) with: what ``kvchat ask`` would use on the CPU (``KVCHAT_WEIGHTS`` /
     ``--weights``, else auto, by the model's size)."""
@@ -168,10 +172,11 @@ def default_weight_format(info) -> str:
     from kvchat.engine.cache_identity import resolve_weight_format
     from kvchat.model.weights import CheckpointReader
 
-    return resolve_weight_format(settings.weights(), "cpu", num_params=CheckpointReader(info.path).num_params())
+    return resolve_weight_format(settings.weights(), "cpu", settings.compute_dtype(),
+                                 num_params=CheckpointReader(info.path).num_params())
 
 
-def default_int8_prefill(info) -> bool:
+def default_int8_prefill(info: ModelInfo) -> bool:
     """Whether kvchat's int8 engines here run prefill chunks with int8 activations (``KVCHAT_INT8_PREFILL``,
     :func:`kvchat.engine.cache_identity.int8_prefill_enabled`), as ``kvchat ask`` would."""
     from kvchat import settings

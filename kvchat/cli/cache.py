@@ -79,10 +79,10 @@ def _explain(r) -> None:
     for link in r.links:
         print(f"  [{link.start:>6}, {link.end:>6})  {'tail' if link.tail else 'chunk':5} {link.key[:12]}  "
               f"{size_text(link.bytes):>9}  on disk")
-    print(f"restorable from disk: {r.restorable_tokens} of {r.tokens} tokens "
-          f"(a resume recomputes the rest)")
+    rest = " (a resume recomputes the rest)" if r.restorable_tokens < r.tokens else ""
+    print(f"restorable from disk: {r.restorable_tokens} of {r.tokens} tokens{rest}")
     if r.stops_at is not None:
-        print(f"chain stops at token {r.stops_at}: the next chunk is not on disk (never written, evicted LRU, or dropped as corrupt)")
+        print(f"chain stops at token {r.stops_at}: {r.reason}")
     if r.other_fingerprints:
         print(f"{r.other_fingerprints} chunk(s) belong to other cache fingerprints (another model, KV dtype or scale scheme): "
               "never used here")

@@ -114,7 +114,7 @@ def _add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES,
                    help="compute dtype of activations and unquantized weights (default: KVCHAT_DTYPE, else auto)", **keep)
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, help="weight format (default: KVCHAT_WEIGHTS, else auto: "
-                   "on a CPU int4 from 0.5B parameters, int8 below; bf16 on a GPU; int4: CPU only, half int8's "
+                   "on a CPU int4 from 500M stored parameters, int8 below; bf16 on a GPU; int4: CPU only, half int8's "
                    "bytes)", **keep)
     p.add_argument("--gpu-memory", type=_gpu_fraction, metavar="FRACTION",
                    help="share of the GPU's memory this process may hold, weights included, as vLLM's "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvchat.conversation.views import ChainLink, ChainReport, GcResult, OwnerRow, RemovedDocument, StoreTotals
 from kvchat.engine.cache_identity import expected_identity
+from kvchat.engine.cache_miss import why_not_restored
 from kvchat.engine.disk_budget import budget_bytes, enforce, refresh_pins
 from kvchat.engine.persistence import CHUNK_TOKENS, document_tokens, find_chain, release_owner, restorable_tokens
 from kvchat.index import get_db, get_reader
@@ -123,7 +124,9 @@ def explain_chain(chat_id: str, kv_dtype: str) -> ChainReport:
     """
     db = get_reader()
     conv = get_conversation(db, chat_id)
-    fp = expected_identity(conv.model_fingerprint or "", kv_dtype, num_params=_stored_params(conv.model_name)).fingerprint
+    model_fp = conv.model_fingerprint or ""
+    identity = expected_identity(model_fp, kv_dtype, num_params=_stored_params(model_fp))
+    fp = identity.fingerprint
     links, start = [], 0
     for row in find_chain(db, fp, conv.token_ids):
         links.append(ChainLink(start, start + row.token_count, row.token_count < CHUNK_TOKENS, row.key, row.bytes))
@@ -131,20 +134,21 @@ def explain_chain(chat_id: str, kv_dtype: str) -> ChainReport:
     complete = bool(links) and start + CHUNK_TOKENS > len(conv.token_ids) - 1
     return ChainReport(conv.id, len(conv.token_ids), fp, kv_dtype, links,
                        restorable_tokens(db, conv.id, conv.token_ids, fp), None if complete else start,
-                       count_other_fingerprints(db, fp))
+                       count_other_fingerprints(db, fp), None if complete else why_not_restored(db, conv.id, identity))
 
 
-def _stored_params(model_name: str | None) -> int:
-    """The parameters the imported model ``model_name`` stores (what ``--weights auto`` is resolved by), 0 where it
-    is not imported here or its weights cannot be read (headers only; nothing is imported)."""
-    from kvchat.model.registry import resolve_model
+def _stored_params(model_fingerprint: str) -> int:
+    """The parameters the model of ``model_fingerprint`` stores (what ``--weights auto`` is resolved by), found by
+    its fingerprint among the imported models and the checkpoints used in place here (headers only; nothing is
+    imported); 0 where no such model is here or its weights cannot be read (no engine here runs it then; ``auto``
+    is resolved as for a small model)."""
+    from kvchat.model.registry import model_dir_by_fingerprint
     from kvchat.model.weights import CheckpointReader
 
-    if model_name is None:
-        return 0
     try:
-        return CheckpointReader(resolve_model(model_name, auto_pull=False).path).num_params()
-    except (ValueError, OSError):  # not found, unsupported, damaged (every registry error is a ValueError)
+        path = model_dir_by_fingerprint(model_fingerprint)
+        return 0 if path is None else CheckpointReader(path).num_params()
+    except (ValueError, OSError):  # unreadable or damaged weights (every registry error is a ValueError)
         return 0
 
 

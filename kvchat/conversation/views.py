@@ -237,7 +237,8 @@ class ChainReport:
     """``kvchat cache explain``: the chat's chain on disk under ``fingerprint`` and where it stops.
 
     ``stops_at``: the first token no chunk covers while more could be stored (None: the chain is whole);
-    ``other_fingerprints``: chunks of other models, KV dtypes or scale schemes, never used by this one.
+    ``other_fingerprints``: chunks of other models, KV dtypes or scale schemes, never used by this one;
+    ``reason``: why the chain stops where it does, as ``kvchat ask``'s ``miss_reason`` says it (None: whole).
     """
 
     chat_id: str
@@ -248,6 +249,7 @@ class ChainReport:
     restorable_tokens: int
     stops_at: int | None
     other_fingerprints: int
+    reason: str | None = None
 
 
 @dataclass(slots=True)

@@ -39,11 +39,13 @@ NUMERICS_VERSION = 2  # 2: CPU attention over the dense K/V copy; answers recomp
 INT4_AUTO_PARAMS = 500_000_000
 
 
-def resolve_weight_format(name: str, device_type: str, compute: str = "auto", num_params: int = 0) -> str:
+def resolve_weight_format(name: str, device_type: str, compute: str = "auto", *, num_params: int) -> str:
     """``auto|fp32|bf16|int8|int4`` -> a :data:`WEIGHT_FORMATS` name for a device of type ``device_type``.
 
     ``auto`` is what measured fastest where its fidelity holds: on CUDA bf16; on a CPU, by the model's
-    ``num_params`` (stored parameters), int4 from :data:`INT4_AUTO_PARAMS`, int8 below. A CPU decode step is
+    ``num_params`` (stored parameters, :meth:`kvchat.model.weights.CheckpointReader.num_params`; 0 to validate a
+    name before the model is at hand), int4 from :data:`INT4_AUTO_PARAMS` where its compiled kernels run
+    (:func:`int4_runs`), int8 below or without them. A CPU decode step is
     bound by the weight bytes it reads (int8 groups 1.25 bytes per parameter, int4 0.625: decode of the 0.8B
     shape about 2x int8's, its integer prefill about 2.5x; docs/performance.md, "4-bit weights" and "The weight
     format by model size"), while a small model loses the most to 4 bits and gains the least (SmolLM2-135M: int4
@@ -56,7 +58,7 @@ def resolve_weight_format(name: str, device_type: str, compute: str = "auto", nu
         ValueError: an unknown name, or int8 or int4 on a device other than the CPU.
     """
     if name == "auto":
-        cpu = "int4" if num_params >= INT4_AUTO_PARAMS else "int8"
+        cpu = "int4" if num_params >= INT4_AUTO_PARAMS and device_type == "cpu" and int4_runs() else "int8"
         fmt = {"bf16": "bf16", "fp16": "fp32"}.get(compute, cpu if device_type == "cpu" else "bf16")
     else:
         fmt = name
@@ -65,6 +67,14 @@ def resolve_weight_format(name: str, device_type: str, compute: str = "auto", nu
     if fmt in CPU_ONLY_FORMATS and device_type != "cpu":
         raise ValueError(f"{fmt} weights run on the CPU only; use --weights bf16 on {device_type}")
     return fmt
+
+
+def int4_runs() -> bool:
+    """Whether int4 weights can run in this process: their compiled CPU kernels and the int8 one of the LM head
+    build and load (:func:`kvchat.model.quant.weight_scheme`; ``KVCHAT_CPU_KERNEL=0`` among the reasons not)."""
+    from kvchat.kernels import cpu_int4, cpu_int8
+
+    return cpu_int4.available() and cpu_int8.available()
 
 
 def compute_key(weight_format: str, dtype_name: str) -> str | None:
@@ -234,13 +244,13 @@ def fingerprint_variants(model_fingerprint: str, kv_dtype: str, block_size: int,
             for kc in ({False, True} if digest else {False}) for sink in (False, True) for w, c in pairs}
 
 
-def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None,
-                      num_params: int = 0) -> CacheIdentity:
+def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weights: str | None = None, *,
+                      num_params: int) -> CacheIdentity:
     """The :class:`CacheIdentity` :func:`kvchat.runtime.load_runtime`'s engine gets, without loading the model.
 
     ``device``: a torch device or its name (None: ``KVCHAT_DEVICE``); ``weights``: ``auto|fp32|bf16|int8|int4``
-    (None: ``KVCHAT_WEIGHTS``), ``auto`` resolved for the model's ``num_params`` (0 where the model is not at
-    hand: then as for a small model); the compute dtype is ``KVCHAT_DTYPE``'s (which ``--dtype`` sets). For fp8: K centring when the model's
+    (None: ``KVCHAT_WEIGHTS``), ``auto`` resolved for the model's ``num_params`` (its stored parameters); the
+    compute dtype is ``KVCHAT_DTYPE``'s (which ``--dtype`` sets). For fp8: K centring when the model's
     calibration is stored, and the exact sink, which every attention backend reads (PyTorch and Triton,
     CPU and GPU alike). int8 or int4 on a CPU: the compiled decoder layers where they build and ``KVCHAT_ATTENTION``
     is unset (as the engine's :func:`kvchat.model.compiled_decode.compiled_decode`; a model they refuse, with
@@ -258,7 +268,7 @@ def expected_identity(model_fingerprint: str, kv_dtype: str, device=None, weight
 
     dev = torch.device(device) if device is not None else settings.device()
     dtype = settings.compute_dtype()
-    fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype, num_params)
+    fmt = resolve_weight_format(weights or settings.weights(), dev.type, dtype, num_params=num_params)
     layers = prefill = False
     if fmt in CPU_ONLY_FORMATS and dev.type == "cpu" and not settings.attention():
         from kvchat.kernels import cpu_decode

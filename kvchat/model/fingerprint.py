@@ -244,6 +244,13 @@ def cached_fingerprint(model_dir: Path, *, progress: bool = True) -> str:
     return fingerprint
 
 
+def checkpoint_dirs(fingerprint: str) -> list[Path]:
+    """The checkpoint directories used in place whose fingerprint :func:`cached_fingerprint` recorded as
+    ``fingerprint`` (as recorded: a directory changed since is not hashed again here)."""
+    cache = _read_cache(models_dir() / _CACHE_FILE)
+    return [Path(d) for d, e in cache.items() if isinstance(e, dict) and e.get("fingerprint") == fingerprint]
+
+
 def _read_cache(path: Path) -> dict[str, Any]:
     """The fingerprint cache; an unreadable one counts as empty (it is only a cache)."""
     try:

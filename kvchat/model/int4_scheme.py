@@ -21,7 +21,7 @@ INT4_SCHEME = f"int4-affine-g32-f16-head8-v{INT4_VERSION}"
 INT4_LANES_VERSION = 1
 # how the int4 layers compute: int8 activations per group of 32 on integer dot products, the group kernel up to
 # GROUPS_KERNEL_MAX_ROWS rows, the channel-lanes kernel above
-INT4_COMPUTE = f"a8g32x{GROUPS_KERNEL_MAX_ROWS}-lanes{INT4_LANES_VERSION}"
+INT4_COMPUTE = f"a8g32x{GROUPS_KERNEL_MAX_ROWS}-lanesv{INT4_LANES_VERSION}"
 # the compiled decoder layers run a chunk of this many tokens or more on the channel-lanes kernel, decode steps and
 # shorter chunks on the group kernel (kernels/cpu_kernels.h's INT4_LANE_MIN_TOKENS, the same number): from 5 rows
 # the lanes kernel is the faster (the 0.8B shape's 64 layer matmuls, weights from memory, 2 threads: 4 rows group

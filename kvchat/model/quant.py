@@ -309,8 +309,8 @@ class Int4GroupLinear(_Int8Layer):
         return cpu_int4.int4_matmul(rows, self.packed, self.scale, self.minimum)
 
     def _many_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        # the channel-lanes kernel (where it takes the shape): the same product, per group and 16 channels
-        return cpu_int4.int4_matmul(rows, self.packed, self.scale, self.minimum, lanes=cpu_int4.takes_lanes(self.packed))
+        # the channel-lanes kernel: the same product, per group and 16 channels
+        return cpu_int4.int4_matmul(rows, self.packed, self.scale, self.minimum, lanes=True)
 
 
 QUANTIZED_LAYERS = (Int8Linear, Int8GroupLinear, Int4GroupLinear)  # the module types a quantized load puts in

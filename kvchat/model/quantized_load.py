@@ -49,11 +49,12 @@ def open_stored(path: Path, scheme: str, shapes: dict[str, tuple[tuple[int, ...]
     """A reader of the stored quantized tensors at ``path``, or None when the file is absent, unreadable, of
     another ``scheme`` (its ``scheme`` metadata), or does not hold exactly ``shapes`` (``{tensor name: (shape,
     dtype)}``). Only the header is read here; each tensor's data is checked as it is read
-    (:meth:`QuantizingLoad._read_stored`); offsets that do not span exactly a tensor's bytes refuse the file."""
+    (:meth:`QuantizingLoad._read_stored`); offsets that are not two integers spanning exactly a tensor's bytes
+    inside the file's data refuse the file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            header, _, _ = read_header(fd)
+            header, data_start, size = read_header(fd)
         finally:
             os.close(fd)
         meta = header.pop("__metadata__", None) or {}
@@ -63,11 +64,14 @@ def open_stored(path: Path, scheme: str, shapes: dict[str, tuple[tuple[int, ...]
             shape, dtype = shapes[name]
             if tuple(entry["shape"]) != shape or SAFETENSORS_DTYPES.get(entry["dtype"]) != dtype:
                 return None
-            begin, end = entry["data_offsets"]  # a tensor is read from its begin for its shape's bytes
-            if end - begin != math.prod(shape) * dtype.itemsize:
+            offsets = entry["data_offsets"]  # a tensor is read from its begin for its shape's bytes
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+                return None
+            begin, end = offsets
+            if not (0 <= begin and end - begin == math.prod(shape) * dtype.itemsize and end <= size - data_start):
                 return None
         return CheckpointReader(path)
-    except (OSError, HeaderError, WeightFileError, KeyError, TypeError):
+    except (OSError, HeaderError, WeightFileError, KeyError, TypeError, ValueError):
         return None
 
 

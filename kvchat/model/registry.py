@@ -21,6 +21,7 @@ from kvchat.model.fingerprint import (
     IMPORT_FINGERPRINT_VERSION,
     WeightFileError,
     cached_fingerprint,
+    checkpoint_dirs,
     compute_fingerprint,
     tensor_entries,
     weight_files,
@@ -119,6 +120,16 @@ def list_models() -> list[ModelInfo]:
     root = models_dir()
     dirs = [d for d in sorted(root.iterdir()) if not d.name.startswith(".") and read_manifest(d) is not None]
     return [_imported_info(d) for d in dirs]
+
+
+def model_dir_by_fingerprint(fingerprint: str) -> Path | None:
+    """The directory of the model here whose fingerprint is ``fingerprint``: an imported one, else a checkpoint
+    directory used in place (as :func:`kvchat.model.fingerprint.cached_fingerprint` recorded it), or None. Nothing
+    is imported; an imported model of an unknown fingerprint version is hashed again (:func:`list_models`)."""
+    for info in list_models():
+        if info.fingerprint == fingerprint:
+            return info.path
+    return next((d for d in checkpoint_dirs(fingerprint) if d.is_dir()), None)
 
 
 def load_weights(info: ModelInfo, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

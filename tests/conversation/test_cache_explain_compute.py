@@ -38,13 +38,13 @@ def test_a_chat_computed_in_bf16_over_fp32_weights_is_explained_under_its_dtype(
     assert fp in fingerprint_variants(model_fp, "fp8", BLOCK_SIZE)
 
     monkeypatch.setenv("KVCHAT_DTYPE", "auto")  # the same weights computed in their own fp32: another identity
-    plain = expected_identity(model_fp, "fp8")
+    plain = expected_identity(model_fp, "fp8", num_params=0)
     assert (plain.weight_format, plain.compute) == ("fp32", None)
     assert plain.fingerprint != fp and explain_chain(done.chat_id, "fp8").restorable_tokens == 0
     reason = why_not_restored(get_db(), done.chat_id, plain)
     assert reason == "its KV was computed in bf16; this run computes in fp32 (--dtype bf16 restores it)"
     monkeypatch.setenv("KVCHAT_WEIGHTS", "int8")  # both differ: the hint names both flags (was: --weights fp32 only)
-    int8 = expected_identity(model_fp, "fp8")
+    int8 = expected_identity(model_fp, "fp8", num_params=0)
     assert (int8.weight_format, int8.compute) == ("int8", None)
     reason = why_not_restored(get_db(), done.chat_id, int8)
     assert reason == ("its KV was saved with fp32 weights computed in bf16; this run uses int8 weights computed "

@@ -35,7 +35,7 @@ def _session(rt):
 
 
 def test_batched_turns_equal_single_turns(rt):
-    # Exact equality, no margin: under the default int8 weights on a CPU every row of a batched decode is
+    # Exact equality, no margin: under the default model's int8 weights on a CPU every row of a batched decode is
     # bitwise the row decoded alone (test below). With fp32 or bf16 weights it is not (docs/server.md:
     # measured up to 0.088 / 0.56 in the logits), and greedy tokens agree only away from near-ties.
     alone = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,9 @@ def test_the_build_follows_the_setting(monkeypatch):
 
 @pytest.mark.skipif(_cc() is None, reason="no C compiler")
 def test_the_avx512_build_compiles_on_any_cpu_and_keeps_the_other_builds_current_library(tmp_path, monkeypatch):
-    """The AVX-512 sources compile where the CPU cannot run them (an AVX2-only CI); a build removes an
-    earlier version's library but not the other build's current one."""
+    """The AVX-512 sources compile where the CPU cannot run them (an AVX2-only CI); a build removes another
+    version's library unused for a week, but not one used since (another checkout's) nor the other build's
+    current one."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     sources = (cpu_decode.SOURCE, cpu_int8.SOURCE, cpu_int4.SOURCE, cpu_attention.SOURCE)
     avx2 = cpu_build.library_path(*sources, variant="avx2")
@@ -80,9 +82,13 @@ def test_the_avx512_build_compiles_on_any_cpu_and_keeps_the_other_builds_current
     avx2.write_bytes(b"current")
     stale = avx2.with_name("cpu_decode-avx512-0123456789abcdef.so")
     stale.write_bytes(b"old")
+    week = time.time() - cpu_build.STALE_S - 60
+    os.utime(stale, (week, week))
+    recent = avx2.with_name("cpu_decode-avx512-fedcba9876543210.so")
+    recent.write_bytes(b"another checkout's")
     built = cpu_build._build(sources, "avx512")
     assert built == cpu_build.library_path(*sources, variant="avx512") and built.stat().st_size > 10_000
-    assert avx2.read_bytes() == b"current" and not stale.exists()
+    assert avx2.read_bytes() == b"current" and not stale.exists() and recent.exists()
 
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -163,6 +163,6 @@ def test_weight_format_is_in_the_cache_fingerprint_and_fp32_is_unchanged():
               for w in ("bf16", "int8")}
     assert len(others) == 2 and old not in others
     assert CacheIdentity("m", "bf16", 16, "int8").fingerprint != CacheIdentity("m", "bf16", 16).fingerprint
-    assert resolve_weight_format("auto", "cpu") == "int8" and resolve_weight_format("auto", "cuda") == "bf16"
+    assert resolve_weight_format("auto", "cpu", num_params=0) == "int8" and resolve_weight_format("auto", "cuda", num_params=0) == "bf16"
     with pytest.raises(ValueError, match="CPU only"):
-        resolve_weight_format("int8", "cuda")
+        resolve_weight_format("int8", "cuda", num_params=0)

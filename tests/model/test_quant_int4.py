@@ -130,12 +130,12 @@ def test_int4_engine_quantizes_once_then_reads_the_file_and_runs_the_compiled_la
 
 
 def test_int4_is_its_own_cache_identity():
-    assert resolve_weight_format("int4", "cpu") == "int4"
+    assert resolve_weight_format("int4", "cpu", num_params=0) == "int4"
     with pytest.raises(ValueError, match="int4 weights run on the CPU only"):
-        resolve_weight_format("int4", "cuda")
-    assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-head8-v1-a8g32x32-lanes1"
+        resolve_weight_format("int4", "cuda", num_params=0)
+    assert weight_scheme("int4") == int4_compute_scheme() == "int4-affine-g32-f16-head8-v1-a8g32x32-lanesv1"
     assert (weight_scheme("int4", compiled_layers=True)
-            == "int4-affine-g32-f16-head8-v1-a8g32x32-lanes1-layer32v2-lanes5")
+            == "int4-affine-g32-f16-head8-v1-a8g32x32-lanesv1-layer32v2-lanes5")
     int4 = {CacheIdentity("m", "bf16", 16, "int4", compiled_layers=c).fingerprint for c in (False, True)}
     int8 = {CacheIdentity("m", "bf16", 16, "int8", int8_kernel=k, compiled_layers=c).fingerprint
             for k, c in (("avx2", False), ("avx2", True), ("int8mm", False))}

@@ -108,9 +108,11 @@ def test_a_stored_file_damaged_part_way_is_quantized_again_whole(tmp_path, monke
     assert load_file(str(path))[last].isfinite().all()  # rewritten whole
 
 
-def test_a_stored_file_whose_offsets_do_not_span_its_tensors_is_quantized_again(tmp_path, monkeypatch):
-    """A header naming a tensor one byte short (its data would be read from the neighbour's bytes) refuses the
-    file before anything is read, and the next load writes it again whole."""
+@pytest.mark.parametrize("bad", ["one byte short", "before the data", "three numbers", "floats", "past the end"])
+def test_a_stored_file_whose_offsets_do_not_span_its_tensors_is_quantized_again(tmp_path, monkeypatch, bad):
+    """A header whose offsets for one tensor are not two integers spanning exactly its bytes inside the data (its
+    data would be read from the header or a neighbour) refuses the file before anything is read, and the next
+    load writes it again whole."""
     model_dir = tmp_path / "tiny"
     write_checkpoint(model_dir, "tiny")
     cfg = ModelConfig.from_hf(hf_config("tiny"))
@@ -123,8 +125,13 @@ def test_a_stored_file_whose_offsets_do_not_span_its_tensors_is_quantized_again(
     shapes = {k: (tuple(v["shape"]), SAFETENSORS_DTYPES[v["dtype"]]) for k, v in header.items() if k != "__metadata__"}
     assert quantized_load.open_stored(path, scheme, shapes) is not None
     name = sorted(k for k in shapes if k.endswith(".scale"))[0]
-    header[name]["data_offsets"][1] -= 1
-    path.write_bytes(raw[:8] + json.dumps(header).encode().ljust(n) + raw[8 + n:])  # same length: only offsets differ
+    begin, end = header[name]["data_offsets"]
+    data = len(raw) - 8 - n
+    header[name]["data_offsets"] = {"one byte short": [begin, end - 1], "before the data": [-8, end - begin - 8],
+                                    "three numbers": [begin, end, 0], "floats": [float(begin), float(end)],
+                                    "past the end": [data - (end - begin) + 4, data + 4]}[bad]
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])  # the same data: only the offsets differ
     assert quantized_load.open_stored(path, scheme, shapes) is None
     again = Engine(cfg, CheckpointReader(model_dir), "tiny", kv_dtype="bf16", pool_bytes=2**20, device="cpu",
                    weight_format="int8")
