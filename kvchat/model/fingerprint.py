@@ -116,7 +116,8 @@ def read_tensor_entries(path: Path) -> list[TensorEntry]:
     """Parse one safetensors header into :class:`TensorEntry` rows (file order).
 
     Raises:
-        WeightFileError: the file is not a valid safetensors file.
+        WeightFileError: the file is not a valid safetensors file, or a tensor's offsets are not two integers
+            ``0 <= begin <= end`` inside the file's data (its data would be read from the header or past the end).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -129,7 +130,11 @@ def read_tensor_entries(path: Path) -> list[TensorEntry]:
     header.pop("__metadata__", None)
     entries = []
     for name, meta in header.items():
-        begin, end = meta["data_offsets"]
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise WeightFileError(f"{path}: tensor {name!r} has data offsets {offsets!r}, not two ordered byte offsets")
+        begin, end = offsets
         if data_start + end > size:
             raise WeightFileError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
         entries.append(TensorEntry(name, path, meta["dtype"], tuple(meta["shape"]), data_start + begin, data_start + end))

@@ -59,7 +59,8 @@ class CheckpointReader:
         safetensors file (a model's stored quantized weights, :mod:`kvchat.model.quantized_load`).
 
         Raises:
-            WeightFileError: no weights, a malformed file, or a dtype this reader does not know.
+            WeightFileError: no weights, a malformed file, a dtype this reader does not know, or offsets that do not
+                span exactly a tensor's bytes.
         """
         model_dir = Path(model_dir)
         found = tensor_entries(model_dir) if model_dir.is_dir() else read_tensor_entries(model_dir)
@@ -67,6 +68,9 @@ class CheckpointReader:
         for e in self.entries.values():
             if e.dtype not in SAFETENSORS_DTYPES:
                 raise WeightFileError(f"{e.file}: tensor {e.name!r} has dtype {e.dtype}, which kvchat cannot load")
+            if e.end - e.begin != math.prod(e.shape) * SAFETENSORS_DTYPES[e.dtype].itemsize:
+                raise WeightFileError(f"{e.file}: tensor {e.name!r} spans {e.end - e.begin} bytes, not its shape's "
+                                      f"{math.prod(e.shape)} x {e.dtype}")
         self._files: dict[Path, object] = {}
         self._pinned: torch.Tensor | None = None
         self.on_read: Callable[[int], None] | None = None  # called with each tensor's bytes once it is read

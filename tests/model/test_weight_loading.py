@@ -100,6 +100,27 @@ def test_a_bad_dtype_is_one_line(monkeypatch, tmp_path):
     assert "--dtype" in proc.stderr
 
 
+@pytest.mark.parametrize("offsets,match", [([-4, 12], "not two ordered"), ([0, 16, 0], "not two ordered"),
+                                           ([0.0, 16.0], "not two ordered"), ([0, 12], "spans 12 bytes")])
+def test_offsets_that_do_not_span_a_tensor_refuse_the_checkpoint(tmp_path, offsets, match):
+    """A header whose offsets would read a tensor from the header, from a neighbour or short is refused when the
+    checkpoint is opened (one WeightFileError), before any tensor is read."""
+    import json
+    import struct
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.zeros(4)}, str(path))
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    assert CheckpointReader(path).num_params() == 8
+    header["b"]["data_offsets"] = offsets
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(weights.WeightFileError, match=match):
+        CheckpointReader(path)
+
+
 def test_calibration_runs_on_the_engine_being_built_and_matches_a_separate_engine(tmp_path):
     cfg, sd = _tiny(tmp_path / "ck", False)
     ids = torch.randint(0, 97, (600,)).tolist()  # two scratch chunks
