@@ -59,3 +59,17 @@ def read_header(fd: int, max_bytes: int | None = None) -> tuple[dict, int, int]:
     if not isinstance(header, dict):
         raise HeaderError("header", "header is not a JSON object")
     return header, 8 + n, size
+
+
+def read_header_file(path: os.PathLike | str, max_bytes: int | None = None) -> tuple[dict, int, int]:
+    """:func:`read_header` of the file at ``path`` (opened for reading and closed again).
+
+    Raises:
+        OSError: the file cannot be opened.
+        HeaderError: as :func:`read_header`.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return read_header(fd, max_bytes)
+    finally:
+        os.close(fd)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 import sys
 from dataclasses import dataclass
@@ -65,7 +64,7 @@ from tqdm import tqdm
 from kvchat.model.config import ModelConfig
 from kvchat.paths import models_dir
 from kvchat.store.atomic_write import write_atomic
-from kvchat.store.safetensors_header import HeaderError, read_header
+from kvchat.store.safetensors_header import HeaderError, read_header_file
 
 FINGERPRINT_VERSION = 2  # checkpoints used in place (see "Versions")
 IMPORT_FINGERPRINT_VERSION = 1  # models kvchat imports: stays 1 so data dirs made with them keep resuming
@@ -120,11 +119,7 @@ def read_tensor_entries(path: Path) -> list[TensorEntry]:
             ``0 <= begin <= end`` inside the file's data (its data would be read from the header or past the end).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            header, data_start, size = read_header(fd)
-        finally:
-            os.close(fd)
+        header, data_start, size = read_header_file(path)
     except (OSError, HeaderError) as e:
         raise WeightFileError(f"{path}: not a readable safetensors file ({e})") from None
     header.pop("__metadata__", None)

@@ -26,7 +26,6 @@ when it is absent.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from kvchat.model.transformer import Block, Linear, Transformer, fill_rows, has_
 from kvchat.model.weights import CheckpointReader, weight_reader
 from kvchat.safetensors_file import SAFETENSORS_DTYPES, StreamingWriter
 from kvchat.store.atomic_write import write_atomic
-from kvchat.store.safetensors_header import HeaderError, read_header
+from kvchat.store.safetensors_header import HeaderError, read_header_file
 
 
 def open_stored(path: Path, scheme: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> CheckpointReader | None:
@@ -51,11 +50,7 @@ def open_stored(path: Path, scheme: str, shapes: dict[str, tuple[tuple[int, ...]
     (:meth:`QuantizingLoad._read_stored`); offsets that are not two integers spanning exactly a tensor's bytes
     inside the file's data refuse the file (:class:`kvchat.model.weights.CheckpointReader`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            header, _, _ = read_header(fd)
-        finally:
-            os.close(fd)
+        header, _, _ = read_header_file(path)
         meta = header.pop("__metadata__", None) or {}
         if meta.get("scheme") != scheme or set(header) != set(shapes):
             return None
