@@ -253,6 +253,9 @@ class KVPersist:
             return res
         first, end = max(todo[0][0], have), todo[-1][1]
         nbytes = sum(r.bytes for _, _, r in todo)
+        # the whole chain's reads start now: a probe of the first file (a fresh process's first restore) then
+        # runs beside them instead of before them
+        advise_will_read(row.path for _, _, row in todo)
         try:
             read_speed = self.read_speed.current(todo[0][2].path)
         except OSError:  # no speed to judge by: the read below finds the file missing or bad and drops it
@@ -304,7 +307,6 @@ class KVPersist:
             # thread: the readers already fill the cores, and a pool of OpenMP workers per reader would oversubscribe
             # them (kvchat.cpu_threads.on_own_thread); measured, 4,096 tokens warm: 58-64 ms median vs 67-77 ms
             readers = _reader_count()
-            advise_will_read(row.path for _, _, row in todo)
             with ThreadPoolExecutor(readers, initializer=torch.set_num_threads, initargs=(1,)) as ex:
                 futures = [ex.submit(load, *item) for item in todo]
                 for k, ((_, b, row), fut) in enumerate(zip(todo, futures)):
