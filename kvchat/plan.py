@@ -28,6 +28,7 @@ ARTICLE = '"KV Cache Optimization: Efficient Context Storage"'
 GIB = 2**30
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PLAN_KV_DTYPES = ("fp16", "bf16", "fp8")
+DEFAULT_CONTEXT = 4096  # tokens per chat planned when none is given (the model's own limit when shorter)
 
 
 class PlanInputError(ValueError):
@@ -116,20 +117,24 @@ def plan_memory(
 
     Args:
         cfg: the model's config.
-        context: tokens per chat (rounded up to whole blocks of ``BLOCK_SIZE``).
+        context: tokens per chat (rounded up to whole blocks of ``BLOCK_SIZE``), at most the model's
+            ``max_position_embeddings``.
         gpu_gb: GPU memory in decimal GB, as advertised (40 -> 40e9 bytes).
         params: parameter count, rounded down (None: :func:`count_params`).
         weight_dtype: ``fp32|bf16|fp16``, bytes per weight.
         reserve_gb: decimal GB set aside for activations and runtime.
         device: what ``gpu_gb`` is the memory of, as the plan names it.
     Raises:
-        PlanInputError: non-positive context, GPU size or params, negative reserve, inf or nan sizes,
-            unknown weight dtype.
+        PlanInputError: non-positive context, GPU size or params, a context beyond the model's, negative
+            reserve, inf or nan sizes, unknown weight dtype.
     """
     if not all(map(math.isfinite, (gpu_gb, reserve_gb, 1.0 if params is None else params))):
         raise PlanInputError("--gpu-gb, --reserve-gb and --params must be finite numbers (not inf or nan)")
     if context < 1 or gpu_gb <= 0 or reserve_gb < 0:
         raise PlanInputError("--context and --gpu-gb must be positive and --reserve-gb not negative")
+    if context > cfg.max_position_embeddings:
+        raise PlanInputError(f"--context {context} is beyond {model or 'the model'}'s context of "
+                             f"{cfg.max_position_embeddings} tokens; its chats cannot be that long")
     if weight_dtype not in WEIGHT_BYTES:
         raise PlanInputError(f"unknown weight dtype {weight_dtype!r} (choose {', '.join(WEIGHT_BYTES)})")
     params = count_params(cfg) if params is None else int(params)

@@ -151,10 +151,11 @@ def turn_figures(s) -> str:
     """One line of a turn's :class:`kvchat.engine.turn.TurnStats`: what was reused (from the pool, from disk
     and how long the read took), what was prefilled, the time to the first token and the decode speed, e.g.
     ``reused 1,472 of 1,490 tokens (1,464 from memory, 8 from disk in 3 ms) · prefilled 18 · TTFT 210 ms ·
-    41.3 tok/s``."""
+    41.3 tok/s`` (no rate after a one-token answer: nothing was decoded to time)."""
     disk = f"{s.from_disk:,} from disk in {s.restore_ms:.0f} ms"
+    rate = f" · {s.decode_tokens_per_s:.1f} tok/s" if s.decode_tokens_per_s else ""
     return (f"reused {s.reused_tokens:,} of {s.prompt_tokens:,} tokens ({s.from_memory:,} from memory, {disk}) · "
-            f"prefilled {s.prefilled_tokens:,} · TTFT {s.ttft_ms:.0f} ms · {s.decode_tokens_per_s:.1f} tok/s")
+            f"prefilled {s.prefilled_tokens:,} · TTFT {s.ttft_ms:.0f} ms{rate}")
 
 
 def _find_chat(chat_id: str):

@@ -103,11 +103,7 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     s = done.stats
     if args.json:
         print(json.dumps({
-            "text": done.text, "chat_id": done.chat_id, "model": model, "server": server,
-            "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens, "from_memory": s.from_memory,
-            "from_disk": s.from_disk, "restore_ms": round(s.restore_ms, 2), "miss_reason": s.miss_reason,
-            "prefilled_tokens": s.prefilled_tokens, "new_tokens": s.new_tokens, "ttft_ms": round(s.ttft_ms, 2),
-            "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "finish_reason": s.finish_reason,
+            "text": done.text, "chat_id": done.chat_id, "model": model, "server": server, **s.to_json(),
             "context_tokens": done.context_used, "context_limit": done.context_limit, "server_reuse": chats.last_line,
         }))
     else:

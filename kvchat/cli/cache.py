@@ -69,7 +69,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
     elif sub == "purge":
         print(f"purged {cache_admin.purge(args.all)} chunk(s)")
     elif sub == "explain":
-        _explain(cache_admin.explain_chain(args.chat, args.kv_dtype))
+        report = cache_admin.explain_chain(args.chat, args.kv_dtype)
+        if args.json:
+            import json
+            from dataclasses import asdict
+
+            print(json.dumps(asdict(report)))
+        else:
+            _explain(report)
     return 0
 
 

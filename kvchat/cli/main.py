@@ -3,8 +3,9 @@
 Bad input prints one ``kvchat: error: ...`` line on stderr and exits with 2,
 before anything in the data dir changes; usage errors (unknown option, missing
 argument, bad value) and bad ``KVCHAT_*`` variables (:mod:`kvchat.settings`) too.
-``kvchat ask --json`` prints every error as one JSON object on stdout instead
-(:func:`error_object`), with the same exit status.
+A command given ``--json`` (``ask``, ``plan``, ``cache explain``) prints every
+error as one JSON object on stdout instead (:func:`error_object`), with the same
+exit status.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("list", help="list imported models")
 
     plan = sub.add_parser("plan", help="memory arithmetic: weights + KV per dtype -> concurrent chats that fit")
-    plan.add_argument("--context", type=int, default=4096, help="tokens per chat")
+    plan.add_argument("--context", type=int, help="tokens per chat (default: 4096, or the model's whole context "
+                      "when shorter; never beyond it)")
     plan.add_argument("--gpu-gb", type=float, help="accelerator memory, GB (default: this machine's device: "
                       "its GPU's memory, else its RAM)")
     plan.add_argument("--params", type=float, help="parameter count (default: counted from the config)")
@@ -200,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain = csub.add_parser("explain", help="show a chat's chunk chain and where it stops")
     explain.add_argument("chat")
     explain.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPE_NAMES)
+    explain.add_argument("--json", action="store_true", help="print the chain as one JSON object")
     for flag, choices in (("--dtype", DTYPE_CHOICES), ("--weights", WEIGHTS_CHOICES)):  # the run whose fingerprint
         explain.add_argument(flag, choices=choices, default=argparse.SUPPRESS, help=f"as the run's {flag}")
 
@@ -216,14 +219,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+JSON_COMMANDS = (("ask",), ("plan",), ("cache", "explain"))  # the commands whose --json prints a JSON object
+
+
 def asks_json(argv: list[str]) -> bool:
-    """Whether the command line is ``kvchat ask … --json`` (read before parsing, so usage errors are JSON too)."""
+    """Whether the command line is one of :data:`JSON_COMMANDS` given ``--json`` (read before parsing, so usage
+    errors are JSON too)."""
     words = argv[: argv.index("--")] if "--" in argv else argv
-    return "ask" in words and "--json" in words
+    return "--json" in words and any(all(w in words for w in command) for command in JSON_COMMANDS)
 
 
 def error_object(message: str, kind: str, exit_status: int, **fields) -> dict:
-    """``ask --json``'s error: ``{"error": {"message", "type", "exit_status", …fields}}``.
+    """A ``--json`` command's error: ``{"error": {"message", "type", "exit_status", …fields}}``.
 
     ``kind``: ``usage_error``, ``invalid_request``, ``not_found``, ``context_length_exceeded``, ``database_error``,
     ``interrupted``, ``internal_error`` or, with ``--server``, a :class:`kvchat.remote.client.ServerError`'s kind;

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 
 from kvchat.model.config import ModelConfig
-from kvchat.plan import ARTICLE, GIB, MemoryPlan, load_plan_config, plan_memory, this_machine
+from kvchat.plan import ARTICLE, DEFAULT_CONTEXT, GIB, MemoryPlan, load_plan_config, plan_memory, this_machine
 
 
 def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
@@ -35,7 +35,8 @@ def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     """``kvchat plan``: print (or ``--json``) the memory plan. Returns 0.
 
-    Args (argparse): ``model``, ``context``, ``gpu_gb`` (None: this machine's device and memory,
+    Args (argparse): ``model``, ``context`` (None: :data:`kvchat.plan.DEFAULT_CONTEXT`, or the model's context
+    when shorter), ``gpu_gb`` (None: this machine's device and memory,
     :func:`kvchat.plan.this_machine`), ``params``, ``weight_dtype``, ``reserve_gb``, ``json``.
     Raises:
         kvchat.plan.PlanInputError, kvchat.model.registry.ModelNotFoundError, kvchat.model.config.UnsupportedModelError.
@@ -43,7 +44,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     name, cfg, counted = load_plan_config(args.model)
     params = args.params if args.params is not None else counted  # plan_memory checks and rounds it
     machine = this_machine() if args.gpu_gb is None else None
-    plan = plan_memory(cfg, context=args.context, gpu_gb=machine.memory_gb if machine else args.gpu_gb, params=params,
+    context = min(DEFAULT_CONTEXT, cfg.max_position_embeddings) if args.context is None else args.context
+    plan = plan_memory(cfg, context=context, gpu_gb=machine.memory_gb if machine else args.gpu_gb, params=params,
                        weight_dtype=args.weight_dtype, reserve_gb=args.reserve_gb, model=name,
                        device=machine.name if machine else "GPU")
     if args.json:

@@ -63,11 +63,31 @@ def test_article_gqa_and_exercise_figures():
 
 def test_context_rounds_up_to_blocks_and_weights_too_big():
     cfg = ModelConfig.from_hf(LLAMA2_7B)
-    plan = plan_memory(cfg, context=4097, gpu_gb=12)
-    assert _row(plan, "fp16").bytes_per_chat == 524_288 * 4112
+    plan = plan_memory(cfg, context=4081, gpu_gb=12)
+    assert _row(plan, "fp16").bytes_per_chat == 524_288 * 4096
     assert plan.kv_budget_bytes < 0 and all(r.chats == 0 for r in plan.rows)
     with pytest.raises(PlanInputError):
         plan_memory(cfg, context=0, gpu_gb=40)
+
+
+def test_a_context_beyond_the_models_is_refused_and_the_default_stays_within_it(tmp_path, capsys):
+    from process_helpers import assert_one_error_line, run_kvchat
+
+    cfg = ModelConfig.from_hf(LLAMA2_7B)
+    assert plan_memory(cfg, context=4096, gpu_gb=40).context == 4096  # the model's whole context: planned
+    with pytest.raises(PlanInputError, match="beyond llama2's context of 4096 tokens"):
+        plan_memory(cfg, context=4097, gpu_gb=40, model="llama2")
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"), "--context", "8192")
+    assert_one_error_line(proc, "--context 8192 is beyond", "4096 tokens")
+    proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"), "--context", "8192", "--json")
+    error = json.loads(proc.stdout)["error"]  # with --json: the error object on stdout, nothing on stderr
+    assert proc.returncode == 2 and proc.stderr == "" and "--context 8192 is beyond" in error["message"]
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B | {"max_position_embeddings": 2048}))
+    args = argparse.Namespace(model=str(tmp_path), context=None, gpu_gb=40.0, params=None, weight_dtype="fp16",
+                              reserve_gb=0.0, json=True)
+    assert cmd_plan(args) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 2048  # the default, cut to the model's context
 
 
 def test_cmd_plan_reads_a_config_file(tmp_path, capsys):

@@ -4,6 +4,7 @@ compute dtype, and a run computing otherwise names the dtype as the reason it do
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +57,12 @@ def test_a_chat_computed_in_bf16_over_fp32_weights_is_explained_under_its_dtype(
     assert cli.returncode == 0, cli.stderr
     assert f"cache fingerprint {fp[:12]}" in cli.stdout
     assert int(cli.stdout.split("restorable from disk: ")[1].split()[0]) == report.restorable_tokens
+    as_json = subprocess.run([sys.executable, "-m", "kvchat.cli", "cache", "explain", done.chat_id, "--json",
+                              "--weights", "fp32", "--dtype", "bf16"], capture_output=True, text=True, env=env, timeout=300)
+    got = json.loads(as_json.stdout)
+    assert got["fingerprint"] == fp and got["restorable_tokens"] == report.restorable_tokens
+    assert [(link["start"], link["end"]) for link in got["links"]] == [(k.start, k.end) for k in report.links]
+    unknown = subprocess.run([sys.executable, "-m", "kvchat.cli", "cache", "explain", "c_none", "--json"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    error = json.loads(unknown.stdout)["error"]
+    assert unknown.returncode == 2 and unknown.stderr == "" and "c_none" in error["message"], unknown

@@ -25,3 +25,13 @@ def test_a_report_of_some_counters_keeps_the_order_asked_for():
     assert s.to_json(("from_memory", "from_disk", "prefilled_tokens", "restore_ms")) == {
         "from_memory": 3, "from_disk": 2, "prefilled_tokens": 1, "restore_ms": 0.01}
     assert list(s.to_json(("restore_ms", "from_disk"))) == ["restore_ms", "from_disk"]
+
+
+def test_a_one_token_answer_has_no_decode_rate_rather_than_a_rate_of_zero():
+    from kvchat.cli.ask import turn_figures
+
+    one = TurnStats(prompt_tokens=20, prefilled_tokens=20, new_tokens=1, ttft_ms=50.0)
+    assert one.to_json()["decode_tokens_per_s"] is None
+    assert turn_figures(one).endswith("TTFT 50 ms")
+    two = TurnStats(prompt_tokens=20, prefilled_tokens=20, new_tokens=2, ttft_ms=50.0, decode_tokens_per_s=40.0)
+    assert two.to_json()["decode_tokens_per_s"] == 40.0 and turn_figures(two).endswith("TTFT 50 ms · 40.0 tok/s")

@@ -139,6 +139,14 @@ def test_a_port_in_use_is_one_error_line(tmp_path, smol_info):
     assert_one_error_line(proc, "kvchat: error: cannot listen on 127.0.0.1 port", str(port))
 
 
+def test_a_port_in_use_is_found_before_the_model_loads(tmp_path):
+    """The port is bound before the load: with a model that does not exist, the error is still the port's."""
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        proc = run_kvchat(tmp_path / "home", "serve", "--port", str(port), "--model", str(tmp_path / "no-model"))
+    assert_one_error_line(proc, "kvchat: error: cannot listen on 127.0.0.1 port", str(port))
+
+
 # bad input found in a fresh-user trial: a 400 error object, never a 500
 def test_a_lone_surrogate_in_a_message_is_a_400(server):
     raw = ('{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}' % MODEL).encode()

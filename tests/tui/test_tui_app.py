@@ -23,6 +23,7 @@ from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.screens.prompt import PromptScreen, split_paths
 from kvchat.tui.widgets.chat_input import ChatInput
 from kvchat.tui.widgets.message_view import PAGE, MessageView
+from kvchat.tui.widgets.sidebar import CACHE_MARK, CACHE_MARK_MEANING
 from kvchat.tui.widgets.status_bar import StatusBar
 
 SIZE = (120, 40)
@@ -358,7 +359,8 @@ async def test_help_lists_every_binding(harness):
         assert isinstance(h.app.screen, HelpScreen)
         table = h.app.screen.query_one(DataTable)
         keys = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
-        assert keys == [a.key for a in ACTIONS] + [k for k, _ in INPUT_KEYS] and "ctrl+j" in keys
+        assert keys == [a.key for a in ACTIONS] + [k for k, _ in INPUT_KEYS] + list(CACHE_MARK.values())
+        assert "ctrl+j" in keys and "shared with other chats" in str(table.get_row_at(table.row_count - 3)[2])
         await pilot.press("escape")
         assert isinstance(h.app.screen, ChatScreen)
         palette = {c.title for c in h.app.get_system_commands(h.app.screen)}
@@ -375,7 +377,7 @@ async def test_help_fits_the_terminal_width_and_wraps_long_lines(harness, size):
         await pilot.pause()
         assert table.virtual_size.width <= table.size.width  # nothing to scroll sideways to
         texts = [str(table.get_row_at(i)[2]) for i in range(table.row_count)]
-        assert texts == [a.help for a in ACTIONS] + [t for _, t in INPUT_KEYS]  # whole, not cut
+        assert texts == [a.help for a in ACTIONS] + [t for _, t in INPUT_KEYS] + list(CACHE_MARK_MEANING.values())
         longest = max(range(table.row_count), key=lambda i: len(texts[i]))
         width = table.ordered_columns[2].width
         assert (table.ordered_rows[longest].height > 1) == (len(texts[longest]) > width)  # wrapped where too long

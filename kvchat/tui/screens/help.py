@@ -1,4 +1,5 @@
-"""F1: every key binding, built from :data:`kvchat.tui.actions.ACTIONS` (so it cannot go stale)."""
+"""F1: every key binding, built from :data:`kvchat.tui.actions.ACTIONS` (so it cannot go stale), and the
+sidebar's cache marks, from :data:`kvchat.tui.widgets.sidebar.CACHE_MARK`."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
 from kvchat.tui.actions import ACTIONS, INPUT_KEYS
+from kvchat.tui.widgets.sidebar import CACHE_MARK, CACHE_MARK_MEANING
 
 HEADERS = ("Key", "Action", "What it does")
 MIN_TEXT_WIDTH = 12  # the last column wraps at the table's width, never below this many cells
 
 
 def help_rows() -> list[tuple[str, str, str]]:
-    """``(key, action, what it does)`` for every action, then the input and navigation keys."""
+    """``(key, action, what it does)`` for every action, then the input and navigation keys, then the
+    sidebar's cache marks (``(mark, "chat's cache", what it means)``)."""
     rows = [(a.key, a.title, a.help) for a in ACTIONS]
-    return rows + [(key, "", text) for key, text in INPUT_KEYS]
+    marks = [(CACHE_MARK[state], "chat's cache", CACHE_MARK_MEANING[state]) for state in CACHE_MARK]
+    return rows + [(key, "", text) for key, text in INPUT_KEYS] + marks
 
 
 class HelpScreen(ModalScreen[None]):
@@ -28,7 +32,7 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self):
         with Vertical(classes="dialog wide"):
-            yield Static("kvchat keys — Esc closes", classes="question")
+            yield Static("kvchat keys and the sidebar's marks — Esc closes", classes="question")
             yield DataTable(id="help-table", cursor_type="row", zebra_stripes=True)
 
     def on_resize(self) -> None:
