@@ -51,10 +51,15 @@ static inline __attribute__((always_inline)) void channel(const float *x, const 
   const float *x0 = x + m * K;
   const int8_t *w = q + n * K;
   const float *sc = scale + n * G;
+  const int8_t *next = n + 1 < N ? w + K : w; /* the next channel's weights; the last one's own, never past q */
   __m256 acc[8];
   for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k = g * GROUP;
+    /* the next channel's line of these 2 groups, so its short stream starts warm (cpu_int4.c). Measured on the
+       135M model's decode at 2,048 tokens, 2 threads, ten fresh processes alternated: 91.1 against 85.9 tok/s */
+    if (g % 2 == 0)
+      _mm_prefetch((const char *)(next + k), _MM_HINT_T0);
     const __m256 w0 = widen(w + k), w1 = widen(w + k + 8), w2 = widen(w + k + 16), w3 = widen(w + k + 24);
     const __m256 s = _mm256_broadcast_ss(sc + g);
     for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_fmadd_ps(group_dot(w0, w1, w2, w3, x0 + i * K + k), s, acc[i]);
