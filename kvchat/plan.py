@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.engine.kv_pool import BLOCK_SIZE, KVCacheSpec
+from kvchat.engine.cache_identity import BLOCK_SIZE
 from kvchat.model.config import ModelConfig
 
 ARTICLE = '"KV Cache Optimization: Efficient Context Storage"'
@@ -130,8 +130,11 @@ def plan_memory(
     """
     if not all(map(math.isfinite, (gpu_gb, reserve_gb, 1.0 if params is None else params))):
         raise PlanInputError("--gpu-gb, --reserve-gb and --params must be finite numbers (not inf or nan)")
-    if context < 1 or gpu_gb <= 0 or reserve_gb < 0:
-        raise PlanInputError("--context and --gpu-gb must be positive and --reserve-gb not negative")
+    for flag, value, ok in (("--context", context, context >= 1), ("--gpu-gb", gpu_gb, gpu_gb > 0),
+                            ("--reserve-gb", reserve_gb, reserve_gb >= 0)):
+        if not ok:
+            raise PlanInputError(f"{flag} must be {'not negative' if flag == '--reserve-gb' else 'positive'}, "
+                                 f"not {value:g}")
     if context > cfg.max_position_embeddings:
         raise PlanInputError(f"--context {context} is beyond {model or 'the model'}'s context of "
                              f"{cfg.max_position_embeddings} tokens; its chats cannot be that long")
@@ -143,6 +146,8 @@ def plan_memory(
     weight_bytes = params * WEIGHT_BYTES[weight_dtype]
     gpu_bytes, reserve_bytes = round(gpu_gb * 1e9), round(reserve_gb * 1e9)
     budget = gpu_bytes - weight_bytes - reserve_bytes
+    from kvchat.engine.kv_pool import KVCacheSpec  # imports torch: not at module level, where the CLI's parser reads
+
     tokens = math.ceil(context / BLOCK_SIZE) * BLOCK_SIZE
     rows = []
     for kv in kv_dtypes:

@@ -19,6 +19,7 @@ import threading
 from kvchat import __version__
 from kvchat.conversation.continuation import WAYS
 from kvchat.engine.cache_identity import KV_DTYPE_NAMES
+from kvchat.plan import DEFAULT_CONTEXT
 from kvchat.settings import DTYPE, DTYPE_CHOICES, GPU_MEMORY, WEIGHTS, WEIGHTS_CHOICES, SettingError, fraction_value
 
 EXIT_USAGE = 2
@@ -71,6 +72,22 @@ class _Parser(argparse.ArgumentParser):
                 self.error(_unrecognized([arg]))
             if action.nargs != 0 and "=" not in arg:
                 next(words, None)  # the option's value
+
+    def command_parser(self, args: list[str]) -> argparse.ArgumentParser:
+        """The parser of the (sub-)command ``args`` name: this one's sub-command named by their first word
+        that is not an option (options are skipped with their values), and so on down; this one where they name
+        none. Read before parsing, with no error for what parsing would refuse."""
+        words = iter(args)
+        for arg in words:
+            if arg.startswith("-") and arg != "-":
+                action = self._option_string_actions.get(arg.split("=", 1)[0])
+                if action is not None and action.nargs != 0 and "=" not in arg:
+                    next(words, None)  # the option's value
+                continue
+            commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+            sub = commands.get(arg)
+            return sub.command_parser(list(words)) if isinstance(sub, _Parser) else self
+        return self
 
     def parse_args(self, args=None, namespace=None):
         """As argparse, with what no parser recognized reported by :func:`_unrecognized`."""
@@ -169,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("list", help="list imported models")
 
     plan = sub.add_parser("plan", help="memory arithmetic: weights + KV per dtype -> concurrent chats that fit")
-    plan.add_argument("--context", type=int, help="tokens per chat (default: 4096, or the model's whole context "
-                      "when shorter; never beyond it)")
+    plan.add_argument("--context", type=int, help=f"tokens per chat (default: {DEFAULT_CONTEXT}, or the model's whole "
+                      "context when shorter; never beyond it)")
     plan.add_argument("--gpu-gb", type=float, help="accelerator memory, GB (default: this machine's device: "
                       "its GPU's memory, else its RAM)")
     plan.add_argument("--params", type=float, help="parameter count (default: counted from the config)")
@@ -219,14 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-JSON_COMMANDS = (("ask",), ("plan",), ("cache", "explain"))  # the commands whose --json prints a JSON object
-
-
-def asks_json(argv: list[str]) -> bool:
-    """Whether the command line is one of :data:`JSON_COMMANDS` given ``--json`` (read before parsing, so usage
-    errors are JSON too)."""
+def asks_json(argv: list[str], parser: argparse.ArgumentParser) -> bool:
+    """Whether ``argv`` names a command whose ``--json`` is a flag (``ask``, ``plan``, ``cache explain``: its
+    output one JSON object) and gives it; read before parsing (:meth:`_Parser.command_parser`), so that usage
+    errors are JSON too. A ``--json FILE`` (the benchmarks') is not such a flag."""
     words = argv[: argv.index("--")] if "--" in argv else argv
-    return "--json" in words and any(all(w in words for w in command) for command in JSON_COMMANDS)
+    action = parser.command_parser(words)._option_string_actions.get("--json")
+    return action is not None and action.nargs == 0 and "--json" in words
 
 
 def error_object(message: str, kind: str, exit_status: int, **fields) -> dict:
@@ -267,12 +283,17 @@ class _Interrupts:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvchat`` script; returns the exit code (usage errors raise ``SystemExit(2)``)."""
+    from kvchat.cpu_threads import short_openmp_spins
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    json_errors = asks_json(argv)
     interrupts = _Interrupts()
     previous = signal.signal(signal.SIGINT, interrupts) if threading.current_thread() is threading.main_thread() else None
+    json_errors = False
     try:
-        return _run(argv, json_errors, interrupts)
+        short_openmp_spins()  # before torch loads its OpenMP runtime (no module imported so far imports torch)
+        parser = build_parser()
+        json_errors = asks_json(argv, parser)
+        return _run(argv, parser, json_errors, interrupts)
     except KeyboardInterrupt:
         return _report(json_errors, "interrupted", "interrupted", EXIT_INTERRUPTED)
     finally:
@@ -280,13 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
-def _run(argv: list[str], json_errors: bool, interrupts: _Interrupts) -> int:
+def _run(argv: list[str], parser: argparse.ArgumentParser, json_errors: bool, interrupts: _Interrupts) -> int:
     """:func:`main` after its SIGINT handler is in place."""
-    from kvchat.cpu_threads import short_openmp_spins
-
-    short_openmp_spins()  # before torch loads its OpenMP runtime (no module imported so far imports torch)
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except UsageError as exc:
         raise SystemExit(_report(json_errors, str(exc), "usage_error", EXIT_USAGE)) from None
     try:

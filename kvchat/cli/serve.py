@@ -1,11 +1,12 @@
 """``kvchat serve``: the OpenAI-compatible server (:mod:`kvchat.server`) on uvicorn.
 
 Everything is checked before the model loads (a non-loopback ``--host``
-needs an API key; a port that is not a port; a port in use: the socket is
-bound first, so a taken port is one ``kvchat: error:`` line in a second, not
-after a minute's load). It listens only once the model is loaded, so no client
-connects to a server that cannot answer yet; the socket is then handed to
-uvicorn, and the "serving" line comes once it listens.
+needs an API key; a port that is not a port; a port in use: the socket listens
+before the load, so a taken port is one ``kvchat: error:`` line in a second, not
+after a minute's load, and no other server can take the port meanwhile). A
+client that connects during the load waits in the socket's backlog until the
+model is ready; the socket is then handed to uvicorn, and the "serving" line
+comes.
 """
 
 from __future__ import annotations
@@ -65,16 +66,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--queue-timeout must be > 0 seconds, got {args.queue_timeout}")
     from kvchat.index import get_db
 
-    get_db()  # a damaged or newer database is one line now, as for every other command, not a 500 per request
-    sock = bind(args.host, args.port)
+    sock = bind(args.host, args.port)  # before the data dir is touched: a taken port leaves nothing behind
     try:
+        get_db()  # a damaged or newer database is one line now, as for every other command, not a 500 per request
         return _load_and_serve(args, api_key, sock)
     finally:
         sock.close()
 
 
 def _load_and_serve(args: argparse.Namespace, api_key: str | None, sock: socket.socket) -> int:
-    """Load the model, then listen on ``sock`` (bound by :func:`bind`) and serve until SIGINT/SIGTERM."""
+    """Load the model, then serve on ``sock`` (listening, from :func:`bind`) until SIGINT/SIGTERM."""
     from kvchat.cpu_threads import checked_threads, on_own_thread
     from kvchat.progress import print_start_progress
     from kvchat.runtime import load_runtime, set_threads
@@ -94,7 +95,6 @@ def _load_and_serve(args: argparse.Namespace, api_key: str | None, sock: socket.
         return made[-1]
 
     app = create_app(scheduler, rt.info.name, api_key, args.host)
-    listen(sock, args.host, args.port)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"kvchat: serving {rt.info.name} at http://{shown}:{args.port}/v1 "
           f"(KV {rt.engine.spec.kv_dtype}, context {rt.engine.max_context} tokens)", file=sys.stderr, flush=True)
@@ -117,37 +117,13 @@ def _load_and_serve(args: argparse.Namespace, api_key: str | None, sock: socket.
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (IPv6 for an address with a colon), not listening yet
-    (:func:`listen`), with ``SO_REUSEADDR`` as uvicorn sets it (a restart finds its port free of the last
-    run's closing connections).
+    """A listening TCP socket on ``host``:``port`` (IPv6 for an address with a colon), handed to uvicorn.
 
     Raises:
         ValueError: the address cannot be bound (port in use, address not on this machine, no permission).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:  # this address only, as socket.create_server binds one
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((host, port))
+        return socket.create_server((host, port), family=family)
     except OSError as exc:
-        sock.close()
-        raise _cannot_listen(host, port, exc) from None
-    return sock
-
-
-def listen(sock: socket.socket, host: str, port: int) -> None:
-    """Start listening on ``sock`` (from :func:`bind`).
-
-    Raises:
-        ValueError: another process listens on the port since it was bound (both had ``SO_REUSEADDR``).
-    """
-    try:
-        sock.listen()
-    except OSError as exc:
-        raise _cannot_listen(host, port, exc) from None
-
-
-def _cannot_listen(host: str, port: int, exc: OSError) -> ValueError:
-    return ValueError(f"cannot listen on {host} port {port}: {exc.strerror or exc}")
+        raise ValueError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None

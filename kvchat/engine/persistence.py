@@ -18,6 +18,7 @@ chunk comes from tails.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -177,6 +178,21 @@ def document_tokens(db, owner: str, tokens: int | None, fingerprint: str | None 
     return longest if tokens is None else min(tokens, longest)
 
 
+def probe_into_idle(buffers: queue.SimpleQueue, path: Path) -> tuple[int, float]:
+    """:func:`probe_read` of ``path`` into one of ``buffers`` (1-D uint8 CPU tensors whose pages are touched) while
+    none of a restore's readers holds it, given back after; into a new buffer where none is idle. A fresh 4 MiB
+    buffer costs a fresh process's first restore the allocation and zeroing of its pages, most of the probe
+    (bench/results/2026-12-05-e417643-resume-probe/probe_buffer.txt)."""
+    try:
+        buf = buffers.get_nowait()
+    except queue.Empty:
+        return probe_read(path)
+    try:
+        return probe_read(path, out=memoryview(buf.numpy()))
+    finally:
+        buffers.put(buf)
+
+
 class KVPersist:
     """Saves and restores sequences of one engine; owns the background writer thread."""
 
@@ -188,8 +204,7 @@ class KVPersist:
         spec = engine.spec
         self.fingerprint = engine.cache_fingerprint
         self.layout = ChunkLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.pool.k.dtype)
-        # measured: probes and restores (kvchat.engine.read_speed); a probe reads into a staging buffer
-        self.read_speed = ReadSpeed(probe=self._probe)
+        self.read_speed = ReadSpeed()  # measured: probes and restores (kvchat.engine.read_speed)
         self.errors: list[str] = []
         self.evicted = Eviction()  # summed over the budget enforcements after each save (writer thread)
         self._queue: queue.Queue = queue.Queue()
@@ -203,6 +218,8 @@ class KVPersist:
         if engine.pool.k.device.type == "cpu":
             for _ in range(_reader_count()):
                 self._cpu_staging.put(torch.empty(self.layout.data_bytes(CHUNK_TOKENS), dtype=torch.uint8).fill_(0))
+            # the read-speed probe reads into one of them too (a partial, not a bound method: no reference cycle)
+            self.read_speed.probe = functools.partial(probe_into_idle, self._cpu_staging)
         # the index is opened by its first use (~25 ms): a resuming front-end has already looked the chat
         # up on this thread, and bad input refused before any turn leaves no database behind
         self._thread = threading.Thread(target=self._writer, name="kvchat-snapshot-writer", daemon=True)
@@ -210,18 +227,6 @@ class KVPersist:
 
     # ---- restore -------------------------------------------------------------------------
 
-    def _probe(self, path: Path) -> tuple[int, float]:
-        """:func:`probe_read` of ``path`` into an idle CPU staging buffer, whose pages are touched already (a
-        fresh 4 MiB buffer costs a fresh process's first restore 2-3 ms); into a new buffer where none is idle
-        (CUDA, or every buffer taken)."""
-        try:
-            buf = self._cpu_staging.get_nowait()
-        except queue.Empty:
-            return probe_read(path)
-        try:
-            return probe_read(path, out=memoryview(buf.numpy()))
-        finally:
-            self._cpu_staging.put(buf)
     def find(self, token_ids: Sequence[int]) -> list[ChunkRow]:
         """Rows of the longest stored chain that prefixes ``token_ids`` (see :func:`find_chain`)."""
         return find_chain(get_db(), self.fingerprint, token_ids)

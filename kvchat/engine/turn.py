@@ -75,8 +75,9 @@ class TurnStats:
         new_tokens: tokens generated.
         ttft_ms: time from the request to the first new token.
         prefill_ms: time spent in prefill.
-        decode_tokens_per_s: generated tokens after the first ÷ their decode time (0.0: an answer of one token,
-            no decode to time; ``null`` in :meth:`to_json`).
+        decode_tokens_per_s: generated tokens after the first ÷ their decode time (0.0: too short to time, an
+            answer of one token or none, or a remote one too short for :func:`kvchat.remote.figures.decode_rate`;
+            ``null`` in :meth:`to_json`).
         finish_reason: ``stop`` | ``length`` | ``context`` | ``cancelled``.
         from_memory: reused tokens found in the pool (prefix hit).
         from_disk: reused tokens read from snapshot files.
@@ -103,8 +104,8 @@ class TurnStats:
 
     def to_json(self, keys: tuple[str, ...] | None = None) -> dict:
         """The counters as JSON values, ms and rates rounded to 0.01, for ``kvchat ask --json`` and the server's
-        ``kvchat`` block: ``keys`` in their order, by default :data:`TURN_REPORT_KEYS`; a decode rate of a
-        one-token answer (nothing timed) is ``None``, not a rate of 0."""
+        ``kvchat`` block: ``keys`` in their order, by default :data:`TURN_REPORT_KEYS`; a decode rate too short
+        to time is ``None``, not a rate of 0."""
         out = {}
         for key in TURN_REPORT_KEYS if keys is None else keys:
             value = getattr(self, key)

@@ -9,7 +9,25 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
-    """The checkpoint's ``model_type`` is not one kvchat's runner implements."""
+    """The checkpoint's ``model_type`` is not one kvchat's runner implements, or its config's sizes are not
+    positive integers."""
+
+
+# the fields every shape computation divides or multiplies by, with their config.json names
+_SIZES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+          "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+          "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings"}
+
+
+def _positive(name: str, value: Any) -> int:
+    """``value`` when it is a positive integer (a size of the model config's ``name``).
+
+    Raises:
+        UnsupportedModelError: it is not.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UnsupportedModelError(f"the model config's {name} must be a positive integer, not {value!r}")
+    return value
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,15 +59,16 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict.
 
         Raises:
-            UnsupportedModelError: ``model_type`` is not llama, mistral, qwen2 or qwen3.
+            UnsupportedModelError: ``model_type`` is not llama, mistral, qwen2 or qwen3; a size (layers, heads,
+                widths, vocabulary, context) is not a positive integer.
         """
         model_type = hf.get("model_type", "<missing>")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model type {model_type!r} is not supported (kvchat runs {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        num_heads = _positive("num_attention_heads", hf["num_attention_heads"])  # divides the hidden size below
+        head_dim = hf.get("head_dim") or _positive("hidden_size", hf["hidden_size"]) // num_heads
         rope_scaling = hf.get("rope_scaling") or None
         rope_theta = hf.get("rope_theta")
         rope_params = hf.get("rope_parameters") or {}
@@ -59,7 +78,7 @@ class ModelConfig:
             rope_scaling = dict(rope_params)
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
-        return cls(
+        cfg = cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -70,9 +89,12 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=hf.get("max_position_embeddings") or 2048,  # absent or null: the usual default
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
             rope_scaling=rope_scaling,
         )
+        for attribute, name in _SIZES.items():
+            _positive(name, getattr(cfg, attribute))
+        return cfg

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvchat.engine.turn import TurnStats
+from kvchat.engine.turn import TURN_REPORT_KEYS, TurnStats
 from kvchat.remote.client import Reply
 
 MIN_RATE_TOKENS = 5  # 4 intervals at least: fewer say more about the network's writes than the model's pace
@@ -31,6 +31,10 @@ def cached_tokens(reply: Reply) -> int | None:
     details = reply.usage.get("prompt_tokens_details")
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# the counters turn_stats fills (a server reports no bytes read and no prefill time): what `ask --server --json` prints
+REPORTED_KEYS = tuple(k for k in TURN_REPORT_KEYS if k not in ("bytes_read", "prefill_ms"))
 
 
 def turn_stats(reply: Reply) -> TurnStats:

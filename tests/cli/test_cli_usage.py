@@ -112,3 +112,29 @@ def test_abbreviated_option_with_json_is_a_usage_error_object(capsys):
     assert exc.value.code == 2 and err == ""
     error = json.loads(out)["error"]
     assert error["type"] == "usage_error" and "--api-key" in error["message"] and "sekrit" not in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["plan", "--json", "--gpu-gb", "lots"], "invalid float value"),
+    (["cache", "explain", "--json"], "required: chat"),
+    (["--model", "plan", "ask", "--json"], "required: prompt"),  # an option's value that names a command
+])
+def test_usage_errors_of_json_commands_are_error_objects(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    error = json.loads(out)["error"]
+    assert exc.value.code == 2 and err == "" and error["type"] == "usage_error" and fragment in error["message"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "resume", "--json", "ask", "--bogus"],  # bench's --json takes a file
+    ["doc", "add", "plan", "--json", "--bogus"],  # a document named plan; doc add has no --json
+    ["cache", "pin", "explain", "--json", "--bogus"],  # a chat id that is a command's name
+    ["ask", "hi", "--", "--json", "x"],  # after --: words, not options
+])
+def test_json_errors_only_for_a_command_whose_json_is_a_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and err.startswith("kvchat: error: ") and err.count("\n") == 1

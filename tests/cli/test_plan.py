@@ -150,3 +150,24 @@ def test_plan_defaults_to_this_machines_device_and_memory(tmp_path, capsys):
     assert f"4096-token chats; {out['device']} " in capsys.readouterr().out
     assert main(["plan", "--model", str(tmp_path), "--gpu-gb", "40", "--json"]) == 0  # a stated size is kept
     assert json.loads(capsys.readouterr().out)["gpu_bytes"] == 40 * 10**9
+
+
+def test_each_bad_size_is_named_by_its_flag_or_config_field(tmp_path):
+    from process_helpers import assert_one_error_line, run_kvchat
+
+    from kvchat.model.config import UnsupportedModelError
+
+    cfg = ModelConfig.from_hf(LLAMA2_7B)
+    for kw, words in (({"context": -5}, "--context must be positive, not -5"),
+                      ({"gpu_gb": 0.0}, "--gpu-gb must be positive, not 0"),
+                      ({"reserve_gb": -1.5}, "--reserve-gb must be not negative, not -1.5")):
+        with pytest.raises(PlanInputError, match=words):
+            plan_memory(cfg, **({"context": 4096, "gpu_gb": 40} | kw))
+    for field, value in (("max_position_embeddings", "abc"), ("num_attention_heads", 0), ("hidden_size", None),
+                         ("num_hidden_layers", True)):
+        with pytest.raises(UnsupportedModelError, match=f"config's {field} must be a positive integer"):
+            ModelConfig.from_hf(LLAMA2_7B | {field: value})
+    assert ModelConfig.from_hf(LLAMA2_7B | {"max_position_embeddings": None}).max_position_embeddings == 2048
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B | {"max_position_embeddings": "abc"}))
+    proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"))
+    assert_one_error_line(proc, "max_position_embeddings must be a positive integer, not 'abc'")

@@ -180,3 +180,11 @@ def test_a_foreign_host_header_gets_an_openai_error_object(server, host):
     status, body = resp.status, json.loads(resp.read())
     conn.close()
     assert status == 400 and body["error"]["code"] == "invalid_host" and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_port_in_use_leaves_no_data_dir_behind(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        proc = run_kvchat(tmp_path / "new-home", "serve", "--port", str(port))
+    assert_one_error_line(proc, "cannot listen on 127.0.0.1 port", str(port))
+    assert not (tmp_path / "new-home").exists()

@@ -15,15 +15,16 @@ from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView
 
 from kvchat.conversation.views import ChatSummary, DocumentSummary
+from kvchat.engine.cache_identity import BLOCK_SIZE
 from kvchat.tui.text import ago, one_line, tokens
 
 CACHE_MARK = {"memory": "● mem", "disk": "◐ disk", "none": "○ none"}
 # what each mark means, for the F1 legend (the rule: kvchat.conversation.cache_state.all_in_memory)
 CACHE_MARK_MEANING = {
-    "memory": "its KV is in memory (every full 16-token block of its history; a short chat's may be the system "
-              "prompt alone, shared with other chats): its next question starts at once",
-    "disk": "its KV is on disk: opening it restores the cache instead of recomputing the history",
-    "none": "no KV kept for this model and KV dtype: opening it recomputes the history",
+    "memory": f"its KV is in memory (every full {BLOCK_SIZE}-token block of its history; a short chat's may be the "
+              "system prompt alone, shared with other chats): its next question starts at once",
+    "disk": "its KV is stored on disk: opening it restores the cache where reading beats recomputing",
+    "none": "no KV stored for this run's model, weights and KV dtype: opening it recomputes the history",
 }
 DOCUMENT_MARK = {"memory": "● cached in memory", "disk": "◐ cached on disk", "none": "○ not cached"}
 
