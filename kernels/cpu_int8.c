@@ -57,7 +57,8 @@ static inline __attribute__((always_inline)) void channel(const float *x, const 
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k = g * GROUP;
     /* the next channel's line of these 2 groups, so its short stream starts warm (cpu_int4.c). Measured on the
-       135M model's decode at 2,048 tokens, 2 threads, ten fresh processes alternated: 91.1 against 85.9 tok/s */
+       135M model's decode at 2,048 tokens, 2 threads, five pairs of fresh processes alternated (two runs each):
+       median 91.1 against 85.9 tok/s */
     if (g % 2 == 0)
       _mm_prefetch((const char *)(next + k), _MM_HINT_T0);
     const __m256 w0 = widen(w + k), w1 = widen(w + k + 8), w2 = widen(w + k + 16), w3 = widen(w + k + 24);

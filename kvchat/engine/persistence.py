@@ -18,12 +18,10 @@ chunk comes from tails.
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -34,7 +32,7 @@ from kvchat.engine.disk_budget import Eviction, make_room
 from kvchat.engine.disk_budget import enforce as enforce_budget
 from kvchat.engine.inference import inference
 from kvchat.engine.kv_pool import KVPool
-from kvchat.engine.read_speed import ReadSpeed, probe_read, restore_pays
+from kvchat.engine.read_speed import ReadSpeed, restore_pays
 from kvchat.engine.runner import Engine
 from kvchat.engine.timing import DeviceTimer
 from kvchat.index import get_db
@@ -178,21 +176,6 @@ def document_tokens(db, owner: str, tokens: int | None, fingerprint: str | None 
     return longest if tokens is None else min(tokens, longest)
 
 
-def probe_into_idle(buffers: queue.SimpleQueue, path: Path) -> tuple[int, float]:
-    """:func:`probe_read` of ``path`` into one of ``buffers`` (1-D uint8 CPU tensors whose pages are touched) while
-    none of a restore's readers holds it, given back after; into a new buffer where none is idle. A fresh 4 MiB
-    buffer costs a fresh process's first restore the allocation and zeroing of its pages, most of the probe
-    (bench/results/2026-12-05-e417643-resume-probe/probe_buffer.txt)."""
-    try:
-        buf = buffers.get_nowait()
-    except queue.Empty:
-        return probe_read(path)
-    try:
-        return probe_read(path, out=memoryview(buf.numpy()))
-    finally:
-        buffers.put(buf)
-
-
 class KVPersist:
     """Saves and restores sequences of one engine; owns the background writer thread."""
 
@@ -218,15 +201,12 @@ class KVPersist:
         if engine.pool.k.device.type == "cpu":
             for _ in range(_reader_count()):
                 self._cpu_staging.put(torch.empty(self.layout.data_bytes(CHUNK_TOKENS), dtype=torch.uint8).fill_(0))
-            # the read-speed probe reads into one of them too (a partial, not a bound method: no reference cycle)
-            self.read_speed.probe = functools.partial(probe_into_idle, self._cpu_staging)
         # the index is opened by its first use (~25 ms): a resuming front-end has already looked the chat
         # up on this thread, and bad input refused before any turn leaves no database behind
         self._thread = threading.Thread(target=self._writer, name="kvchat-snapshot-writer", daemon=True)
         self._thread.start()
 
     # ---- restore -------------------------------------------------------------------------
-
     def find(self, token_ids: Sequence[int]) -> list[ChunkRow]:
         """Rows of the longest stored chain that prefixes ``token_ids`` (see :func:`find_chain`)."""
         return find_chain(get_db(), self.fingerprint, token_ids)

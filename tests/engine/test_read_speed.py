@@ -35,17 +35,6 @@ def test_probe_reads_the_first_bytes_of_a_real_file_and_times_them(tmp_path):
         probe_read(tmp_path / "missing")
 
 
-def test_probe_reads_into_a_given_buffer_and_no_further_than_the_limit(tmp_path):
-    f = tmp_path / "chunk"
-    f.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes
-    buf = bytearray(b"\xff" * 5000)
-    assert probe_read(f, limit=4096, clock=Ticks(0.0, 0.5), out=memoryview(buf)) == (4096, 0.5)
-    assert bytes(buf[:4096]) == (bytes(range(256)) * 16)
-    assert bytes(buf[4096:]) == b"\xff" * 904  # past the limit: untouched
-    small = bytearray(100)  # a buffer shorter than the limit bounds the read
-    assert probe_read(f, limit=4096, clock=Ticks(0.0, 0.5), out=memoryview(small))[0] == 100
-
-
 def test_no_assumed_speed_a_first_decision_probes(tmp_path):
     f = tmp_path / "chunk"
     f.write_bytes(b"\0" * 3000)
