@@ -6,7 +6,7 @@ model in fp16 on an A100 40 GB holds 12 concurrent 4096-token chats):
 - KV bytes per token = 2 (K and V) × layers × KV heads × (head_dim × bytes
   per value + scale bytes), with kvchat's fp8 pools storing one fp32 scale
   per token and KV head (:attr:`kvchat.engine.kv_pool.KVCacheSpec.bytes_per_token`);
-- a chat takes its context rounded up to whole 16-token blocks;
+- a chat takes its context rounded up to whole blocks of ``BLOCK_SIZE`` tokens;
 - GPU memory is advertised in decimal GB (40 GB = 37.25 GiB); weights take
   parameters × bytes per weight; chats that fit = floor((GPU − weights −
   reserve) / bytes per chat). Like the article, activations are ignored
@@ -125,24 +125,21 @@ def plan_memory(
         reserve_gb: decimal GB set aside for activations and runtime.
         device: what ``gpu_gb`` is the memory of, as the plan names it.
     Raises:
-        PlanInputError: non-positive context, GPU size or params, a context beyond the model's, negative
-            reserve, inf or nan sizes, unknown weight dtype.
+        PlanInputError: a non-positive context or GPU size, params under 1, a context beyond the model's, a
+            negative reserve, inf or nan sizes (each names its flag), an unknown weight dtype.
     """
-    if not all(map(math.isfinite, (gpu_gb, reserve_gb, 1.0 if params is None else params))):
-        raise PlanInputError("--gpu-gb, --reserve-gb and --params must be finite numbers (not inf or nan)")
-    for flag, value, ok in (("--context", context, context >= 1), ("--gpu-gb", gpu_gb, gpu_gb > 0),
-                            ("--reserve-gb", reserve_gb, reserve_gb >= 0)):
-        if not ok:
-            raise PlanInputError(f"{flag} must be {'not negative' if flag == '--reserve-gb' else 'positive'}, "
-                                 f"not {value:g}")
+    for flag, value, ok, rule in (("--gpu-gb", gpu_gb, gpu_gb > 0, "a positive number"),
+                                  ("--reserve-gb", reserve_gb, reserve_gb >= 0, "a number not below 0"),
+                                  ("--params", params, params is None or params >= 1, "a count of at least 1"),
+                                  ("--context", context, context >= 1, "a positive number of tokens")):
+        if value is not None and not (math.isfinite(value) and ok):
+            raise PlanInputError(f"{flag} must be {rule}, not {value:g}")
     if context > cfg.max_position_embeddings:
         raise PlanInputError(f"--context {context} is beyond {model or 'the model'}'s context of "
                              f"{cfg.max_position_embeddings} tokens; its chats cannot be that long")
     if weight_dtype not in WEIGHT_BYTES:
         raise PlanInputError(f"unknown weight dtype {weight_dtype!r} (choose {', '.join(WEIGHT_BYTES)})")
     params = count_params(cfg) if params is None else int(params)
-    if params < 1:
-        raise PlanInputError(f"--params must be positive, not {params}")
     weight_bytes = params * WEIGHT_BYTES[weight_dtype]
     gpu_bytes, reserve_bytes = round(gpu_gb * 1e9), round(reserve_gb * 1e9)
     budget = gpu_bytes - weight_bytes - reserve_bytes

@@ -44,7 +44,6 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     from kvchat.paths import db_path
     from kvchat.remote.chats import RemoteChats, require_remote
     from kvchat.remote.client import AnswerCut, ServerClient, context_limit, pick_model
-    from kvchat.remote.figures import REPORTED_KEYS
     from kvchat.server_address import plain_http_warning
     from kvchat.store.conversations import get_conversation
     from kvchat.store.db import require_writable
@@ -105,7 +104,7 @@ def _ask(args: argparse.Namespace, server: str, cancel: threading.Event) -> int:
     if args.json:
         print(json.dumps({
             "text": done.text, "chat_id": done.chat_id, "model": model, "server": server,
-            **s.to_json(REPORTED_KEYS),
+            **s.to_json(chats.last_keys),
             "context_tokens": done.context_used, "context_limit": done.context_limit, "server_reuse": chats.last_line,
         }))
     else:

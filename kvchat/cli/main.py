@@ -63,31 +63,34 @@ class _Parser(argparse.ArgumentParser):
     def _refuse_options_unknown_before_command(self, args: list[str]) -> None:
         """Refuse an unknown option before the sub-command's name: argparse would take the word after it
         (perhaps the option's value, an API key) for the sub-command and echo it as an invalid choice."""
-        words = iter(args)
-        for arg in words:
-            if arg in ("-", "--") or not arg.startswith("-"):
-                return
-            action = self._option_string_actions.get(arg.split("=", 1)[0])
-            if action is None:
-                self.error(_unrecognized([arg]))
-            if action.nargs != 0 and "=" not in arg:
-                next(words, None)  # the option's value
+        self._command_word(args, refuse_unknown=True)
 
-    def command_parser(self, args: list[str]) -> argparse.ArgumentParser:
-        """The parser of the (sub-)command ``args`` name: this one's sub-command named by their first word
-        that is not an option (options are skipped with their values), and so on down; this one where they name
+    def _command_word(self, args: list[str], refuse_unknown: bool) -> tuple[str | None, list[str]]:
+        """The first word of ``args`` that is neither an option of this parser nor an option's value (each of
+        this parser's options before a sub-command takes one value or none), with the words after it; ``(None,
+        [])`` when there is none or ``-``/``--`` comes first. An option this parser does not know is refused
+        (``refuse_unknown``: :meth:`error`) or passed over."""
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg in ("-", "--"):
+                return None, []
+            if not arg.startswith("-"):
+                return arg, args[i + 1:]
+            action = self._option_string_actions.get(arg.split("=", 1)[0])
+            if action is None and refuse_unknown:
+                self.error(_unrecognized([arg]))
+            i += 2 if action is not None and action.nargs != 0 and "=" not in arg else 1  # the option's value
+        return None, []
+
+    def command_parser(self, args: list[str]) -> "_Parser":
+        """The parser of the (sub-)command ``args`` name: this one's sub-command named by their first word that
+        is not an option or an option's value (:meth:`_command_word`), and so on down; this one where they name
         none. Read before parsing, with no error for what parsing would refuse."""
-        words = iter(args)
-        for arg in words:
-            if arg.startswith("-") and arg != "-":
-                action = self._option_string_actions.get(arg.split("=", 1)[0])
-                if action is not None and action.nargs != 0 and "=" not in arg:
-                    next(words, None)  # the option's value
-                continue
-            commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
-            sub = commands.get(arg)
-            return sub.command_parser(list(words)) if isinstance(sub, _Parser) else self
-        return self
+        word, rest = self._command_word(args, refuse_unknown=False)
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        sub = commands.get(word)
+        return sub.command_parser(rest) if isinstance(sub, _Parser) else self
 
     def parse_args(self, args=None, namespace=None):
         """As argparse, with what no parser recognized reported by :func:`_unrecognized`."""
@@ -152,7 +155,7 @@ def _add_server_args(p: argparse.ArgumentParser, top: bool = False) -> None:
                    "key (default: the data dir's server-keys.toml, else no key)", **keep)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     """The argparse tree for every sub-command."""
     parser = _Parser(prog="kvchat", description="Local chat on a paged, FP8, persistent KV cache.")
     parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
@@ -236,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def asks_json(argv: list[str], parser: argparse.ArgumentParser) -> bool:
+def asks_json(argv: list[str], parser: _Parser) -> bool:
     """Whether ``argv`` names a command whose ``--json`` is a flag (``ask``, ``plan``, ``cache explain``: its
     output one JSON object) and gives it; read before parsing (:meth:`_Parser.command_parser`), so that usage
     errors are JSON too. A ``--json FILE`` (the benchmarks') is not such a flag."""
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
-def _run(argv: list[str], parser: argparse.ArgumentParser, json_errors: bool, interrupts: _Interrupts) -> int:
+def _run(argv: list[str], parser: _Parser, json_errors: bool, interrupts: _Interrupts) -> int:
     """:func:`main` after its SIGINT handler is in place."""
     try:
         args = parser.parse_args(argv)

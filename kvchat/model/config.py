@@ -13,20 +13,20 @@ class UnsupportedModelError(ValueError):
     positive integers."""
 
 
-# the fields every shape computation divides or multiplies by, with their config.json names
-_SIZES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-          "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-          "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings"}
-
-
-def _positive(name: str, value: Any) -> int:
-    """``value`` when it is a positive integer (a size of the model config's ``name``).
+def _size(hf: dict[str, Any], key: str, default: int | None = None) -> int:
+    """The size ``hf[key]`` of a config.json (layers, heads, widths, vocabulary, context): a positive integer;
+    ``default`` where the key is absent or null (None: required).
 
     Raises:
-        UnsupportedModelError: it is not.
+        UnsupportedModelError: it is required and missing, or not a positive integer (a computed default too).
     """
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise UnsupportedModelError(f"the model config has no {key}")
+        value = default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UnsupportedModelError(f"the model config's {name} must be a positive integer, not {value!r}")
+        raise UnsupportedModelError(f"the model config's {key} must be a positive integer, not {value!r}")
     return value
 
 
@@ -59,16 +59,18 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict.
 
         Raises:
-            UnsupportedModelError: ``model_type`` is not llama, mistral, qwen2 or qwen3; a size (layers, heads,
-                widths, vocabulary, context) is not a positive integer.
+            UnsupportedModelError: ``hf`` is not a JSON object; ``model_type`` is not llama, mistral, qwen2 or
+                qwen3; a size (layers, heads, widths, vocabulary, context) is missing or not a positive integer.
         """
+        if not isinstance(hf, dict):
+            raise UnsupportedModelError(f"the model config is a JSON {type(hf).__name__}, not an object")
         model_type = hf.get("model_type", "<missing>")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model type {model_type!r} is not supported (kvchat runs {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        num_heads = _positive("num_attention_heads", hf["num_attention_heads"])  # divides the hidden size below
-        head_dim = hf.get("head_dim") or _positive("hidden_size", hf["hidden_size"]) // num_heads
+        num_heads = _size(hf, "num_attention_heads")
+        head_dim = _size(hf, "head_dim", _size(hf, "hidden_size") // num_heads)
         rope_scaling = hf.get("rope_scaling") or None
         rope_theta = hf.get("rope_theta")
         rope_params = hf.get("rope_parameters") or {}
@@ -80,21 +82,19 @@ class ModelConfig:
             rope_scaling = None
         cfg = cls(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=_size(hf, "vocab_size"),
+            hidden_size=_size(hf, "hidden_size"),
+            intermediate_size=_size(hf, "intermediate_size"),
+            num_layers=_size(hf, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=_size(hf, "num_key_value_heads", num_heads),
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=hf.get("max_position_embeddings") or 2048,  # absent or null: the usual default
+            max_position_embeddings=_size(hf, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
             rope_scaling=rope_scaling,
         )
-        for attribute, name in _SIZES.items():
-            _positive(name, getattr(cfg, attribute))
         return cfg

@@ -37,7 +37,7 @@ from kvchat.documents import Document
 from kvchat.engine.turn import SamplingParams, TurnStats
 from kvchat.index import get_db
 from kvchat.remote.client import AnswerCut, Reply, ServerClient
-from kvchat.remote.figures import reuse_line, turn_stats
+from kvchat.remote.figures import REPORTED_KEYS, reported_keys, reuse_line, turn_stats
 from kvchat.server_address import SERVER_PREFIX, server_fingerprint, server_of
 from kvchat.store.conversations import (
     Conversation,
@@ -98,6 +98,7 @@ class RemoteChats:
         self.chat: _Chat | None = None
         self.last: TurnStats | None = None
         self.last_line = ""  # what the server reused for the last turn, as a status line
+        self.last_keys = REPORTED_KEYS  # the counters of self.last the server gave figures for (reported_keys)
 
     # --- the open chat ---------------------------------------------------------------------------
     def view(self) -> ChatView | None:
@@ -212,6 +213,7 @@ class RemoteChats:
         chat.messages = history + [ChatMessage("user", text), answer]
         chat.tokens = tokens
         self.last, self.last_line = stats, "" if reply.finish_reason in CUT else reuse_line(reply)
+        self.last_keys = reported_keys(reply)
         if cut is not None:
             raise AnswerCut(f"{cut}; the question and the part of the answer that came are kept in the chat, "
                             "marked interrupted", reply, chat.id)

@@ -33,8 +33,16 @@ def cached_tokens(reply: Reply) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-# the counters turn_stats fills (a server reports no bytes read and no prefill time): what `ask --server --json` prints
+# the counters turn_stats knows of any server: a server reports no bytes read and no prefill time, and only
+# kvchat serve's own block says where the reused tokens came from (REUSE_KEYS)
 REPORTED_KEYS = tuple(k for k in TURN_REPORT_KEYS if k not in ("bytes_read", "prefill_ms"))
+REUSE_KEYS = ("from_memory", "from_disk", "restore_ms", "miss_reason")
+
+
+def reported_keys(reply: Reply) -> tuple[str, ...]:
+    """The :class:`TurnStats` keys ``reply`` gave figures for (``ask --server --json`` prints those): without a
+    ``kvchat`` block, none of :data:`REUSE_KEYS` (zeros there would look measured)."""
+    return REPORTED_KEYS if reply.kvchat is not None else tuple(k for k in REPORTED_KEYS if k not in REUSE_KEYS)
 
 
 def turn_stats(reply: Reply) -> TurnStats:

@@ -117,7 +117,8 @@ def test_abbreviated_option_with_json_is_a_usage_error_object(capsys):
 @pytest.mark.parametrize("argv, fragment", [
     (["plan", "--json", "--gpu-gb", "lots"], "invalid float value"),
     (["cache", "explain", "--json"], "required: chat"),
-    (["--model", "plan", "ask", "--json"], "required: prompt"),  # an option's value that names a command
+    (["--model", "bench", "ask", "--json"], "required: prompt"),  # an option's value that names a command
+    (["--model=bench", "ask", "--json"], "required: prompt"),
 ])
 def test_usage_errors_of_json_commands_are_error_objects(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -138,3 +139,15 @@ def test_json_errors_only_for_a_command_whose_json_is_a_flag(argv, capsys):
         main(argv)
     out, err = capsys.readouterr()
     assert exc.value.code == 2 and out == "" and err.startswith("kvchat: error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["ask", "hi", "--json"], True), (["--threads", "3", "plan", "--json"], True),
+    (["cache", "--", "explain", "--json"], False), (["cache", "explain", "c_1"], False),
+    (["--model", "cache", "explain", "--json"], False),  # 'cache' is --model's value: the command is explain
+    ([], False), (["-", "--json"], False),
+])
+def test_asks_json_follows_the_parsers(argv, wanted):
+    from kvchat.cli.main import asks_json, build_parser
+
+    assert asks_json(argv, build_parser()) is wanted

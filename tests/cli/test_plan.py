@@ -113,7 +113,7 @@ def test_inf_or_nan_sizes_are_one_error_line(tmp_path, flag, value):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"), "--context", "8192",
                       flag, value)
-    assert_one_error_line(proc, "must be finite numbers (not inf or nan)")
+    assert_one_error_line(proc, f"{flag} must be", f"not {value}")  # the one flag, named
 
 
 def test_a_config_file_is_named_in_errors_and_its_folder_names_the_model(tmp_path, monkeypatch):
@@ -158,15 +158,20 @@ def test_each_bad_size_is_named_by_its_flag_or_config_field(tmp_path):
     from kvchat.model.config import UnsupportedModelError
 
     cfg = ModelConfig.from_hf(LLAMA2_7B)
-    for kw, words in (({"context": -5}, "--context must be positive, not -5"),
-                      ({"gpu_gb": 0.0}, "--gpu-gb must be positive, not 0"),
-                      ({"reserve_gb": -1.5}, "--reserve-gb must be not negative, not -1.5")):
+    for kw, words in (({"context": -5}, "--context must be a positive number of tokens, not -5"),
+                      ({"gpu_gb": 0.0}, "--gpu-gb must be a positive number, not 0"),
+                      ({"reserve_gb": -1.5}, "--reserve-gb must be a number not below 0, not -1.5"),
+                      ({"params": 0.5}, "--params must be a count of at least 1, not 0.5")):
         with pytest.raises(PlanInputError, match=words):
             plan_memory(cfg, **({"context": 4096, "gpu_gb": 40} | kw))
-    for field, value in (("max_position_embeddings", "abc"), ("num_attention_heads", 0), ("hidden_size", None),
-                         ("num_hidden_layers", True)):
+    for field, value in (("max_position_embeddings", "abc"), ("max_position_embeddings", 0),
+                         ("num_attention_heads", 0), ("num_key_value_heads", 0), ("num_hidden_layers", True)):
         with pytest.raises(UnsupportedModelError, match=f"config's {field} must be a positive integer"):
             ModelConfig.from_hf(LLAMA2_7B | {field: value})
+    with pytest.raises(UnsupportedModelError, match="the model config has no vocab_size"):
+        ModelConfig.from_hf({k: v for k, v in LLAMA2_7B.items() if k != "vocab_size"})
+    with pytest.raises(UnsupportedModelError, match="the model config is a JSON list, not an object"):
+        ModelConfig.from_hf([LLAMA2_7B])
     assert ModelConfig.from_hf(LLAMA2_7B | {"max_position_embeddings": None}).max_position_embeddings == 2048
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B | {"max_position_embeddings": "abc"}))
     proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"))

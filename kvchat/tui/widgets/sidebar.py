@@ -24,7 +24,8 @@ CACHE_MARK_MEANING = {
     "memory": f"its KV is in memory (every full {BLOCK_SIZE}-token block of its history; a short chat's may be the "
               "system prompt alone, shared with other chats): its next question starts at once",
     "disk": "its KV is stored on disk: opening it restores the cache where reading beats recomputing",
-    "none": "no KV stored for this run's model, weights and KV dtype: opening it recomputes the history",
+    "none": "no KV stored under this run's cache identity (model, weights, compute and KV dtype): opening it "
+            "recomputes the history",
 }
 DOCUMENT_MARK = {"memory": "● cached in memory", "disk": "◐ cached on disk", "none": "○ not cached"}
 
