@@ -132,9 +132,9 @@ def plan_memory(
                                   ("--reserve-gb", reserve_gb, reserve_gb >= 0, "a number not below 0"),
                                   ("--params", params, params is None or params >= 1, "a count of at least 1"),
                                   ("--context", context, context >= 1, "a positive number of tokens")):
-        if value is not None and not (math.isfinite(value) and ok):
+        if value is not None and not ((isinstance(value, int) or math.isfinite(value)) and ok):  # ints: no inf
             raise PlanInputError(f"{flag} must be {rule}, not {value:g}")
-    if context > cfg.max_position_embeddings:
+    if context > cfg.max_position_embeddings:  # a context of any size, 400 digits too, is compared as an int
         raise PlanInputError(f"--context {context} is beyond {model or 'the model'}'s context of "
                              f"{cfg.max_position_embeddings} tokens; its chats cannot be that long")
     if weight_dtype not in WEIGHT_BYTES:

@@ -173,6 +173,8 @@ def test_each_bad_size_is_named_by_its_flag_or_config_field(tmp_path):
     with pytest.raises(UnsupportedModelError, match="the model config is a JSON list, not an object"):
         ModelConfig.from_hf([LLAMA2_7B])
     assert ModelConfig.from_hf(LLAMA2_7B | {"max_position_embeddings": None}).max_position_embeddings == 2048
+    with pytest.raises(PlanInputError, match="is beyond the model's context of 4096 tokens"):
+        plan_memory(cfg, context=10**400, gpu_gb=40)  # an int too large for a float: compared, not converted
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B | {"max_position_embeddings": "abc"}))
     proc = run_kvchat(tmp_path / "home", "plan", "--model", str(tmp_path / "config.json"))
     assert_one_error_line(proc, "max_position_embeddings must be a positive integer, not 'abc'")
